@@ -1,0 +1,18 @@
+"""Thin ComfyUI adapters, one file per node. Imported only by ComfyUI (see ``comfy_entrypoint``).
+
+Node ids are permanent once shipped: every id carries the ``VRAMFit`` prefix and never changes.
+"""
+
+from __future__ import annotations
+
+from comfy_api.v0_0_2 import ComfyExtension, io
+
+
+def node_classes() -> list[type[io.ComfyNode]]:
+    """All node classes of the pack, in menu order (nodes are added here as they land)."""
+    return []
+
+
+class VRAMFitExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return node_classes()

