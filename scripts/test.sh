@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# README command (ii): the test suite against a real ComfyUI host (installed first; idempotent).
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -q`.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$ROOT/scripts/setup_host.sh"
+# shellcheck disable=SC1091
+source "${VRAMFIT_CACHE:-$ROOT/.cache}/host.env"
+cd "$ROOT"
+# The dev extra of pyproject.toml (pytest, hypothesis, ruff, ...) into the host's python.
+"$VRAMFIT_PYTHON" - <<'PY'
+import re, subprocess, sys
+text = open("pyproject.toml").read()
+block = re.search(r"^dev\s*=\s*\[(.*?)\]", text, re.S | re.M).group(1)
+reqs = re.findall(r'"([^"]+)"', block)
+subprocess.check_call([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *reqs])
+PY
+"$VRAMFIT_PYTHON" -m ruff check .
+set +e
+"$VRAMFIT_PYTHON" -m pytest "$@"
+rc=$?
+set -e
+if [[ $rc -eq 5 ]]; then
+  echo "pytest collected no tests: that is a failure here" >&2
+  exit 1
+fi
+exit $rc

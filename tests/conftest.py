@@ -1,0 +1,79 @@
+"""Shared fixtures.
+
+* The pack is importable as ``vramfit`` with no ComfyUI (unit tests of ``memory/``).
+* ``comfy``: a real ComfyUI host loaded in-process in ``--cpu`` mode, every node loaded by ComfyUI's
+  own loader (this pack included); returns ComfyUI's top-level ``nodes`` module.
+* ``fixture_vaes``: random-weight VAEs with the real architectures in the host's ``models/vae``.
+* ``server`` / ``client``: a real ComfyUI server started headless on 127.0.0.1 for API tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# ``scripts`` (host harness, fixtures) is importable; appended so ComfyUI's modules still win.
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
+
+
+def _import_pack_as_vramfit():
+    if "vramfit" in sys.modules:
+        return sys.modules["vramfit"]
+    spec = importlib.util.spec_from_file_location(
+        "vramfit", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["vramfit"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_import_pack_as_vramfit()
+
+
+@pytest.fixture(scope="session")
+def host_config():
+    from scripts.host import HostConfig
+
+    return HostConfig.load()
+
+
+@pytest.fixture(scope="session")
+def comfy(host_config):
+    """ComfyUI's ``nodes`` module of an in-process ``--cpu`` host with every node loaded."""
+    from scripts.host import load_comfy_in_process
+
+    return load_comfy_in_process(host_config)
+
+
+@pytest.fixture(scope="session")
+def fixture_vaes(host_config):
+    """``{kind: filename}`` of the random-weight fixture VAEs in the host's models/vae folder."""
+    from scripts.host import import_comfy
+
+    import_comfy(host_config)
+    from scripts.fixtures import make_models
+
+    paths = make_models(host_config.models_dir / "vae", seed=0)
+    return {kind: path.name for kind, path in paths.items()}
+
+
+@pytest.fixture(scope="session")
+def server(host_config, fixture_vaes, tmp_path_factory):
+    """A real ComfyUI server on 127.0.0.1 (fixture models already generated)."""
+    from scripts.host import ComfyServer
+
+    srv = ComfyServer(host_config, work_dir=tmp_path_factory.mktemp("comfy-server"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    return server.client(timeout=60.0)
