@@ -110,12 +110,12 @@ fi
 
 # 3. torch first: keep any torch that is already there (a user's CUDA build); else the local CPU wheel.
 if "$PY" -c "import torch" >/dev/null 2>&1; then
-  log "keeping installed torch $("$PY" -c 'import torch; print(torch.__version__)')"
+  log "keeping installed torch $("$PY" -W ignore -c 'import torch; print(torch.__version__)' 2>/dev/null)"
 else
   log "installing $TORCH_PIN"
   "$PY" -m pip install --quiet "$TORCH_PIN"
 fi
-TORCH_VER="$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
+TORCH_VER="$("$PY" -W ignore -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)"
 CONSTRAINTS="$CACHE/constraints.txt"
 echo "torch==$TORCH_VER" > "$CONSTRAINTS"
 

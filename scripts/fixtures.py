@@ -1,0 +1,583 @@
+"""Random-weight VAEs with the real ComfyUI architectures, and structured latents, for tests and demos.
+
+The models are built from ComfyUI's own classes with the exact configuration ``comfy.sd.VAE`` picks
+when it detects them, so ComfyUI's ``VAELoader`` loads the files with no missing or leftover keys and
+builds the same ``first_stage_model`` it would for the real releases:
+
+* ``kl_f8``          SD1.x/SDXL ``AutoencoderKL`` (4 latent channels, 8x spatial), float16.
+* ``wan21``          Wan 2.1 ``comfy.ldm.wan.vae.WanVAE`` (16 channels, 8x spatial, 4x temporal), bfloat16.
+* ``wan22``          Wan 2.2 ``comfy.ldm.wan.vae2_2.WanVAE`` (48 channels, 16x spatial, 4x temporal), bfloat16.
+* ``hunyuan_video``  HunyuanVideo 3-D ``AutoencoderKL`` (16 channels, 8x spatial, 4x temporal), bfloat16.
+
+``comfy.ops.disable_weight_init`` layers skip weight initialisation (their ``reset_parameters`` is a
+no-op), so every layer is re-initialised with the ``reset_parameters`` of the ``torch.nn`` class it
+derives from, under a fixed seed; Wan's ``RMS_norm`` gets its constructor values (gamma 1). The
+temporal taps of causal 3-D convolutions are then reweighted towards the current frame (same total
+variance), so each latent frame drives its own output frames as in a trained video VAE (with plain
+default init, the first latent frame dominates every output frame). The weights are random and the
+decoded images are not meaningful, but the compute graph, the key names, the shapes, the memory
+footprint and the run time are the real ones.
+
+Usage (repo root, the host's python)::
+
+    python -m scripts.fixtures [--vae-dir DIR] [--seed N] [--kinds kl_f8 wan21 ...] [--force]
+
+``make_models`` needs ComfyUI importable (``comfy`` on ``sys.path``); the CLI puts ``COMFYUI_PATH``
+(environment, else ``<repo>/.cache/host.env``) on ``sys.path`` itself. ``structured_latent`` and
+``write_latent_file`` need only torch and safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import logging
+import math
+import os
+import pathlib
+import sys
+import time
+from collections.abc import Iterable, Iterator
+
+import safetensors
+import safetensors.torch
+import torch
+
+log = logging.getLogger("vramfit.fixtures")
+
+GENERATOR_VERSION = "vramfit-fixtures/2"
+"""Stored in each file's metadata; bump it when the weights a seed produces change."""
+
+KINDS = ("kl_f8", "wan21", "wan22", "hunyuan_video")
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# The ddconfigs below are copied from comfy/sd.py (ComfyUI v0.3.75, class VAE.__init__): the loader
+# rebuilds the model from the state dict's keys with exactly these values.
+_KL_DDCONFIG = {
+    "double_z": True,
+    "z_channels": 4,
+    "resolution": 256,
+    "in_channels": 3,
+    "out_ch": 3,
+    "ch": 128,
+    "ch_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "attn_resolutions": [],
+    "dropout": 0.0,
+}
+_WAN_DDCONFIG = {
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "dropout": 0.0,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FixtureSpec:
+    """One fixture model and the facts ComfyUI's loader must detect from its file."""
+
+    kind: str
+    filename: str
+    dtype: torch.dtype
+    """dtype of the saved tensors (as the real releases)."""
+    latent_channels: int
+    latent_dim: int
+    """2 = image latents (B,C,H,W); 3 = video latents (B,C,T,H,W)."""
+    spatial_ratio: int
+    temporal_ratio: int
+    """1 for image VAEs; 4 for the video VAEs (T latent frames decode to 4*T-3 frames)."""
+    model_class: str
+    """Class name of ``vae.first_stage_model`` that ComfyUI builds on load."""
+    module: str
+    """Module of ``model_class``."""
+    params: int
+    """Parameter count (encoder + decoder, as in the real release)."""
+    example_latent: tuple[int, ...]
+    """A small latent shape that decodes in a few seconds at most on a 2-core CPU (fp32)."""
+    example_output: tuple[int, ...]
+    """``VAE.decode`` output shape for ``example_latent``: (B,H,W,3) or (B,T,H,W,3)."""
+    description: str = ""
+
+    def config(self) -> dict:
+        """Constructor kwargs of ``model_class``, identical to what ``comfy.sd.VAE`` uses."""
+        if self.kind == "kl_f8":
+            return {"ddconfig": dict(_KL_DDCONFIG), "embed_dim": 4}
+        if self.kind == "hunyuan_video":
+            dd = dict(_KL_DDCONFIG, z_channels=16, conv3d=True, time_compress=4)
+            return {"ddconfig": dd, "embed_dim": 16}
+        if self.kind == "wan21":
+            return dict(_WAN_DDCONFIG, dim=96, z_dim=16)
+        if self.kind == "wan22":
+            return dict(_WAN_DDCONFIG, dim=160, z_dim=48)
+        raise KeyError(self.kind)
+
+
+def _spec(kind: str, dtype: torch.dtype, **kw) -> FixtureSpec:
+    return FixtureSpec(kind=kind, filename=f"vramfit_fixture_{kind}.safetensors", dtype=dtype, **kw)
+
+
+FIXTURES: dict[str, FixtureSpec] = {
+    "kl_f8": _spec(
+        "kl_f8",
+        torch.float16,
+        latent_channels=4,
+        latent_dim=2,
+        spatial_ratio=8,
+        temporal_ratio=1,
+        model_class="AutoencoderKL",
+        module="comfy.ldm.models.autoencoder",
+        params=83_653_863,
+        example_latent=(1, 4, 8, 8),
+        example_output=(1, 64, 64, 3),
+        description="SD1.x/SDXL KL-f8 VAE",
+    ),
+    "wan21": _spec(
+        "wan21",
+        torch.bfloat16,
+        latent_channels=16,
+        latent_dim=3,
+        spatial_ratio=8,
+        temporal_ratio=4,
+        model_class="WanVAE",
+        module="comfy.ldm.wan.vae",
+        params=126_892_531,
+        example_latent=(1, 16, 3, 4, 4),
+        example_output=(1, 9, 32, 32, 3),
+        description="Wan 2.1 VAE (dim 96, z 16)",
+    ),
+    "wan22": _spec(
+        "wan22",
+        torch.bfloat16,
+        latent_channels=48,
+        latent_dim=3,
+        spatial_ratio=16,
+        temporal_ratio=4,
+        model_class="WanVAE",
+        module="comfy.ldm.wan.vae2_2",
+        params=704_688_668,
+        example_latent=(1, 48, 2, 2, 2),
+        example_output=(1, 5, 32, 32, 3),
+        description="Wan 2.2 VAE (dim 160, decoder dim 256, z 48)",
+    ),
+    "hunyuan_video": _spec(
+        "hunyuan_video",
+        torch.bfloat16,
+        latent_channels=16,
+        latent_dim=3,
+        spatial_ratio=8,
+        temporal_ratio=4,
+        model_class="AutoencoderKL",
+        module="comfy.ldm.models.autoencoder",
+        params=246_478_803,
+        example_latent=(1, 16, 2, 4, 4),
+        example_output=(1, 5, 32, 32, 3),
+        description="HunyuanVideo 3-D KL VAE (z 16, time_compress 4)",
+    ),
+}
+
+_META_KIND = "vramfit_fixture_kind"
+_META_SEED = "vramfit_fixture_seed"
+_META_VERSION = "vramfit_fixture_generator"
+
+
+# --------------------------------------------------------------------------------------------------
+# ComfyUI import
+
+
+def _import_comfy_module(name: str):
+    """Import a ``comfy`` module; on a machine without an accelerator, first select ComfyUI's CPU mode.
+
+    ``comfy.model_management`` probes CUDA at import time and fails on a CPU-only torch unless
+    ``--cpu`` was given. When it is not imported yet and torch sees no GPU, set ``args.cpu``, exactly
+    as ``main.py --cpu`` would. A host that already imported it is left alone.
+    """
+    if "comfy.model_management" not in sys.modules:
+        try:
+            cli_args = importlib.import_module("comfy.cli_args")
+        except ImportError as e:
+            raise ImportError(
+                "ComfyUI is not importable: put COMFYUI_PATH (the folder holding comfy/) on sys.path"
+            ) from e
+        mps = getattr(torch.backends, "mps", None)
+        xpu = getattr(torch, "xpu", None)
+        has_accel = (
+            torch.cuda.is_available()
+            or (mps is not None and mps.is_available())
+            or (xpu is not None and xpu.is_available())
+        )
+        if not has_accel and not cli_args.args.cpu:
+            log.info("no GPU visible to torch: importing ComfyUI in --cpu mode")
+            cli_args.args.cpu = True
+    return importlib.import_module(name)
+
+
+def build_model(kind: str, device: str | torch.device = "meta") -> torch.nn.Module:
+    """The bare ComfyUI module for ``kind`` (weights uninitialised; on ``meta`` by default)."""
+    spec = FIXTURES[kind]
+    mod = _import_comfy_module(spec.module)
+    cls = getattr(mod, spec.model_class)
+    with torch.device(device):
+        model = cls(**spec.config())
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------------
+# Weight initialisation
+
+
+def _torch_reset(module: torch.nn.Module) -> bool:
+    """Call the ``reset_parameters`` of the first ``torch.nn`` class in the module's MRO. True if found."""
+    for cls in type(module).__mro__:
+        if cls.__module__.startswith("torch.nn.") and "reset_parameters" in cls.__dict__:
+            cls.reset_parameters(module)
+            return True
+    return False
+
+
+def _init_custom(module: torch.nn.Module) -> bool:
+    """Parameters of non-torch modules: Wan's ``RMS_norm`` (gamma 1, bias 0: its own constructor's values)."""
+    if type(module).__name__ == "RMS_norm":
+        with torch.no_grad():
+            module.gamma.fill_(1.0)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        return True
+    return False
+
+
+CURRENT_FRAME_SHARE = 0.9
+"""Share of a causal temporal kernel's weight variance on the current frame (see ``_emphasise_current_frame``)."""
+
+
+def _temporal_shares(kt: int) -> list[float]:
+    """Variance shares of the temporal taps, oldest first: 0.9 on the last (current) tap, the rest
+    decaying 4x per frame back (kt=3: 0.02, 0.08, 0.9)."""
+    if kt == 1:
+        return [1.0]
+    back = [0.25**k for k in range(kt - 1, 0, -1)]
+    total = sum(back)
+    return [(1.0 - CURRENT_FRAME_SHARE) * b / total for b in back] + [CURRENT_FRAME_SHARE]
+
+
+def _emphasise_current_frame(module: torch.nn.Module) -> None:
+    """Reweight the temporal taps of a stride-1 causal ``Conv3d`` towards the current frame.
+
+    With torch's default init all temporal taps carry the same variance, and across the ~20 causal
+    3-D convolutions of a video decoder each latent frame's own contribution to its output frames
+    fades to a few percent: the output is driven by the first latent frame (measured: replacing
+    latent frame 1 of a Wan 2.1 latent changed its own output frames by 0.01 against 0.2 for frame
+    0). Trained video VAEs (often inflated from 2-D weights) are dominated by the current frame. The
+    taps are scaled by sqrt(kt * share), which keeps the kernel's total variance (the torch init
+    scale) and keeps temporal mixing (caches still matter) while each frame drives its own outputs.
+    Both ComfyUI video VAEs here pad time causally, so the last tap is the current frame.
+    """
+    kt = module.weight.shape[2]
+    if kt == 1 or module.stride[0] != 1:
+        return
+    scale = torch.tensor([math.sqrt(kt * s) for s in _temporal_shares(kt)], dtype=module.weight.dtype)
+    with torch.no_grad():
+        module.weight.mul_(scale.view(1, 1, kt, 1, 1))
+
+
+def _materialise(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Allocate, initialise (fp32, CPU) and cast to ``dtype`` one module at a time (low peak memory).
+
+    Uses the global RNG: call inside ``torch.random.fork_rng`` after ``torch.manual_seed``.
+    """
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        if not own:
+            continue
+        module.to_empty(device="cpu", recurse=False)
+        module.float()
+        for t in module.parameters(recurse=False):
+            t.requires_grad_(False)
+        if not (_torch_reset(module) or _init_custom(module)):
+            raise TypeError(f"don't know how to initialise {name or '<root>'} ({type(module).__qualname__})")
+        if isinstance(module, torch.nn.Conv3d):
+            _emphasise_current_frame(module)
+        for p_name, t in list(module.named_parameters(recurse=False)) + list(
+            module.named_buffers(recurse=False)
+        ):
+            if not torch.isfinite(t).all():
+                raise ValueError(f"non-finite values after init in {name}.{p_name}")
+        module.to(dtype)
+    for module in model.modules():
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                raise TypeError(f"tensor attribute {type(module).__qualname__}.{attr} left on meta")
+
+
+def build_state_dict(kind: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic random weights for ``kind`` in the saved dtype (CPU), keyed as the real files."""
+    spec = FIXTURES[kind]
+    model = build_model(kind, device="meta")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        _materialise(model, spec.dtype)
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Files
+
+
+def _read_meta(path: pathlib.Path) -> dict[str, str] | None:
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except Exception:  # a corrupt or partial file is simply rebuilt
+        return None
+
+
+def _is_current(path: pathlib.Path, kind: str, seed: int) -> bool:
+    if not path.is_file():
+        return False
+    meta = _read_meta(path)
+    return (
+        meta is not None
+        and meta.get(_META_KIND) == kind
+        and meta.get(_META_SEED) == str(seed)
+        and meta.get(_META_VERSION) == GENERATOR_VERSION
+    )
+
+
+@contextlib.contextmanager
+def _atomic_target(path: pathlib.Path) -> Iterator[pathlib.Path]:
+    """Yield a temporary path next to ``path``; rename it over ``path`` on success, remove it on error.
+
+    The temporary name does not end in ``.safetensors``/``.latent``, so ComfyUI never lists it.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.chmod(tmp, 0o644)  # safetensors creates files 0600
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def make_models(
+    vae_dir: pathlib.Path,
+    seed: int = 0,
+    kinds: Iterable[str] | None = None,
+    force: bool = False,
+) -> dict[str, pathlib.Path]:
+    """Write ``FIXTURES[kind].filename`` into ``vae_dir`` for each kind; return ``{kind: path}``.
+
+    Deterministic by ``seed``. A file whose metadata already names the same kind, seed and generator
+    version is kept (only its header is read) unless ``force``. Files are written atomically.
+    """
+    vae_dir = pathlib.Path(vae_dir)
+    kinds = KINDS if kinds is None else tuple(kinds)
+    unknown = [k for k in kinds if k not in FIXTURES]
+    if unknown:
+        raise ValueError(f"unknown fixture kinds {unknown}; known: {KINDS}")
+    seed = int(seed)
+    out: dict[str, pathlib.Path] = {}
+    for kind in kinds:
+        spec = FIXTURES[kind]
+        path = vae_dir / spec.filename
+        out[kind] = path
+        if not force and _is_current(path, kind, seed):
+            log.info("%s: up to date (%s)", kind, path)
+            continue
+        t0 = time.perf_counter()
+        sd = build_state_dict(kind, seed)
+        t_build = time.perf_counter() - t0
+        n_params = sum(v.numel() for v in sd.values())
+        if n_params != spec.params:
+            raise AssertionError(f"{kind}: {n_params} parameters, expected {spec.params}")
+        metadata = {
+            _META_KIND: kind,
+            _META_SEED: str(seed),
+            _META_VERSION: GENERATOR_VERSION,
+            "vramfit_fixture_model_class": f"{spec.module}.{spec.model_class}",
+            "vramfit_fixture_note": "random weights (torch default init), real architecture; for tests only",
+        }
+        with _atomic_target(path) as tmp:
+            safetensors.torch.save_file(sd, str(tmp), metadata=metadata)
+        del sd
+        log.info(
+            "%s: wrote %s (%.2fM params, %s, %.1f MiB, built in %.1f s, total %.1f s)",
+            kind,
+            path,
+            n_params / 1e6,
+            str(spec.dtype).removeprefix("torch."),
+            path.stat().st_size / 2**20,
+            t_build,
+            time.perf_counter() - t0,
+        )
+    return out
+
+
+def write_latent_file(path: str | os.PathLike, samples: torch.Tensor) -> pathlib.Path:
+    """Write ``samples`` as a ``.latent`` file, the format of ComfyUI's ``SaveLatent``/``LoadLatent``.
+
+    Keys ``latent_tensor`` and ``latent_format_version_0`` (an empty tensor: without it ``LoadLatent``
+    multiplies by 1/0.18215 for legacy files). Written atomically.
+    """
+    path = pathlib.Path(path)
+    tensors = {
+        "latent_tensor": samples.detach().to("cpu").contiguous(),
+        "latent_format_version_0": torch.tensor([]),
+    }
+    with _atomic_target(path) as tmp:
+        safetensors.torch.save_file(tensors, str(tmp), metadata={"prompt": ""})
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Structured latents
+
+
+def _uniform(gen: torch.Generator, lo: float, hi: float, *shape: int) -> torch.Tensor:
+    return lo + (hi - lo) * torch.rand(shape or (1,), generator=gen)
+
+
+def _structured_item(c: int, t: int, h: int, w: int, gen: torch.Generator) -> torch.Tensor:
+    """One (C,T,H,W) latent: smooth fields + a few moving regions with own statistics + smooth noise."""
+    yy = ((torch.arange(h, dtype=torch.float32) + 0.5) / h).view(1, h, 1)
+    xx = ((torch.arange(w, dtype=torch.float32) + 0.5) / w).view(1, 1, w)
+    tt = torch.arange(t, dtype=torch.float32).view(t, 1, 1)
+
+    # Per-channel mean + linear gradient + a few low-frequency travelling sinusoids.
+    base = 0.5 * torch.randn(c, 1, 1, 1, generator=gen)
+    gy, gx = (0.6 * torch.randn(2, c, 1, 1, 1, generator=gen)).unbind(0)
+    field = base + gy * (yy - 0.5) + gx * (xx - 0.5)
+    for _ in range(3):
+        fy, fx = _uniform(gen, -2.0, 2.0, 2).tolist()
+        speed = _uniform(gen, -0.5, 0.5).item()  # radians per frame
+        amp = 0.35 * torch.randn(c, 1, 1, 1, generator=gen)
+        phase = _uniform(gen, 0.0, 2 * math.pi, c, 1, 1, 1)
+        arg = 2 * math.pi * (fy * yy + fx * xx) + speed * tt
+        field = field + amp * torch.sin(arg.unsqueeze(0) + phase)
+
+    # Regions (ellipses / rectangles) drifting smoothly, painted in order over the background.
+    offset = torch.zeros(c, t, h, w)
+    std = torch.full((1, t, h, w), 0.45)
+    for _ in range(4):
+        cy, cx = _uniform(gen, 0.25, 0.75, 2).tolist()
+        ry, rx = _uniform(gen, 0.12, 0.3, 2).tolist()
+        ay, ax = _uniform(gen, -0.15, 0.15, 2).tolist()
+        omega = _uniform(gen, 0.15, 0.4).item()
+        phi = _uniform(gen, 0.0, 2 * math.pi).item()
+        ellipse = bool(torch.rand(1, generator=gen).item() < 0.5)
+        mean_r = torch.randn(c, 1, 1, 1, generator=gen)
+        std_r = math.exp(_uniform(gen, -1.3, 0.9).item())
+        py = cy + ay * torch.sin(omega * tt + phi)
+        px = cx + ax * torch.cos(omega * tt + phi)
+        dy = (yy - py) / ry
+        dx = (xx - px) / rx
+        dist = torch.sqrt(dy**2 + dx**2) if ellipse else torch.maximum(dy.abs(), dx.abs())
+        radius_px = max(min(ry * h, rx * w), 1.0)
+        mask = torch.sigmoid((1.0 - dist) * radius_px / 0.6).unsqueeze(0)  # ~1 px soft edge
+        offset = offset * (1 - mask) + mean_r * mask
+        std = std * (1 - mask) + std_r * mask
+
+    # Noise, spatially white, temporally smooth (AR(1), unit variance) so frame differences are small.
+    rho = 0.85
+    frames = [torch.randn(c, h, w, generator=gen)]
+    for _ in range(t - 1):
+        frames.append(rho * frames[-1] + math.sqrt(1 - rho**2) * torch.randn(c, h, w, generator=gen))
+    noise = torch.stack(frames, dim=1)
+
+    x = field + offset + std * noise
+    if x.numel() > 1:
+        x = x / x.std().clamp_min(1e-6)
+    return x
+
+
+def structured_latent(
+    shape: tuple[int, ...], seed: int = 0, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A latent with structure: (B,C,H,W) or (B,C,T,H,W), overall std 1, deterministic by ``seed``.
+
+    Each batch item has its own per-channel means, low-frequency gradients and sinusoids, and four
+    rectangular or elliptic regions with their own per-channel means and noise levels (std ratio up to
+    ~9x between regions). In 5-D the regions drift and the sinusoids travel smoothly over time and
+    the noise is temporally correlated, so frame-to-frame differences are small but meaningful.
+    Any sizes work (odd, 1). The global RNG is not used.
+    """
+    shape = tuple(int(s) for s in shape)
+    if len(shape) not in (4, 5) or min(shape) < 1:
+        raise ValueError(f"expected a (B,C,H,W) or (B,C,T,H,W) shape of positive sizes, got {shape}")
+    b, c = shape[:2]
+    t = shape[2] if len(shape) == 5 else 1
+    h, w = shape[-2:]
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(int(seed) % (2**63))
+    out = torch.stack([_structured_item(c, t, h, w, gen) for _ in range(b)])
+    if len(shape) == 4:
+        out = out[:, :, 0]
+    return out.to(dtype).contiguous()
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _read_env_file(path: pathlib.Path) -> dict[str, str]:
+    env: dict[str, str] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            line = line.strip()
+            if line and not line.startswith("#") and "=" in line:
+                key, value = line.split("=", 1)
+                env[key.strip()] = value.strip()
+    return env
+
+
+def comfyui_path() -> pathlib.Path | None:
+    """``$COMFYUI_PATH``, else ``COMFYUI_PATH`` from ``<cache>/host.env`` (written by setup_host.sh)."""
+    value = os.environ.get("COMFYUI_PATH")
+    if not value:
+        cache = pathlib.Path(os.environ.get("VRAMFIT_CACHE") or REPO_ROOT / ".cache")
+        value = _read_env_file(cache / "host.env").get("COMFYUI_PATH")
+    return pathlib.Path(value) if value else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.fixtures",
+        description="Write random-weight VAEs with the real ComfyUI architectures (safetensors).",
+    )
+    parser.add_argument("--vae-dir", type=pathlib.Path, help="default: <COMFYUI_PATH>/models/vae")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=KINDS,
+        default=list(KINDS),
+        metavar="KIND",
+        help=f"subset of {', '.join(KINDS)} (default: all)",
+    )
+    parser.add_argument("--force", action="store_true", help="rebuild even if the files are current")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[vramfit-fixtures] %(message)s")
+
+    comfy_root = comfyui_path()
+    if comfy_root is not None and str(comfy_root) not in sys.path:
+        sys.path.insert(0, str(comfy_root))
+    vae_dir = args.vae_dir
+    if vae_dir is None:
+        if comfy_root is None:
+            parser.error(
+                "no --vae-dir and no COMFYUI_PATH (env or .cache/host.env): run scripts/setup_host.sh"
+            )
+        vae_dir = comfy_root / "models" / "vae"
+    paths = make_models(vae_dir, seed=args.seed, kinds=args.kinds, force=args.force)
+    for kind, path in paths.items():
+        log.info("%-14s %s", kind, path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,350 @@
+"""The fixture VAEs load through ComfyUI's real loader as the real architectures, and the latents
+are structured (scripts/fixtures.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scripts import fixtures
+from scripts.fixtures import FIXTURES, KINDS, make_models, structured_latent, write_latent_file
+
+log = logging.getLogger("vramfit.tests.fixtures")
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+host = pytest.mark.host
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def loaded(request, comfy, fixture_vaes):
+    """(spec, VAE, log messages of the load) via ComfyUI's own VAELoader; one kind in memory at a time."""
+    spec = FIXTURES[request.param]
+    root = logging.getLogger()
+    handler = _Records()
+    old_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)  # "Leftover VAE keys" is logged at debug level
+    try:
+        (vae,) = comfy.VAELoader().load_vae(fixture_vaes[spec.kind])
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    yield spec, vae, handler.messages
+    del vae
+
+
+def _decode(vae, latent: torch.Tensor) -> tuple[torch.Tensor, float]:
+    t0 = time.perf_counter()
+    out = vae.decode(latent)
+    return out, time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------ models
+
+
+@host
+def test_loader_detects_the_real_architecture(loaded, fixture_vaes):
+    spec, vae, messages = loaded
+    fsm = vae.first_stage_model
+    assert type(fsm).__name__ == spec.model_class
+    assert type(fsm).__module__ == spec.module
+    assert vae.latent_channels == spec.latent_channels
+    assert vae.latent_dim == spec.latent_dim
+    assert vae.spacial_compression_decode() == spec.spatial_ratio
+    expected_t = None if spec.temporal_ratio == 1 else spec.temporal_ratio
+    assert vae.temporal_compression_decode() == expected_t
+    bad = [m for m in messages if "Missing VAE keys" in m or "Leftover VAE keys" in m]
+    assert not bad, bad
+
+    import folder_paths
+
+    path = folder_paths.get_full_path_or_raise("vae", fixture_vaes[spec.kind])
+    with safetensors.safe_open(path, framework="pt") as f:
+        keys = set(f.keys())
+        meta = f.metadata()
+        sample = f.get_tensor(next(iter(sorted(keys))))
+    assert keys == set(fsm.state_dict().keys())
+    assert sum(p.numel() for p in fsm.state_dict().values()) == spec.params
+    assert sample.dtype == spec.dtype
+    assert meta["vramfit_fixture_kind"] == spec.kind
+    assert meta["vramfit_fixture_generator"] == fixtures.GENERATOR_VERSION
+    if spec.kind == "wan22":
+        assert "decoder.upsamples.0.upsamples.0.residual.2.weight" in keys
+    if spec.kind == "hunyuan_video":
+        assert fsm.decoder.conv_in.conv.weight.shape[1] == 16
+
+
+@host
+def test_decode_shape_and_statistics(loaded):
+    spec, vae, _ = loaded
+    latent = structured_latent(spec.example_latent, seed=1)
+    out, seconds = _decode(vae, latent)
+    log.info("%s: decode %s -> %s in %.2f s", spec.kind, tuple(latent.shape), tuple(out.shape), seconds)
+    assert tuple(out.shape) == spec.example_output
+    assert torch.isfinite(out).all()
+    assert 0.0 <= out.min().item() and out.max().item() <= 1.0
+    assert 0.05 < out.std().item() < 0.35, out.std().item()
+    saturated = ((out <= 0.0) | (out >= 1.0)).float().mean().item()
+    assert saturated < 0.2, saturated
+    # every image / frame has spatial structure
+    per_image = out.reshape(-1, *out.shape[-3:]).std(dim=(1, 2, 3))
+    assert per_image.min().item() > 0.03, per_image
+
+    # The output depends on the latent: change the last latent frame (or the whole image latent).
+    other = structured_latent(spec.example_latent, seed=2)
+    if spec.latent_dim == 3:
+        changed = latent.clone()
+        changed[:, :, -1] = other[:, :, -1]
+    else:
+        changed = other
+    out2, _ = _decode(vae, changed)
+    diff = (out2 - out).abs()
+    if spec.latent_dim == 2:
+        assert diff.mean().item() > 0.03
+        return
+    frames_of_last = spec.temporal_ratio  # the last latent frame decodes to the last 4 frames
+    last = diff[:, -frames_of_last:].mean().item()
+    assert last > 0.03, f"the last latent frame barely changes its own frames ({last:.4f})"
+    if spec.model_class == "WanVAE":
+        # Wan's decoder is causal: earlier frames must not change at all.
+        assert diff[:, :-frames_of_last].max().item() == 0.0
+    # frames move: consecutive frames differ
+    frame_diff = (out[:, 1:] - out[:, :-1]).abs().mean(dim=(0, 2, 3, 4))
+    assert frame_diff.min().item() > 0.005, frame_diff
+
+
+# ------------------------------------------------------------------------- determinism and files
+
+
+@host
+def test_make_models_is_deterministic_idempotent_and_atomic(fixture_vaes, tmp_path, comfy):
+    import folder_paths
+
+    rng_before = torch.get_rng_state()
+    a = make_models(tmp_path / "a", seed=0, kinds=["kl_f8"])["kl_f8"]
+    assert torch.equal(torch.get_rng_state(), rng_before), "global RNG state changed"
+    host_file = pathlib.Path(folder_paths.get_full_path_or_raise("vae", fixture_vaes["kl_f8"]))
+    sd_a = safetensors.torch.load_file(a)
+    sd_host = safetensors.torch.load_file(host_file)
+    assert sd_a.keys() == sd_host.keys()
+    for k in sd_a:
+        assert torch.equal(sd_a[k].view(torch.uint8), sd_host[k].view(torch.uint8)), k
+    assert all(torch.isfinite(v).all() for v in sd_a.values())
+
+    # idempotent: a current file is not rewritten ...
+    st_before = a.stat()
+    t0 = time.perf_counter()
+    make_models(tmp_path / "a", seed=0, kinds=["kl_f8"])
+    assert time.perf_counter() - t0 < 1.0
+    st_after = a.stat()
+    assert (st_after.st_ino, st_after.st_mtime_ns) == (st_before.st_ino, st_before.st_mtime_ns)
+    # ... unless forced (written to a temporary file, then renamed over it)
+    make_models(tmp_path / "a", seed=0, kinds=["kl_f8"], force=True)
+    assert a.stat().st_ino != st_before.st_ino
+    sd_forced = safetensors.torch.load_file(a)
+    assert all(torch.equal(sd_forced[k].view(torch.uint8), sd_a[k].view(torch.uint8)) for k in sd_a)
+
+    # another seed gives other weights (same keys) and is rebuilt in place of a stale file
+    make_models(tmp_path / "a", seed=1, kinds=["kl_f8"])
+    sd_b = safetensors.torch.load_file(a)
+    with safetensors.safe_open(str(a), framework="pt") as f:
+        assert f.metadata()["vramfit_fixture_seed"] == "1"
+    assert sd_b.keys() == sd_a.keys()
+    random_keys = [k for k, v in sd_a.items() if v.ndim > 1]  # conv kernels (norm weights are ones)
+    differing = [k for k in random_keys if not torch.equal(sd_a[k], sd_b[k])]
+    assert random_keys and differing == random_keys
+
+    # a truncated / corrupt file is rebuilt
+    a.write_bytes(b"not a safetensors file")
+    make_models(tmp_path / "a", seed=0, kinds=["kl_f8"])
+    sd_c = safetensors.torch.load_file(a)
+    assert all(torch.equal(sd_c[k], sd_a[k]) for k in sd_a)
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [FIXTURES["kl_f8"].filename]
+
+    with pytest.raises(ValueError, match="unknown fixture kinds"):
+        make_models(tmp_path / "a", kinds=["sd3"])
+
+
+@host
+def test_video_weights_are_deterministic(fixture_vaes, comfy):
+    """A second build of the Wan 2.1 weights (in memory) equals the host file bit for bit."""
+    import folder_paths
+
+    sd = fixtures.build_state_dict("wan21", seed=0)
+    host_file = folder_paths.get_full_path_or_raise("vae", fixture_vaes["wan21"])
+    with safetensors.safe_open(host_file, framework="pt") as f:
+        assert set(f.keys()) == set(sd)
+        for k in sorted(sd)[:: max(1, len(sd) // 40)]:
+            assert torch.equal(f.get_tensor(k).view(torch.uint8), sd[k].view(torch.uint8)), k
+    gammas = [v for k, v in sd.items() if k.endswith(".gamma")]
+    assert gammas and all(torch.all(g == 1) for g in gammas)
+    # causal temporal kernels weigh the current frame most
+    w = sd["decoder.middle.0.residual.2.weight"].float()
+    per_tap = w.pow(2).mean(dim=(0, 1, 3, 4))
+    assert per_tap[-1] > 5 * per_tap[0]
+
+
+@host
+def test_latent_file_round_trips_through_load_latent(comfy):
+    import folder_paths
+
+    samples = structured_latent((2, 16, 3, 5, 7), seed=4)
+    name = f"vramfit_test_{uuid.uuid4().hex}.latent"
+    path = pathlib.Path(folder_paths.get_input_directory()) / name
+    try:
+        write_latent_file(path, samples)
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            assert set(f.keys()) == {"latent_tensor", "latent_format_version_0"}
+        assert name in comfy.LoadLatent.INPUT_TYPES()["required"]["latent"][0]
+        assert comfy.LoadLatent.VALIDATE_INPUTS(name) is True
+        (loaded_latent,) = comfy.LoadLatent().load(name)
+        assert loaded_latent["samples"].dtype == torch.float32
+        assert torch.equal(loaded_latent["samples"], samples)  # no legacy 1/0.18215 multiplier
+
+        half = structured_latent((1, 4, 13, 21), seed=5, dtype=torch.float16)
+        write_latent_file(path, half)
+        (loaded_half,) = comfy.LoadLatent().load(name)
+        assert torch.equal(loaded_half["samples"], half.float())
+    finally:
+        path.unlink(missing_ok=True)
+    assert not list(path.parent.glob(f".{name}*"))
+
+
+@host
+def test_cli_writes_into_vae_dir(tmp_path, host_config):
+    env = dict(os.environ, COMFYUI_PATH=str(host_config.comfyui_path))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.fixtures",
+            "--vae-dir",
+            str(tmp_path),
+            "--kinds",
+            "kl_f8",
+            "--seed",
+            "3",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / FIXTURES["kl_f8"].filename
+    assert out.is_file()
+    assert str(out) in proc.stderr
+    with safetensors.safe_open(str(out), framework="pt") as f:
+        assert f.metadata()["vramfit_fixture_seed"] == "3"
+
+
+def test_comfyui_path_from_host_env(tmp_path, monkeypatch):
+    (tmp_path / "host.env").write_text(
+        "# comment\nCOMFYUI_PATH=/somewhere/ComfyUI\nVRAMFIT_PYTHON=/x/python\n"
+    )
+    monkeypatch.delenv("COMFYUI_PATH", raising=False)
+    monkeypatch.setenv("VRAMFIT_CACHE", str(tmp_path))
+    assert fixtures.comfyui_path() == pathlib.Path("/somewhere/ComfyUI")
+    monkeypatch.setenv("COMFYUI_PATH", "/elsewhere")
+    assert fixtures.comfyui_path() == pathlib.Path("/elsewhere")
+
+
+def test_specs_are_consistent():
+    assert tuple(FIXTURES) == KINDS
+    for kind, spec in FIXTURES.items():
+        assert spec.kind == kind
+        assert spec.filename == f"vramfit_fixture_{kind}.safetensors"
+        assert len(spec.example_latent) == spec.latent_dim + 2
+        assert spec.example_latent[1] == spec.latent_channels
+        b, *spatial = spec.example_latent[:1] + spec.example_latent[2:]
+        expected = [s * spec.spatial_ratio for s in spatial[-2:]]
+        if spec.latent_dim == 3:
+            expected = [spatial[0] * spec.temporal_ratio - (spec.temporal_ratio - 1), *expected]
+        assert spec.example_output == (b, *expected, 3)
+    assert FIXTURES["kl_f8"].dtype == torch.float16
+    assert FIXTURES["wan21"].dtype == FIXTURES["wan22"].dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------- latents
+
+
+def test_structured_latent_basics():
+    rng_before = torch.get_rng_state()
+    x = structured_latent((2, 4, 13, 21), seed=0)
+    assert torch.equal(torch.get_rng_state(), rng_before), "global RNG state changed"
+    assert x.shape == (2, 4, 13, 21) and x.dtype == torch.float32
+    assert torch.isfinite(x).all()
+    assert torch.equal(x, structured_latent((2, 4, 13, 21), seed=0))
+    assert not torch.equal(x, structured_latent((2, 4, 13, 21), seed=1))
+    assert (x[0] - x[1]).abs().mean() > 0.3, "batch items must differ"
+    for item in x:
+        assert 0.8 < item.std().item() < 1.25
+    assert structured_latent((1, 48, 2, 3, 5), dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert structured_latent((1, 1, 1, 1)).shape == (1, 1, 1, 1)
+    with pytest.raises(ValueError):
+        structured_latent((4, 8, 8))
+    with pytest.raises(ValueError):
+        structured_latent((1, 4, 0, 8))
+
+
+def test_structured_latent_has_regions_with_different_statistics():
+    x = structured_latent((1, 4, 64, 64), seed=0)[0]
+    blocks = x.unfold(1, 8, 8).unfold(2, 8, 8)  # C, 8, 8, 8, 8
+    block_means = blocks.mean(dim=(-1, -2))
+    block_stds = blocks.std(dim=(-1, -2))
+    iid_spread = x.std().item() / 8  # std of 8x8-block means for i.i.d. values
+    for c in range(x.shape[0]):
+        assert block_means[c].std().item() > 2 * iid_spread, c
+        assert block_stds[c].max().item() > 2.5 * block_stds[c].min().item(), c
+    # channels are not copies of each other
+    corr = torch.corrcoef(x.reshape(x.shape[0], -1))
+    assert (corr - torch.eye(x.shape[0])).abs().max().item() < 0.95
+
+
+def test_structured_video_latent_changes_smoothly():
+    v = structured_latent((1, 16, 9, 13, 21), seed=3)
+    step = torch.stack([(v[:, :, t + 1] - v[:, :, t]).abs().mean() for t in range(8)])
+    far = (v[:, :, 8] - v[:, :, 0]).abs().mean()
+    assert step.min() > 0.05, "consecutive frames must differ"
+    assert step.max() < 0.7 * far, "consecutive frames must be closer than distant ones"
+    assert v.std().item() == pytest.approx(1.0, abs=0.05)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    b=st.integers(1, 2),
+    c=st.sampled_from([1, 4, 16, 48]),
+    t=st.one_of(st.none(), st.integers(1, 6)),
+    h=st.integers(1, 23),
+    w=st.integers(1, 23),
+    seed=st.integers(0, 2**31),
+)
+def test_structured_latent_any_shape(b, c, t, h, w, seed):
+    shape = (b, c, h, w) if t is None else (b, c, t, h, w)
+    x = structured_latent(shape, seed=seed)
+    assert x.shape == shape
+    assert torch.isfinite(x).all()
+    assert torch.equal(x, structured_latent(shape, seed=seed))
+    if x[0].numel() > 64:
+        assert 0.5 < x[0].std().item() < 1.5
