@@ -1,0 +1,172 @@
+"""Budget: the bytes a decode may use on its device.
+
+``available = free - vae_weights_to_load - reserve`` where ``free`` is what ComfyUI reports as free
+on the device (``comfy.model_management.get_free_memory(device)``: CUDA/XPU/NPU/MLU free + torch's
+cached-but-unused bytes; on CPU and MPS, ``psutil.virtual_memory().available``), or the user's
+budget in MB when given (it *replaces* free memory, so low-VRAM behaviour can be exercised on any
+machine). ``vae_weights_to_load`` is the part of the VAE's weights not yet on the device (they will
+be loaded before decoding and are not part of a decode's peak).
+
+Default safety reserve (``default_reserve``):
+
+* accelerators: ``max(256 MiB, 5 % of total)``. The CUDA cost models measure the allocator's own
+  peak, so what is left to cover is memory outside the measured block: the CUDA context growing
+  when new kernels/libraries (cuDNN, cuBLAS handles and their workspaces) load on first use
+  (~100-300 MiB), the gap between reserved and allocated blocks (fragmentation; the caching
+  allocator rounds to 2 MiB segments), and other processes sharing the card. 5 % of a 24 GiB card
+  is 1.2 GiB; 256 MiB is the floor for small cards. ComfyUI's own ``--reserve-vram`` (its
+  ``extra_reserved_memory()``, 400 MiB by default, 600 MiB on Windows) is honoured when the caller
+  passes it as ``reserve_floor``.
+* CPU: ``max(512 MiB, 5 % of total RAM)``: RAM is shared with the OS page cache and every other
+  program, and ``available`` moves while we decode.
+
+Multiplicative untracked overhead (e.g. oneDNN scratch on CPU) belongs to the cost model
+(``CostModel.overhead``), not to this constant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger("vramfit.memory.budget")
+
+MiB = 2**20
+ACCEL_RESERVE_MIN = 256 * MiB
+CPU_RESERVE_MIN = 512 * MiB
+RESERVE_FRACTION = 0.05
+
+
+def default_reserve(device: torch.device | str, total_bytes: int | None) -> int:
+    """The default safety reserve for ``device`` (see module docstring)."""
+    dev = torch.device(device)
+    floor = CPU_RESERVE_MIN if dev.type == "cpu" else ACCEL_RESERVE_MIN
+    if not total_bytes:
+        return floor
+    return max(floor, int(total_bytes * RESERVE_FRACTION))
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    device: str
+    free_bytes: int
+    vae_weights_to_load: int
+    reserve: int
+    user_override: int | None
+    available: int
+    total_bytes: int | None = None
+    psutil_available: int | None = None
+
+    @property
+    def source(self) -> str:
+        return "user budget" if self.user_override is not None else "free memory"
+
+    def describe(self) -> str:
+        def mib(n: int | None) -> str:
+            return "?" if n is None else f"{n / MiB:,.0f} MiB"
+
+        head = (
+            f"user budget {mib(self.user_override)}"
+            if self.user_override is not None
+            else f"free {mib(self.free_bytes)}" + (f" of {mib(self.total_bytes)}" if self.total_bytes else "")
+        )
+        text = (
+            f"{self.device}: {head} - VAE weights to load {mib(self.vae_weights_to_load)} "
+            f"- reserve {mib(self.reserve)} = {mib(self.available)} available for decoding"
+        )
+        if self.psutil_available is not None and self.user_override is None:
+            text += f" (psutil: {mib(self.psutil_available)} RAM available)"
+        return text
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def _psutil_available() -> int | None:
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
+
+
+def compute_budget(
+    device: torch.device | str,
+    get_free_memory: Callable[[Any], int] | None = None,
+    *,
+    get_total_memory: Callable[[Any], int] | None = None,
+    vae_weights_to_load: int = 0,
+    reserve: int | None = None,
+    reserve_floor: int = 0,
+    user_budget_mb: float | None = None,
+) -> Budget:
+    """The :class:`Budget` of a decode on ``device``.
+
+    ``get_free_memory``/``get_total_memory``: ``comfy.model_management.get_free_memory`` /
+    ``get_total_memory`` (passed in; ``memory/`` never imports ComfyUI). Without them the CPU falls
+    back to psutil and an accelerator to ``torch.cuda.mem_get_info``. ``reserve`` overrides the
+    default; ``reserve_floor`` raises it (e.g. ComfyUI's ``extra_reserved_memory()``).
+    ``user_budget_mb`` (> 0) replaces free memory.
+    """
+    dev = torch.device(device)
+    total: int | None = None
+    if get_total_memory is not None:
+        try:
+            total = int(get_total_memory(dev))
+        except (RuntimeError, AssertionError, ValueError) as e:
+            log.debug("get_total_memory(%s) failed: %s", dev, e)
+    psutil_avail = _psutil_available() if dev.type == "cpu" else None
+    if get_free_memory is not None:
+        free = int(get_free_memory(dev))
+    elif dev.type == "cpu":
+        if psutil_avail is None:
+            raise RuntimeError("no get_free_memory given and psutil is not installed")
+        free = psutil_avail
+    elif dev.type == "cuda":
+        free, tot = torch.cuda.mem_get_info(dev)
+        free = int(free)
+        total = total or int(tot)
+    else:
+        raise ValueError(f"pass get_free_memory for a {dev.type} device")
+    if total is None and dev.type == "cpu":
+        try:
+            import psutil
+
+            total = int(psutil.virtual_memory().total)
+        except ImportError:
+            total = None
+    if dev.type == "cpu" and psutil_avail is not None and get_free_memory is not None:
+        # ComfyUI reports psutil's figure on CPU; a large disagreement means something is off.
+        if abs(free - psutil_avail) > max(256 * MiB, 0.1 * psutil_avail):
+            log.warning(
+                "free memory on cpu: ComfyUI says %.0f MiB, psutil %.0f MiB", free / MiB, psutil_avail / MiB
+            )
+    user = None
+    if user_budget_mb is not None and user_budget_mb > 0:
+        user = int(user_budget_mb * MiB)
+    res = default_reserve(dev, total) if reserve is None else int(reserve)
+    res = max(res, int(reserve_floor))
+    if user is not None and reserve is None:
+        # A user budget is what the decode may use: no hidden reserve on top of it.
+        res = 0
+    base = user if user is not None else free
+    available = max(0, base - int(vae_weights_to_load) - res)
+    return Budget(
+        device=str(dev),
+        free_bytes=free,
+        vae_weights_to_load=int(vae_weights_to_load),
+        reserve=res,
+        user_override=user,
+        available=available,
+        total_bytes=total,
+        psutil_available=psutil_avail,
+    )
+
+
+def weights_to_load(model_size: int, loaded_size: int) -> int:
+    """Bytes of a model's weights still to be moved to the device (``model_size - loaded_size``)."""
+    return max(0, int(model_size) - int(loaded_size))

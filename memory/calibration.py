@@ -1,0 +1,181 @@
+"""Calibrating cost models for a ComfyUI VAE: default geometry grids, first-use calibration, lookup.
+
+* :func:`fit_grid` / :func:`real_grid`: the geometries calibration runs on. The meta grid spans
+  64 px to 4 Kpx (every phase of the decoder's memory shows up, and meta runs cost no compute); the
+  real grid stays tiny (a real CPU decode of 128^2 px is ~1 s).
+* :func:`calibrate_vae` fits a model for one VAE object and executor, by meta sizing (default, exact
+  for the tensor-level peak) or by real decodes (``mode="real"``: what a GPU needs, where the
+  allocator peak includes kernel workspaces the meta run cannot see).
+* :func:`cost_model_for`: the model to plan with: the cache/shipped default for the key, else
+  calibrate once and cache (``CostModelStore``).
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+
+from .cost_model import CostModel, CostModelStore, ModelKey, calibrate
+from .families import FAMILIES, identify, model_name, vae_geometry
+from .geometry import Geometry, VaeGeometry
+from .sizing import decode_run, meta_sizer_factory
+from .tracker import tracker_factory
+
+log = logging.getLogger("vramfit.memory.calibration")
+
+IMAGE_PHASES: tuple[tuple[str, ...], ...] = (("const", "px"), ("const", "px", "tokens_sq"))
+VIDEO_PHASES: tuple[tuple[str, ...], ...] = (("const", "px", "px_step", "px_cache2", "px_frames"),)
+
+
+def _g(vae: VaeGeometry, out_h: int, out_w: int, frames: int = 0, batch: int = 1) -> Geometry:
+    s = vae.spatial_ratio
+    return Geometry(
+        latent_h=max(1, out_h // s),
+        latent_w=max(1, out_w // s),
+        batch=batch,
+        latent_frames=frames,
+        spatial_ratio=s,
+        temporal_ratio=vae.temporal_ratio,
+    )
+
+
+def fit_grid(vae: VaeGeometry) -> list[Geometry]:
+    """Geometries for a meta calibration (any size is free): 64 px to 1.5-3 Kpx, batch 2, video frames.
+
+    Images stop at 1536^2: beyond, ComfyUI's split attention on CPU starts slicing by the free RAM
+    of the moment, and the measured peak stops following the model (it drops below it).
+    """
+    if not vae.is_video:
+        sizes = [(32, 32), (128, 128), (256, 256), (512, 512), (1024, 1024), (1280, 1280), (1536, 1536)]
+        grid = [_g(vae, h, w) for h, w in sizes]
+        grid += [_g(vae, 512, 1024), _g(vae, 1024, 1536), _g(vae, 256, 256, batch=2)]
+        return grid
+    pts = [
+        (3 * vae.spatial_ratio, 1),
+        (512, 1),
+        (64, 2),
+        (256, 2),
+        (1024, 2),
+        (256, 3),
+        (512, 3),
+        (256, 5),
+        (3072, 1),
+        (3072, 2),
+    ]
+    return [_g(vae, px, px, frames=t) for px, t in pts]
+
+
+def real_grid(vae: VaeGeometry) -> list[Geometry]:
+    """Geometries for a calibration by real decodes: small (seconds on a CPU) but distinct."""
+    if not vae.is_video:
+        return [_g(vae, 64, 64), _g(vae, 96, 96), _g(vae, 128, 128)]
+    small = 4 * vae.spatial_ratio
+    return [
+        _g(vae, small, small, 1),
+        _g(vae, small, small, 2),
+        _g(vae, small, small, 3),
+        _g(vae, 2 * small, 2 * small, 2),
+    ]
+
+
+REAL_IMAGE_PHASES: tuple[tuple[str, ...], ...] = (("const", "px"),)
+REAL_VIDEO_PHASES: tuple[tuple[str, ...], ...] = (("const", "px", "px_step", "px_frames"),)
+
+
+def default_phases(vae: VaeGeometry, mode: Literal["meta", "real"]) -> tuple[tuple[str, ...], ...]:
+    """Feature phases for a calibration: the wide meta grid identifies every phase; a small real
+    grid only the features of :attr:`.families.Family.real_phases` (as many as it has points)."""
+    fam = FAMILIES.get(vae.family)
+    if mode == "meta":
+        return fam.phases if fam is not None else (VIDEO_PHASES if vae.is_video else IMAGE_PHASES)
+    if fam is not None:
+        return fam.real_phases
+    return REAL_VIDEO_PHASES if vae.is_video else REAL_IMAGE_PHASES
+
+
+def vae_key(
+    vae: Any, executor: str = "full", device: torch.device | str | None = None, dtype: Any = None
+) -> ModelKey:
+    """The cost-model key of a ComfyUI VAE: known family name, else its model class."""
+    fam = identify(vae) or model_name(vae)
+    dev = torch.device(device) if device is not None else torch.device(getattr(vae, "device", "cpu"))
+    dt = dtype if dtype is not None else getattr(vae, "vae_dtype", torch.float32)
+    return ModelKey.make(fam, executor, dt, dev)
+
+
+def calibrate_vae(
+    vae: Any,
+    *,
+    executor: str = "full",
+    run: Callable[[Geometry], object] | None = None,
+    mode: Literal["meta", "real"] = "meta",
+    geometries: Sequence[Geometry] | None = None,
+    phases: Sequence[Sequence[str]] | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> CostModel:
+    """Fit a cost model for ``vae`` (a ComfyUI ``VAE``) and ``executor``.
+
+    ``run``: the executor's ``run(geometry)`` (default: ComfyUI's untiled
+    ``first_stage_model.decode``, the ``full`` executor). ``mode="meta"`` sizes on fake tensors;
+    ``"real"`` decodes under a :class:`.tracker.PeakTracker` (the weights must already be on the
+    device).
+    """
+    geo = vae_geometry(vae)
+    dev = torch.device(device) if device is not None else torch.device(getattr(vae, "device", "cpu"))
+    dt = dtype if dtype is not None else getattr(vae, "vae_dtype", torch.float32)
+    key = vae_key(vae, executor, dev, dt)
+    model = vae.first_stage_model
+    if run is None:
+        if executor != "full":
+            raise ValueError(f"executor {executor!r} needs its own run(geometry)")
+        run = decode_run(model.decode, int(getattr(vae, "latent_channels", 4)), dt, dev)
+    grid = (
+        list(geometries) if geometries is not None else (fit_grid(geo) if mode == "meta" else real_grid(geo))
+    )
+    ph = [tuple(p) for p in phases] if phases is not None else default_phases(geo, mode)
+    factory = meta_sizer_factory([model], dt, dev) if mode == "meta" else tracker_factory(dev)
+    inputs = {
+        "model_class": model_name(vae),
+        "mode": mode,
+        "tracker": "meta (fake tensors, dispatch count)" if mode == "meta" else factory().method,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+    return calibrate(run, grid, factory, key=key, phases=ph, source=f"{mode} calibration", inputs=inputs)
+
+
+def cost_model_for(
+    vae: Any,
+    store: CostModelStore,
+    *,
+    executor: str = "full",
+    run: Callable[[Geometry], object] | None = None,
+    mode: Literal["meta", "real"] = "meta",
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> CostModel:
+    """The cost model to plan ``vae``'s decode with: cached or shipped for its key, else calibrated
+    once now (meta sizing by default, falling back to real decodes when the decoder cannot run on
+    fake tensors) and cached in ``store``."""
+    key = vae_key(vae, executor, device, dtype)
+
+    def fit() -> CostModel:
+        if mode == "meta":
+            try:
+                return calibrate_vae(vae, executor=executor, run=run, mode="meta", device=device, dtype=dtype)
+            except Exception as e:  # noqa: BLE001 - any op without a fake kernel: fall back to real runs
+                log.warning(
+                    "meta sizing failed for %s (%s: %s); calibrating with real decodes",
+                    key,
+                    type(e).__name__,
+                    e,
+                )
+        return calibrate_vae(vae, executor=executor, run=run, mode="real", device=device, dtype=dtype)
+
+    return store.get_or_calibrate(key, fit)

@@ -1,0 +1,141 @@
+"""VAE families the pack knows, and how to recognise them on a ComfyUI ``VAE`` object.
+
+A family fixes the geometry (spatial/temporal ratio, planner halo) and the feature phases its cost
+models use (chosen by measurement, see docs/MEMORY.md). Recognition only reads plain attributes of
+the object ComfyUI passes (``vae.first_stage_model``, ``vae.upscale_ratio``, ``vae.latent_dim``,
+``vae.latent_channels``): nothing here imports ComfyUI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .geometry import VaeGeometry
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    description: str
+    geometry: VaeGeometry
+    latent_channels: int
+    phases: tuple[tuple[str, ...], ...]
+    """Feature phases of the ``full`` executor's cost model (ComfyUI's untiled decode), for a
+    calibration over the wide meta grid."""
+    real_phases: tuple[tuple[str, ...], ...]
+    """Features a calibration from a few *small real* decodes can identify (no more features than
+    :func:`.calibration.real_grid` has points; the quadratic attention phase never shows there)."""
+
+
+_IMAGE_PHASES = (("const", "px"), ("const", "px", "tokens_sq"))
+# Video: one phase. The per-frame attention at latent resolution would only dominate beyond ~3 Kpx
+# (measured on meta up to 3072^2), and a second phase fitted on a grid where it never dominates
+# only adds a spurious constant floor.
+_VIDEO_PHASES = (("const", "px", "px_step", "px_cache2", "px_frames"),)
+# Four small real decodes identify four features: Wan steps one latent frame at a time with a
+# 2-frame cache (output accumulation is negligible at small sizes); HunyuanVideo decodes the whole
+# clip at once (its peak grows with every output frame).
+_WAN_REAL = (("const", "px", "px_step", "px_cache2"),)
+_WHOLE_CLIP_REAL = (("const", "px", "px_step", "px_frames"),)
+
+FAMILIES: dict[str, Family] = {
+    "kl": Family(
+        "kl",
+        "KL-f8 image VAE (SD1.x/SD2/SDXL 4 ch, SD3/Flux 16 ch): GroupNorm decoder, global mid attention",
+        VaeGeometry("kl", spatial_ratio=8, temporal_ratio=1, halo=8, align=1),
+        4,
+        _IMAGE_PHASES,
+        (("const", "px"),),
+    ),
+    "wan21": Family(
+        "wan21",
+        "Wan 2.1 video VAE: causal 3-D convs with per-frame caches, 8x spatial, 4x temporal",
+        VaeGeometry("wan21", spatial_ratio=8, temporal_ratio=4, halo=8, align=1),
+        16,
+        _VIDEO_PHASES,
+        _WAN_REAL,
+    ),
+    "wan22": Family(
+        "wan22",
+        "Wan 2.2 video VAE: causal 3-D convs, 16x spatial, 4x temporal",
+        VaeGeometry("wan22", spatial_ratio=16, temporal_ratio=4, halo=4, align=1),
+        48,
+        _VIDEO_PHASES,
+        _WAN_REAL,
+    ),
+    "hunyuan_video": Family(
+        "hunyuan_video",
+        "HunyuanVideo 3-D KL VAE: whole clip decoded at once, 8x spatial, 4x temporal",
+        VaeGeometry("hunyuan_video", spatial_ratio=8, temporal_ratio=4, halo=8, align=1),
+        16,
+        _VIDEO_PHASES,
+        _WHOLE_CLIP_REAL,
+    ),
+}
+
+
+def _ratios(vae: Any) -> tuple[int, int]:
+    """``(spatial, temporal)`` decode ratios of a ComfyUI VAE (temporal 1 for image VAEs)."""
+    up = getattr(vae, "upscale_ratio", 8)
+    if isinstance(up, (tuple, list)):
+        spatial = int(up[-1])
+        t = up[0]
+        temporal = round(t(8192) / 8192) if callable(t) else int(t)
+        return spatial, max(1, temporal)
+    return int(up), 1
+
+
+def identify(vae: Any) -> str | None:
+    """The known family of a ComfyUI ``VAE`` object, or ``None``."""
+    model = getattr(vae, "first_stage_model", None)
+    if model is None:
+        return None
+    cls = type(model)
+    name, module = cls.__name__, cls.__module__
+    spatial, temporal = _ratios(vae)
+    latent_dim = int(getattr(vae, "latent_dim", 2))
+    channels = int(getattr(vae, "latent_channels", 0))
+    if name == "WanVAE":
+        if module.endswith("wan.vae2_2"):
+            return "wan22"
+        if module.endswith("wan.vae"):
+            return "wan21"
+        return None
+    if name in ("AutoencoderKL", "AutoencodingEngine"):
+        decoder = getattr(model, "decoder", None)
+        decoder_name = type(decoder).__name__ if decoder is not None else ""
+        if (
+            latent_dim == 2
+            and spatial == 8
+            and temporal == 1
+            and channels in (4, 16)
+            and decoder_name == "Decoder"
+        ):
+            return "kl"
+        if (
+            latent_dim == 3
+            and spatial == 8
+            and temporal == 4
+            and channels == 16
+            and decoder_name == "Decoder"
+        ):
+            return "hunyuan_video"
+    return None
+
+
+def model_name(vae: Any) -> str:
+    """The key for an unknown VAE: its ``first_stage_model`` class (module-qualified)."""
+    model = getattr(vae, "first_stage_model", None)
+    cls = type(model)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def vae_geometry(vae: Any, halo: int | None = None) -> VaeGeometry:
+    """The :class:`VaeGeometry` of a ComfyUI VAE: the family's, or from its ratios if unknown."""
+    fam = identify(vae)
+    if fam is not None:
+        g = FAMILIES[fam].geometry
+        return g if halo is None else dataclasses.replace(g, halo=halo)
+    spatial, temporal = _ratios(vae)
+    return VaeGeometry(model_name(vae), spatial, temporal, halo=8 if halo is None else halo)

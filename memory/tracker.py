@@ -1,0 +1,300 @@
+"""Peak-memory tracking of a block of code.
+
+``PeakTracker`` is a context manager reporting the peak bytes a block allocated on one device:
+
+* ``method="dispatch"`` (CPU, ``meta``, and any device on request): a ``TorchDispatchMode`` sees the
+  output of every aten op run inside the block. Bytes are counted per *untyped storage* (a view or
+  an in-place op returns a storage that is already counted, so nothing is counted twice), and a
+  ``weakref.finalize`` on each storage object removes its bytes the moment torch frees it (PyTorch
+  keeps one Python object per storage alive as long as the storage, so the finalizer fires exactly
+  when the memory is released). Storages that existed before entry are never counted: a storage
+  is new when an op returns it and it is neither one of the op's inputs nor already tracked.
+  What it cannot see: scratch memory a C++ kernel allocates and frees *inside* one op (e.g. a
+  convolution workspace) and allocator overhead/fragmentation. On ``meta`` it is the only
+  meaningful measure (nothing is allocated).
+* ``method="cuda"``: ``torch.cuda.reset_peak_memory_stats`` at entry, then
+  ``max_memory_allocated``/``max_memory_reserved`` at exit, relative to the values at entry. This is
+  the allocator's own truth (kernel workspaces included) and is what matters for OOM on a GPU.
+
+* ``method="rss"`` (Linux, CPU): the *process* resident-set high-water mark (``VmHWM``, reset through
+  ``/proc/self/clear_refs`` at entry after ``malloc_trim``) above the resident set at entry. It
+  sees everything the dispatch count cannot (oneDNN scratch and re-layouts, allocator overhead) but
+  is process-wide (other threads count too) and page-granular; the bench uses it to measure how far
+  the process grows beyond the tensor-level peak on CPU.
+
+``method="auto"`` picks ``cuda`` for a CUDA device and ``dispatch`` elsewhere.
+
+All figures are bytes *above the baseline at entry*: ``peak_bytes`` (highest live bytes reached),
+``end_bytes`` (still alive at exit), and on CUDA ``peak_reserved_bytes``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import pathlib
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, Literal, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+log = logging.getLogger("vramfit.memory.tracker")
+
+Method = Literal["auto", "dispatch", "cuda", "rss"]
+
+
+class PeakMeter(Protocol):
+    """What calibration needs from a tracker: a context manager with ``peak_bytes`` after exit."""
+
+    peak_bytes: int
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakResult:
+    """Frozen figures of one tracked block (bytes above the baseline at entry)."""
+
+    device: str
+    method: str
+    peak_bytes: int
+    end_bytes: int
+    peak_reserved_bytes: int | None = None
+    allocations: int = 0
+
+    def describe(self) -> str:
+        text = f"peak {_mib(self.peak_bytes)} (end {_mib(self.end_bytes)}) on {self.device} via {self.method}"
+        if self.peak_reserved_bytes is not None:
+            text += f", reserved peak {_mib(self.peak_reserved_bytes)}"
+        return text
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _storage_nbytes(storage: torch.UntypedStorage) -> int:
+    return int(storage.nbytes())
+
+
+class _StorageCounter(TorchDispatchMode):
+    """Counts live bytes of storages created by ops under the mode, on one device type."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self._lock = threading.Lock()
+        self._live: dict[int, int] = {}  # id(storage) -> nbytes
+        self._finalizers: dict[int, weakref.finalize] = {}
+        self.current = 0
+        self.peak = 0
+        self.allocations = 0
+        self.active = True
+
+    def _on_free(self, key: int) -> None:
+        with self._lock:
+            nbytes = self._live.pop(key, None)
+            self._finalizers.pop(key, None)
+            if nbytes is not None:
+                self.current -= nbytes
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        nbytes = _storage_nbytes(storage)
+        with self._lock:
+            known = self._live.get(key)
+            if known is None:
+                self._live[key] = nbytes
+                self._finalizers[key] = weakref.finalize(storage, self._on_free, key)
+                self.current += nbytes
+                self.allocations += 1
+            elif nbytes != known:  # a tracked storage was resized in place
+                self._live[key] = nbytes
+                self.current += nbytes - known
+            if self.current > self.peak:
+                self.peak = self.current
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.active:
+            return out
+        inputs, _ = tree_flatten((args, kwargs))
+        input_ids = {
+            id(t.untyped_storage()) for t in inputs if isinstance(t, torch.Tensor) and _has_storage(t)
+        }
+        outputs, _ = tree_flatten(out)
+        for t in outputs:
+            if not isinstance(t, torch.Tensor) or t.device.type != self.device_type or not _has_storage(t):
+                continue
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key in input_ids and key not in self._live:
+                continue  # a view of / in-place op on memory that existed before entry
+            self._track(storage)
+        return out
+
+    def close(self) -> int:
+        """Stop counting; detach every finalizer. Returns the bytes still alive."""
+        with self._lock:
+            self.active = False
+            for fin in self._finalizers.values():
+                fin.detach()
+            self._finalizers.clear()
+            end = self.current
+            self._live.clear()
+        return end
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    # Sparse/nested or functional wrappers have no plain storage; they are not counted.
+    try:
+        t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+class PeakTracker:
+    """Context manager: peak bytes allocated by the block on ``device`` (see module docstring)."""
+
+    def __init__(self, device: torch.device | str = "cpu", method: Method = "auto") -> None:
+        self.device = torch.device(device)
+        if method == "auto":
+            method = "cuda" if self.device.type == "cuda" else "dispatch"
+        if method == "cuda" and self.device.type != "cuda":
+            raise ValueError(f"method 'cuda' needs a CUDA device, not {self.device}")
+        if method == "rss" and (self.device.type != "cpu" or not rss_supported()):
+            raise ValueError("method 'rss' needs a CPU device on Linux (/proc/self/clear_refs)")
+        if method not in ("dispatch", "cuda", "rss"):
+            raise ValueError(f"unknown tracker method {method!r}")
+        self.method: str = method
+        self.peak_bytes = 0
+        self.end_bytes = 0
+        self.peak_reserved_bytes: int | None = None
+        self.allocations = 0
+        self._counter: _StorageCounter | None = None
+        self._base_alloc = 0
+        self._base_reserved = 0
+        self._entered = False
+        self._done = False
+
+    # -- live view (dispatch method only) --------------------------------------------------
+    @property
+    def current_bytes(self) -> int:
+        """Live bytes above the baseline right now (dispatch method; CUDA: allocator delta)."""
+        if self._counter is not None and not self._done:
+            return self._counter.current
+        if self.method == "cuda" and self._entered and not self._done:
+            return int(torch.cuda.memory_allocated(self.device)) - self._base_alloc
+        return self.end_bytes
+
+    def __enter__(self) -> PeakTracker:
+        if self._entered:
+            raise RuntimeError("a PeakTracker can be entered only once; create a new one")
+        self._entered = True
+        if self.method == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base_alloc = int(torch.cuda.memory_allocated(self.device))
+            self._base_reserved = int(torch.cuda.memory_reserved(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.method == "rss":
+            _malloc_trim()
+            _PROC_CLEAR_REFS.write_text("5")
+            self._base_alloc = _proc_status_bytes("VmRSS")
+        else:
+            self._counter = _StorageCounter(self.device.type)
+            self._counter.__enter__()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.method == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = max(0, int(torch.cuda.max_memory_allocated(self.device)) - self._base_alloc)
+            self.peak_reserved_bytes = max(
+                0, int(torch.cuda.max_memory_reserved(self.device)) - self._base_reserved
+            )
+            self.end_bytes = int(torch.cuda.memory_allocated(self.device)) - self._base_alloc
+        elif self.method == "rss":
+            self.peak_bytes = max(0, _proc_status_bytes("VmHWM") - self._base_alloc)
+            self.end_bytes = _proc_status_bytes("VmRSS") - self._base_alloc
+        else:
+            counter = self._counter
+            assert counter is not None
+            counter.__exit__(exc_type, exc, tb)
+            self.end_bytes = counter.close()
+            self.peak_bytes = counter.peak
+            self.allocations = counter.allocations
+            self._counter = None
+        self._done = True
+
+    def result(self) -> PeakResult:
+        if not self._done:
+            raise RuntimeError("the tracked block has not finished yet")
+        return PeakResult(
+            device=str(self.device),
+            method=self.method,
+            peak_bytes=self.peak_bytes,
+            end_bytes=self.end_bytes,
+            peak_reserved_bytes=self.peak_reserved_bytes,
+            allocations=self.allocations,
+        )
+
+
+_PROC_STATUS = pathlib.Path("/proc/self/status")
+_PROC_CLEAR_REFS = pathlib.Path("/proc/self/clear_refs")
+
+
+def rss_supported() -> bool:
+    """Whether ``method="rss"`` works here (Linux with a writable ``/proc/self/clear_refs``)."""
+    if not sys.platform.startswith("linux") or not _PROC_STATUS.is_file():
+        return False
+    try:
+        _PROC_CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _proc_status_bytes(field: str) -> int:
+    for line in _PROC_STATUS.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024  # reported in kB
+    raise RuntimeError(f"{field} not in {_PROC_STATUS}")
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def tracker_factory(device: torch.device | str = "cpu", method: Method = "auto") -> Callable[[], PeakTracker]:
+    """A zero-argument factory of fresh trackers (what :func:`calibrate` takes)."""
+    dev = torch.device(device)
+
+    def make() -> PeakTracker:
+        return PeakTracker(dev, method)
+
+    return make
+
+
+def measure_peak(
+    fn: Callable[[], Any], device: torch.device | str = "cpu", method: Method = "auto"
+) -> PeakResult:
+    """Run ``fn()`` under a fresh tracker and return its :class:`PeakResult` (the output is dropped)."""
+    with PeakTracker(device, method) as tracker:
+        fn()
+    return tracker.result()

@@ -1,0 +1,155 @@
+"""Meta sizing (fake tensors) against real decodes of a toy decoder; first-use calibration + cache;
+family recognition on VAE-like objects."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from vramfit.memory.calibration import calibrate_vae, cost_model_for, fit_grid, real_grid, vae_key
+from vramfit.memory.cost_model import CostModelStore
+from vramfit.memory.families import FAMILIES, identify, vae_geometry
+from vramfit.memory.geometry import Geometry, VaeGeometry
+from vramfit.memory.sizing import MetaSizer, decode_run, latent_shape
+from vramfit.memory.tracker import PeakTracker
+
+
+class ToyDecoder(torch.nn.Module):
+    """4x upsampling conv decoder with GroupNorm and a latent-resolution attention (like a VAE)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_in = torch.nn.Conv2d(4, 32, 3, padding=1)
+        self.norm = torch.nn.GroupNorm(8, 32)
+        self.up1 = torch.nn.Conv2d(32, 16, 3, padding=1)
+        self.up2 = torch.nn.Conv2d(16, 8, 3, padding=1)
+        self.conv_out = torch.nn.Conv2d(8, 3, 3, padding=1)
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        h = self.conv_in(z)
+        b, c, hh, ww = h.shape
+        q = h.reshape(b, c, hh * ww)
+        attn = torch.softmax(torch.bmm(q.transpose(1, 2), q), dim=-1)  # (hw)^2: quadratic
+        h = h + torch.bmm(q, attn).reshape(b, c, hh, ww)
+        del q, attn
+        h = torch.nn.functional.silu(self.norm(h))
+        h = self.up1(torch.nn.functional.interpolate(h, scale_factor=2.0))
+        h = self.up2(torch.nn.functional.interpolate(h, scale_factor=2.0))
+        return self.conv_out(h)
+
+
+def toy_vae() -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        first_stage_model=ToyDecoder().eval(),
+        upscale_ratio=4,
+        latent_dim=2,
+        latent_channels=4,
+        vae_dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+
+
+def test_meta_sizer_equals_real_tracked_peak() -> None:
+    vae = toy_vae()
+    run = decode_run(vae.first_stage_model.decode, 4, torch.float32)
+    for g in (Geometry(8, 8, spatial_ratio=4), Geometry(12, 20, batch=2, spatial_ratio=4)):
+        with PeakTracker() as real:
+            run(g)
+        with MetaSizer([vae.first_stage_model], torch.float32) as meta:
+            run(g)
+        assert real.peak_bytes > 0
+        assert meta.peak_bytes == real.peak_bytes, g.describe()
+    # the weights were swapped back: the model still computes real numbers
+    out = vae.first_stage_model.decode(torch.randn(1, 4, 4, 4))
+    assert out.device.type == "cpu" and torch.isfinite(out).all()
+
+
+def test_meta_sizer_huge_shape_and_dtype() -> None:
+    vae = toy_vae()
+    run32 = decode_run(vae.first_stage_model.decode, 4, torch.float32)
+    run16 = decode_run(vae.first_stage_model.decode, 4, torch.bfloat16)
+    g = Geometry(256, 256, spatial_ratio=4)  # 1024^2 px, attention 65536^2: 16 GiB in fp32
+    with MetaSizer([vae.first_stage_model], torch.float32) as m32:
+        run32(g)
+    with MetaSizer([vae.first_stage_model], torch.bfloat16) as m16:
+        run16(g)
+    assert m32.peak_bytes > 16 * 2**30
+    assert m16.peak_bytes * 2 == pytest.approx(m32.peak_bytes, rel=0.01)
+
+
+def test_first_use_calibration_is_cached_and_predicts_real_peaks(tmp_path) -> None:
+    vae = toy_vae()
+    cache = tmp_path / "vramfit_costs.json"
+    store = CostModelStore(cache, defaults_dir=None)
+    model = cost_model_for(vae, store)
+    assert model.key == vae_key(vae)
+    assert model.key.family.endswith("ToyDecoder") and model.key.device_type == "cpu"
+    assert len(model.points) == len(fit_grid(vae_geometry(vae)))
+    # a real decode at a size not in the grid
+    g = Geometry(40, 24, spatial_ratio=4)
+    run = decode_run(vae.first_stage_model.decode, 4, torch.float32)
+    with PeakTracker() as t:
+        run(g)
+    assert model.predict(g) == pytest.approx(t.peak_bytes, rel=0.05)
+    # cached: a new store (new session) does not calibrate again
+    calls = []
+    store2 = CostModelStore(cache, defaults_dir=None)
+    again = store2.get_or_calibrate(model.key, lambda: calls.append(1) or model)
+    assert again == model and not calls
+
+
+def test_real_mode_calibration() -> None:
+    vae = toy_vae()
+    model = calibrate_vae(vae, mode="real")
+    assert len(model.points) == len(real_grid(vae_geometry(vae)))
+    assert model.inputs["mode"] == "real" and model.inputs["tracker"] == "dispatch"
+    assert len(model.phases) == 1
+
+
+def test_latent_shape() -> None:
+    assert latent_shape(Geometry(3, 5, batch=2), 4) == (2, 4, 3, 5)
+    assert latent_shape(Geometry(3, 5, latent_frames=7, temporal_ratio=4), 16) == (1, 16, 7, 3, 5)
+
+
+def _fake_vae(
+    cls_name: str, module: str, upscale_ratio, latent_dim: int, channels: int, decoder: str = "Decoder"
+):
+    dec_cls = type(decoder, (), {})
+    model_cls = type(cls_name, (), {"__module__": module})
+    model = model_cls()
+    model.decoder = dec_cls()
+    return types.SimpleNamespace(
+        first_stage_model=model, upscale_ratio=upscale_ratio, latent_dim=latent_dim, latent_channels=channels
+    )
+
+
+def test_identify_families() -> None:
+    def video(s):
+        return (lambda a: max(0, a * 4 - 3), s, s)
+
+    assert identify(_fake_vae("AutoencoderKL", "comfy.ldm.models.autoencoder", 8, 2, 4)) == "kl"
+    assert identify(_fake_vae("AutoencodingEngine", "comfy.ldm.models.autoencoder", 8, 2, 16)) == "kl"
+    assert identify(_fake_vae("WanVAE", "comfy.ldm.wan.vae", video(8), 3, 16)) == "wan21"
+    assert identify(_fake_vae("WanVAE", "comfy.ldm.wan.vae2_2", video(16), 3, 48)) == "wan22"
+    assert (
+        identify(_fake_vae("AutoencoderKL", "comfy.ldm.models.autoencoder", video(8), 3, 16))
+        == "hunyuan_video"
+    )
+    svd = _fake_vae("AutoencodingEngine", "comfy.ldm.models.autoencoder", 8, 2, 4, decoder="VideoDecoder")
+    assert identify(svd) is None
+    unknown = _fake_vae("TAESD", "comfy.taesd.taesd", 8, 2, 4)
+    assert identify(unknown) is None
+    geo = vae_geometry(_fake_vae("Mochi", "x.y", (lambda a: a * 6 - 5, 8, 8), 3, 12))
+    assert (geo.family, geo.spatial_ratio, geo.temporal_ratio) == ("x.y.Mochi", 8, 6)
+    assert (
+        vae_geometry(_fake_vae("WanVAE", "comfy.ldm.wan.vae", video(8), 3, 16)) == FAMILIES["wan21"].geometry
+    )
+
+
+def test_vae_geometry_out_frames() -> None:
+    v = VaeGeometry("wan21", 8, 4)
+    assert [v.out_frames(t) for t in (0, 1, 2, 21)] == [1, 1, 5, 81]
+    g = Geometry(4, 4, latent_frames=3, first_chunk=False, temporal_ratio=4)
+    assert g.out_frames == 12 and g.frames_per_step == 4
+    assert Geometry(4, 4, latent_frames=1, temporal_ratio=4).frames_per_step == 1
