@@ -105,6 +105,11 @@ def import_comfy(cfg: HostConfig | None = None, cpu: bool = True) -> HostConfig:
     if loaded is not None and not str(getattr(loaded, "__file__", "")).startswith(path):
         raise RuntimeError(f"a different 'nodes' module is already imported: {loaded!r}")
     import comfy.options  # noqa: F401  (keeps ComfyUI's argv parsing off)
+
+    # main.py imports ComfyUI's ``utils`` package before ``nodes.py`` puts ``comfy/`` first on
+    # sys.path (after which ``import utils`` would find ``comfy/utils.py``); do the same.
+    if (cfg.comfyui_path / "utils" / "__init__.py").is_file():
+        import utils  # noqa: F401
     from comfy.cli_args import args
 
     if cpu and not args.cpu:
