@@ -1,0 +1,98 @@
+"""One report format for every VRAM Fit node (decode plans, offload, the VRAM monitor).
+
+A report is a title line plus aligned ``key : value`` rows, easy to read in ComfyUI's text preview,
+in ``/history`` for API runs and in logs; :meth:`Report.to_dict` gives the same content as data.
+
+    VRAM Fit | Tiled VAE Decode | cpu
+      budget    : 6.61 GiB = 7.20 GiB free - 160.0 MiB VAE weights - 512.0 MiB reserve
+      plan      : 2x3 tiles of 64x96 latent px, 1 image/pass, exact
+      predicted : peak 5.10 GiB (77% of budget)
+      measured  : peak 5.02 GiB in 12.3 s
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+TITLE_PREFIX = "VRAM Fit"
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Human-readable bytes (binary units), ``-`` for unknown."""
+    if n is None:
+        return "-"
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            if unit == "B":
+                return f"{sign}{int(n)} B"
+            return f"{sign}{n:.2f} {unit}" if unit == "GiB" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+@dataclasses.dataclass
+class Report:
+    """A titled list of ``(key, value)`` rows; values may span several lines."""
+
+    node: str
+    device: str = ""
+    rows: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+    def add(self, key: str, value: Any) -> Report:
+        self.rows.append((str(key), str(value)))
+        return self
+
+    def extend(self, rows: list[tuple[str, Any]]) -> Report:
+        for key, value in rows:
+            self.add(key, value)
+        return self
+
+    @property
+    def title(self) -> str:
+        parts = [TITLE_PREFIX, self.node] + ([self.device] if self.device else [])
+        return " | ".join(parts)
+
+    def text(self) -> str:
+        width = max((len(k) for k, _ in self.rows), default=0)
+        lines = [self.title]
+        for key, value in self.rows:
+            first, *rest = value.splitlines() or [""]
+            lines.append(f"  {key.ljust(width)} : {first}")
+            lines.extend(f"  {' ' * width}   {line}" for line in rest)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node": self.node, "device": self.device, "rows": [list(r) for r in self.rows]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Report:
+        return cls(node=data["node"], device=data.get("device", ""), rows=[tuple(r) for r in data["rows"]])
+
+    @classmethod
+    def parse(cls, text: str) -> Report:
+        """Inverse of :meth:`text` (used by tests and the headless runner to read reports back)."""
+        lines = text.splitlines()
+        if not lines or not lines[0].startswith(TITLE_PREFIX + " | "):
+            raise ValueError(f"not a VRAM Fit report: {lines[:1]}")
+        head = lines[0].split(" | ")
+        report = cls(node=head[1], device=head[2] if len(head) > 2 else "")
+        for line in lines[1:]:
+            key, sep, value = line[2:].partition(" : ")
+            if sep and key.strip():
+                report.rows.append((key.strip(), value))
+            elif report.rows:  # continuation line of a multi-line value
+                k, v = report.rows[-1]
+                report.rows[-1] = (k, v + "\n" + line.strip())
+        return report
