@@ -1,6 +1,6 @@
 """Thin ComfyUI adapters, one file per node. Imported only by ComfyUI (see ``comfy_entrypoint``).
 
-Node ids are permanent once shipped: every id carries the ``VRAMFit`` prefix and never changes.
+Node ids are permanent once shipped: every id carries the ``VRAMFit_`` prefix and never changes.
 """
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from comfy_api.v0_0_2 import ComfyExtension, io
 
 
 def node_classes() -> list[type[io.ComfyNode]]:
-    """All node classes of the pack, in menu order (nodes are added here as they land)."""
-    return []
+    """All node classes of the pack, in menu order (each node module adds itself here)."""
+    classes: list[type[io.ComfyNode]] = []
+    return classes
 
 
 class VRAMFitExtension(ComfyExtension):
