@@ -1,0 +1,285 @@
+"""Single-pass tiled decode for any VAE: latent tiles with a halo, cropped, written into one buffer.
+
+For decoders the exact path (``tiled_exact``) does not support (image VAEs of third-party packs such
+as DC-AE, up-path attention, ...). Each latent tile (its core plus ``halo`` latent px on every side
+that is not an image border) is decoded by the caller's ``decode_fn`` and only the core's pixels are
+written into a preallocated output buffer, so every output pixel is computed once (ComfyUI's
+``VAEDecodeTiled`` decodes everything three times and averages).
+
+Exact when the decoder is *local*: with ``halo >= reach`` (``memory/reach.py``) of a decoder
+without global operations, each core pixel sees exactly the inputs it sees in a whole-image decode.
+Decoders with GroupNorm (statistics over the whole image) or attention are global, so tiles differ
+from the whole-image decode (KL-f8 measured in docs/TILED_DECODE.md: ~18-30 dB depending on halo);
+for those the exact path is the right one.
+
+``feather`` (latent px, <= halo and <= half the smallest core): cross-fades adjacent tiles over
+``2 * feather`` latent px centred on their common border with complementary linear ramps (a
+partition of unity, also across T-junctions after an OOM re-split). Pixels in those bands are
+computed twice; the rest once. A feathered pixel lies up to ``feather`` px outside its tile's core,
+so it has ``halo - feather`` px of context there: for a local decoder to stay exact use
+``halo >= reach + feather``.
+
+Tiles are processed per batch item; ``tile`` and ``halo`` are in latent px. 4-D ``(B, C, h, w)`` and
+5-D ``(B, C, t, h, w)`` latents are tiled over their last two dims (the whole time axis per tile).
+Progress, stop, fault injection and OOM resume behave as in ``tiled_exact`` (resume = skip finished
+tiles; the pending ones are re-split with half the tile); finished tiles are never recomputed, so a
+resumed decode equals an uninterrupted one with the same halo wherever the decoder is local.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .tiled_exact import default_oom_exceptions, split_even
+
+log = logging.getLogger("vramfit.memory.tiled_generic")
+
+__all__ = ["count_generic_steps", "decode_generic", "generic_tiles"]
+
+ProgressFn = Callable[[int, int], None]
+Rect = tuple[int, int, int, int, int]  # b, y0, y1, x0, x1 (latent px)
+
+
+def _pair(v: int | Sequence[int], what: str) -> tuple[int, int]:
+    if isinstance(v, int):
+        v = (v, v)
+    a, b = int(v[0]), int(v[1])
+    if a < 0 or b < 0:
+        raise ValueError(f"{what} must be >= 0, got {v}")
+    return a, b
+
+
+def generic_tiles(batch: int, h: int, w: int, tile: tuple[int, int], y0: int = 0, x0: int = 0) -> list[Rect]:
+    """Balanced tile cores (latent px) of one ``h x w`` region for every batch item, row-major."""
+    return [
+        (b, y0 + a, y0 + c, x0 + d, x0 + e)
+        for b in range(batch)
+        for a, c in split_even(h, tile[0])
+        for d, e in split_even(w, tile[1])
+    ]
+
+
+def count_generic_steps(latent_shape: Sequence[int], tile: int | Sequence[int]) -> int:
+    """Tile steps of an uninterrupted ``decode_generic`` (batch x tiles)."""
+    t = _pair(tile, "tile")
+    b, h, w = int(latent_shape[0]), int(latent_shape[-2]), int(latent_shape[-1])
+    return len(generic_tiles(b, h, w, t))
+
+
+def _ramp(n: int, start_pad: int, end_pad: int, band: int, device: torch.device) -> torch.Tensor:
+    """Weights along one axis of a written region of ``n`` px whose first ``start_pad`` / last ``end_pad``
+    px lie beyond the core; the ramp spans ``2 * band`` px centred on each core border (1 elsewhere)."""
+    pos = torch.arange(n, dtype=torch.float32, device=device) + 0.5
+    w = torch.ones(n, dtype=torch.float32, device=device)
+    if band > 0 and start_pad > 0:
+        w = torch.minimum(w, (pos / (2 * band)).clamp(0, 1))
+    if band > 0 and end_pad > 0:
+        w = torch.minimum(w, ((n - pos) / (2 * band)).clamp(0, 1))
+    return w
+
+
+class _GenericRun:
+    def __init__(
+        self,
+        decode_fn,
+        z,
+        tile,
+        halo,
+        scale,
+        out_device,
+        out_dtype,
+        feather,
+        progress,
+        should_stop,
+        fault_hook,
+        oom,
+        on_oom,
+        min_tile,
+    ) -> None:
+        self.decode_fn = decode_fn
+        self.z = z
+        self.tile = tile
+        self.halo = halo
+        self.scale = scale
+        self.out_device = out_device
+        self.out_dtype = out_dtype
+        self.feather = feather
+        self.progress = progress
+        self.should_stop = should_stop
+        self.fault_hook = fault_hook
+        self.oom = oom
+        self.on_oom = on_oom
+        self.min_tile = max(1, int(min_tile))
+        self.h, self.w = int(z.shape[-2]), int(z.shape[-1])
+        self.pending: collections.deque[Rect] = collections.deque(
+            generic_tiles(int(z.shape[0]), self.h, self.w, tile)
+        )
+        # Feather band per axis, fixed for the whole decode (the ramps of neighbouring tiles must
+        # match): <= halo and <= half the shortest core, so at most two tiles overlap anywhere.
+        cores_y = [b - a for a, b in split_even(self.h, tile[0])]
+        cores_x = [b - a for a, b in split_even(self.w, tile[1])]
+        self.band = (
+            min(feather, halo[0], min(cores_y) // 2) if len(cores_y) > 1 else 0,
+            min(feather, halo[1], min(cores_x) // 2) if len(cores_x) > 1 else 0,
+        )
+        self.out: torch.Tensor | None = None
+        self.done = 0
+        self.step = 0
+        self.shrinks = 0
+        self._in_stop = False
+
+    def _report(self) -> None:
+        if self.progress is not None:
+            self.progress(self.done, self.done + len(self.pending))
+
+    def _run_tile(self, r: Rect) -> None:
+        b, y0, y1, x0, x1 = r
+        hy, hx = self.halo
+        a0, a1 = max(0, y0 - hy), min(self.h, y1 + hy)
+        c0, c1 = max(0, x0 - hx), min(self.w, x1 + hx)
+        step = self.step
+        self.step += 1
+        latent = self.z[b : b + 1, ..., a0:a1, c0:c1]
+        if self.fault_hook is not None:
+            self.fault_hook(step)
+        img = self.decode_fn(latent)
+        sy, sx = self._scale_of(img, a1 - a0, c1 - c0)
+        if self.out is None:
+            shape = (int(self.z.shape[0]), *img.shape[1:-2], self.h * sy, self.w * sx)
+            dtype = self.out_dtype or (torch.float32 if any(self.band) else img.dtype)
+            self.out = torch.zeros(shape, dtype=dtype, device=self.out_device)
+        fy, fx = self.band
+        # Region written: the core, extended by the feather band on every internal side.
+        wy0, wy1 = (max(0, y0 - fy) if y0 > 0 else 0), (min(self.h, y1 + fy) if y1 < self.h else self.h)
+        wx0, wx1 = (max(0, x0 - fx) if x0 > 0 else 0), (min(self.w, x1 + fx) if x1 < self.w else self.w)
+        part = img[..., (wy0 - a0) * sy : (wy1 - a0) * sy, (wx0 - c0) * sx : (wx1 - c0) * sx]
+        dst = self.out[b : b + 1, ..., wy0 * sy : wy1 * sy, wx0 * sx : wx1 * sx]
+        if fy == 0 and fx == 0:
+            dst.copy_(part)
+            return
+        wy = _ramp(part.shape[-2], (y0 - wy0) * sy, (wy1 - y1) * sy, fy * sy, part.device)
+        wx = _ramp(part.shape[-1], (x0 - wx0) * sx, (wx1 - x1) * sx, fx * sx, part.device)
+        weighted = part.to(torch.float32) * (wy[:, None] * wx[None, :])
+        dst.add_(weighted.to(device=dst.device, dtype=dst.dtype))
+
+    def _scale_of(self, img: torch.Tensor, lh: int, lw: int) -> tuple[int, int]:
+        if self.scale is not None:
+            sy, sx = self.scale
+        else:
+            sy, sx = img.shape[-2] // lh, img.shape[-1] // lw
+            self.scale = (sy, sx)
+        if img.shape[-2] != lh * sy or img.shape[-1] != lw * sx:
+            raise ValueError(
+                f"decode_fn returned {tuple(img.shape)} for a {lh}x{lw} latent tile: not {sy}x{sx} per latent px"
+            )
+        return sy, sx
+
+    def _loop(self) -> None:
+        while self.pending:
+            if self.should_stop is not None:
+                self._in_stop = True
+                self.should_stop()
+                self._in_stop = False
+            self._run_tile(self.pending[0])
+            self.pending.popleft()
+            self.done += 1
+            self._report()
+
+    def _shrink(self) -> bool:
+        th, tw = self.tile
+        # Cores stay >= 2 * band after re-splitting (pieces of split_even are > tile / 2).
+        floor_y, floor_x = max(self.min_tile, 4 * self.band[0]), max(self.min_tile, 4 * self.band[1])
+        new = (max(min(th, floor_y), th // 2), max(min(tw, floor_x), tw // 2))
+        if new == self.tile:
+            return False
+        self.tile = new
+        self.shrinks += 1
+        rects: collections.deque[Rect] = collections.deque()
+        for b, y0, y1, x0, x1 in self.pending:
+            rects.extend((b, a, c, d, e) for _, a, c, d, e in generic_tiles(1, y1 - y0, x1 - x0, new, y0, x0))
+        self.pending = rects
+        return True
+
+    def _can_shrink(self) -> bool:
+        th, tw = self.tile
+        return th > max(self.min_tile, 4 * self.band[0]) or tw > max(self.min_tile, 4 * self.band[1])
+
+    def run(self) -> torch.Tensor:
+        self._report()
+        while True:
+            oom = False
+            try:
+                self._loop()
+                break
+            except self.oom:
+                if self._in_stop or not self._can_shrink():
+                    raise
+                oom = True
+            if oom:
+                if self.on_oom is not None:
+                    self.on_oom()
+                old = self.tile
+                self._shrink()
+                log.warning("tiled decode: out of memory at tile %s; resuming with tile %s", old, self.tile)
+                self._report()
+        assert self.out is not None
+        return self.out
+
+
+def decode_generic(
+    decode_fn: Callable[[torch.Tensor], torch.Tensor],
+    z: torch.Tensor,
+    tile: int | tuple[int, int],
+    halo: int | tuple[int, int],
+    *,
+    scale: int | tuple[int, int] | None = None,
+    out_device: torch.device | str | None = None,
+    out_dtype: torch.dtype | None = None,
+    feather: int = 0,
+    progress: ProgressFn | None = None,
+    should_stop: Callable[[], None] | None = None,
+    fault_hook: Callable[[int], None] | None = None,
+    oom_exceptions: tuple[type[BaseException], ...] | None = None,
+    on_oom: Callable[[], None] | None = None,
+    min_tile: int = 1,
+) -> torch.Tensor:
+    """Decode ``z`` tile by tile with ``decode_fn``; returns the assembled output ``(B, C, ..., H, W)``.
+
+    ``decode_fn(latent_tile) -> image_tile``: latent tile ``(1, C, [t,] h, w)`` (a view of ``z``; move
+    or cast it inside ``decode_fn``) to ``(1, C_out, [T,] h*sy, w*sx)``. ``tile``/``halo``/``feather``: latent
+    px. ``scale``: output px per latent px (inferred from the first tile when None). ``out_device``:
+    where the output buffer lives (default ``z.device``; pass ComfyUI's intermediate device);
+    ``out_dtype``: its dtype (default: the decoder's, float32 with ``feather``). ``progress(done,
+    total)``, ``should_stop()``, ``fault_hook(k)``, ``oom_exceptions``, ``on_oom()``: as in
+    :func:`vramfit.memory.tiled_exact.decode_exact`.
+    """
+    if z.ndim not in (4, 5):
+        raise ValueError(f"expected a (B, C, h, w) or (B, C, t, h, w) latent, got {tuple(z.shape)}")
+    t = _pair(tile, "tile")
+    if min(t) < 1:
+        raise ValueError(f"tile must be >= 1, got {tile}")
+    run = _GenericRun(
+        decode_fn,
+        z,
+        t,
+        _pair(halo, "halo"),
+        None if scale is None else _pair(scale, "scale"),
+        torch.device(out_device) if out_device is not None else z.device,
+        out_dtype,
+        max(0, int(feather)),
+        progress,
+        should_stop,
+        fault_hook,
+        default_oom_exceptions() if oom_exceptions is None else tuple(oom_exceptions),
+        on_oom,
+        min_tile,
+    )
+    with torch.no_grad():
+        out = run.run()
+    if run.shrinks:
+        log.info("tiled decode finished with tile %s after %d OOM shrink(s)", run.tile, run.shrinks)
+    return out
