@@ -14,9 +14,9 @@ import logging
 import os
 import pathlib
 import sys
-import time
 
 from scripts.host import ROOT, ComfyServer, HostConfig, import_comfy, output_files
+from scripts.run_workflow import run as run_workflow
 
 log = logging.getLogger("vramfit.demo")
 
@@ -63,9 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     with server:
         client = server.client(timeout=60)
         stats_before = client.system_stats()
-        t0 = time.perf_counter()
-        entry = client.run(workflow, timeout=1800)
-        elapsed = time.perf_counter() - t0
+        result = run_workflow(server.url, workflow, timeout=1800)
+        entry, elapsed = result.entry, result.seconds
         stats_after = client.system_stats()
         peak_rss = _peak_rss(server.proc.pid) if server.proc else None
     files = output_files(entry, server.output_dir)
@@ -77,10 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         "devices_before": stats_before.get("devices"),
         "devices_after": stats_after.get("devices"),
         "outputs": [str(f) for f in files],
+        "vramfit_reports": result.reports,
         "comfyui_log": str(server.log_path),
     }
     report_path = args.out / "vram_report.json"
     report_path.write_text(json.dumps(report, indent=2))
+    for text in result.reports:
+        log.info("%s", text)
     for f in files:
         log.info("output: %s", f)
     log.info("VRAM report: %s", report_path)
