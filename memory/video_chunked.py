@@ -1,0 +1,1073 @@
+"""Temporal-chunk video decode: exact causal chunking (+ spatial tiles) for Wan, overlap-blend for the rest.
+
+Wan 2.1 / 2.2 (exact): :func:`decode_wan_chunked`
+---------------------------------------------------
+The Wan decoder (``comfy/ldm/wan/vae.py``, ``vae2_2.py``) keeps every temporal dependency in the
+causal-convolution caches (``feat_cache``: per cached conv, the conv's input at the last two frames,
+or ``'Rep'`` for a temporal upsample that has only seen the first frame), normalises per position
+(RMS over channels) and attends within a frame. ComfyUI decodes one latent frame per call and grows
+the output with ``torch.cat``. Here:
+
+* **Chunks.** Latent frame 0 is decoded alone (the decoder's first call marks each temporal upsample
+  ``'Rep'`` and yields one frame; a first chunk of several frames would yield the wrong frame
+  count), then chunks of ``frames_per_chunk`` latent frames with the caches carried across. A chunk
+  of ``k`` later frames gives the same ``4 k`` frames as ``k`` one-frame calls (float noise).
+* **One output tensor.** Frames are written into one preallocated ``(B, 3, 1 + 4 (T - 1), H, W)``
+  tensor (what ``first_stage_model.decode`` returns, range [-1, 1]); nothing grows by ``torch.cat``.
+* **Spatial tiles.** The decoder is cut at ``split`` (an index into ``decoder.upsamples``). The
+  *global part* (``conv1``, the middle block with its per-frame attention, ``upsamples[:split]``)
+  runs on the whole frame; the *tiled part* (``upsamples[split:]`` + ``head``) runs per tile on the
+  tile's core plus a halo of at least its convolutional reach (walked from the modules:
+  :func:`wan_layout`), and the core is cropped. Every norm is per position and nothing in the tiled
+  part is global, so the cropped core equals the untiled decode (float noise).
+* **Cache layout.** The committed cache is one list with ComfyUI's indexing: each entry is the
+  *whole-frame* tensor ``(B, C, <=2, H s, W s)`` at its scale ``s`` (or ``'Rep'``/``None``).
+  Entries ``[0, n_global)`` belong to the global part; a tile gets its own full-length list in which
+  entries ``>= n_global`` are its halo-extended windows of the committed entries (``< n_global`` are
+  ``None`` and never read), runs with ``feat_idx = [n_global]``, and writes the cores of the entries
+  it produced into the next whole-frame entries. Cores partition the frame, so the next cache is
+  exactly the untiled one; tiles (and the tile size) can change between chunks.
+* **Snapshot / commit.** The committed list is never mutated: a chunk works on a shallow copy (the
+  global part) and on per-tile lists, and writes new whole-frame entries (ComfyUI's code only
+  *replaces* list entries, never writes into cache tensors). The chunk commits by swapping lists.
+  An OOM anywhere in a chunk discards the chunk's work and resumes from the committed cache with half
+  the chunk (then half the tile), after leaving the ``except`` block. Cost: during a chunk the
+  previous and the next cache coexist (2x the cache). ``cache_device="cpu"`` keeps the caches on the
+  host (every entry ComfyUI stores is moved there at once; the compute device holds no whole-frame
+  cache), ``rollback=False`` uses ComfyUI's in-place protocol (1x; an OOM restarts from frame 0).
+
+Measured figures (fidelity, time, peaks at 480p/720p) are in ``docs/VIDEO_DECODE.md``.
+
+Other video VAEs (approximate): :func:`decode_overlap_blend`
+-----------------------------------------------------------
+HunyuanVideo, LTX, Mochi, Cosmos: temporal chunks of latent frames overlapping by ``overlap`` latent
+frames, each decoded independently by a caller-given ``decode_fn`` (whose causal state restarts),
+placed with ComfyUI's frame formulas (``upscale_ratio`` / ``upscale_index_formula``) and cross-faded
+with linear weights, as ``comfy.utils.tiled_scale_multidim`` does along time, but accumulated into one
+output and a per-frame weight vector. Not exact.
+
+``memory/`` never imports ComfyUI: models are duck-typed, ComfyUI callables are passed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+log = logging.getLogger("vramfit.memory.video_chunked")
+
+__all__ = [
+    "CacheSlot",
+    "SplitInfo",
+    "WanLayout",
+    "chunk_ranges",
+    "decode_overlap_blend",
+    "decode_wan_chunked",
+    "default_oom_exceptions",
+    "is_wan_vae",
+    "overlap_chunks",
+    "tile_spans",
+    "wan_layout",
+]
+
+CACHE_T = 2
+"""Frames a causal-conv cache entry holds (``comfy.ldm.wan.vae.CACHE_T``)."""
+
+MIN_TILE = 2
+"""Smallest tile core (latent px) the OOM fallback shrinks to."""
+
+ProgressFn = Callable[[int, int], None]
+
+
+def default_oom_exceptions() -> tuple[type[BaseException], ...]:
+    """``torch.OutOfMemoryError`` (alias of ``torch.cuda.OutOfMemoryError``) where torch has it."""
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    return (oom,) if oom is not None else ()
+
+
+def _oom_types(given: Sequence[type[BaseException]] | None) -> tuple[type[BaseException], ...]:
+    """The exception types treated as out-of-memory. ``Exception``/``BaseException`` are dropped: ComfyUI
+    sets ``model_management.OOM_EXCEPTION = Exception`` when CUDA is unavailable, and catching that
+    would turn an interrupt (``should_stop``) or a bug into a re-plan."""
+    if given is None:
+        return default_oom_exceptions()
+    kept = tuple(t for t in given if t not in (Exception, BaseException))
+    if len(kept) != len(tuple(given)):
+        log.debug("ignoring Exception/BaseException as an out-of-memory type")
+    return kept
+
+
+# --------------------------------------------------------------------------------------------------
+# Geometry helpers (pure)
+
+
+def split_even(n: int, t: int) -> list[tuple[int, int]]:
+    """``[0, n)`` cut into ``ceil(n / t)`` near-equal ``(start, end)`` pieces, none longer than ``t``."""
+    if n <= 0:
+        return []
+    t = max(1, int(t))
+    k = -(-n // t)
+    return [(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+
+def tile_spans(n: int, tile: int, halo: int) -> list[tuple[int, int, int, int]]:
+    """Tiles of one axis of ``n`` latent px: ``(core0, core1, ext0, ext1)``, cores of at most ``tile``
+    (balanced, partitioning ``[0, n)``), extended by ``halo`` on each side and clipped to ``[0, n)``."""
+    return [(a, b, max(0, a - halo), min(n, b + halo)) for a, b in split_even(n, tile)]
+
+
+def chunk_ranges(latent_frames: int, frames_per_chunk: int) -> list[tuple[int, int]]:
+    """Latent-frame ranges ``[start, stop)`` of the exact Wan chunking: ``[0, 1)`` alone, then chunks of
+    ``frames_per_chunk`` (the last may be shorter). ``frames_per_chunk <= 0``: all the rest at once."""
+    t = int(latent_frames)
+    if t <= 0:
+        return []
+    k = t if frames_per_chunk <= 0 else int(frames_per_chunk)
+    out = [(0, 1)]
+    pos = 1
+    while pos < t:
+        out.append((pos, min(t, pos + k)))
+        pos = out[-1][1]
+    return out
+
+
+def overlap_chunks(latent_frames: int, frames_per_chunk: int, overlap: int) -> list[tuple[int, int]]:
+    """Overlapping latent-frame chunks ``[start, stop)`` as ComfyUI's ``tiled_scale_multidim`` places them
+    along time (positions ``0, k - o, 2 (k - o), ...``; the last one clipped to the end)."""
+    t, k = int(latent_frames), max(1, int(frames_per_chunk))
+    o = max(0, min(int(overlap), k - 1))
+    if t <= k:
+        return [(0, t)]
+    out = []
+    for p in range(0, t - o, k - o):
+        p = max(0, min(t - o, p))
+        out.append((p, min(t, p + k)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Wan decoder layout (duck-typed, walked from the modules)
+
+
+def _is_conv3d(m: Any) -> bool:
+    return isinstance(m, torch.nn.Conv3d)
+
+
+def _is_causal(m: Any) -> bool:
+    """ComfyUI's ``CausalConv3d``: a Conv3d with the causal ``_padding`` tuple."""
+    return _is_conv3d(m) and hasattr(m, "_padding")
+
+
+def _radius(conv: Any) -> float:
+    """Spatial radius (px of the conv's input): ``dilation * (kernel - 1) / 2`` over the last two dims."""
+    k = tuple(conv.kernel_size)[-2:]
+    d = tuple(conv.dilation)[-2:]
+    return max(di * (ki - 1) / 2 for ki, di in zip(k, d, strict=True))
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSlot:
+    """One ``feat_cache`` entry: the input of a cached causal conv (or a temporal upsample's state)."""
+
+    index: int
+    name: str
+    channels: int
+    scale: int
+    """Spatial scale vs the latent (1, 2, 4, 8)."""
+    kind: str
+    """``"conv"`` (residual/conv1/head conv) or ``"time_up"`` (temporal upsample: ``'Rep'`` after frame 0)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitInfo:
+    """What cutting the decoder before ``decoder.upsamples[split]`` means.
+
+    The global part (conv1 + middle + ``upsamples[:split]``) runs on whole frames and produces a
+    ``(B, channels, frame_factor * k, H * scale, W * scale)`` activation for a chunk of ``k`` later
+    latent frames; the tiled part needs a halo of ``halo = ceil(reach)`` latent px.
+    """
+
+    split: int
+    scale: int
+    channels: int
+    frame_factor: int
+    reach: float
+    first_slot: int
+    """Index of the first cache slot of the tiled part (``n_global``)."""
+
+    @property
+    def halo(self) -> int:
+        return int(math.ceil(self.reach - 1e-9))
+
+
+@dataclasses.dataclass(frozen=True)
+class WanLayout:
+    """Structure of a Wan ``first_stage_model`` (2.1 or 2.2) as the chunked executor uses it."""
+
+    version: str
+    """``"2.1"`` (3-channel head) or ``"2.2"`` (12-channel head + 2x2 unpatchify, ``first_chunk`` flag)."""
+    latent_channels: int
+    temporal_ratio: int
+    decoder_ratio: int
+    """Spatial scale of the decoder's head output (8)."""
+    patch: int
+    """Unpatchify factor after the head (1 for 2.1, 2 for 2.2)."""
+    out_channels: int
+    slots: tuple[CacheSlot, ...]
+    splits: tuple[SplitInfo, ...]
+    """``splits[i]``: cutting before ``upsamples[i]`` (``i = 0 .. len(upsamples)``)."""
+    default_split: int
+    tiled_global_ops: tuple[str, ...]
+    """Global modules (attention) after each split point would make tiling inexact; empty for Wan."""
+    n_cache: int
+    """Length of ComfyUI's cache list (``count_conv3d(decoder)``)."""
+
+    @property
+    def spatial_ratio(self) -> int:
+        return self.decoder_ratio * self.patch
+
+    def split_info(self, split: int | None = None) -> SplitInfo:
+        return self.splits[self.default_split if split is None else int(split)]
+
+    # -- geometry for the planner --------------------------------------------------------------
+    def out_frames(self, latent_frames: int) -> int:
+        """Output frames of a clip: ``1 + r (T - 1)`` (``r`` = 4)."""
+        return 0 if latent_frames <= 0 else 1 + self.temporal_ratio * (int(latent_frames) - 1)
+
+    def chunk_out_frames(self, k: int, first: bool = False) -> int:
+        """Output frames of a chunk of ``k`` latent frames (the first chunk is frame 0 alone: 1)."""
+        return 1 if first else self.temporal_ratio * int(k)
+
+    def out_frame_start(self, latent_start: int) -> int:
+        """Index of the first output frame of the chunk starting at latent frame ``latent_start``."""
+        return 0 if latent_start <= 0 else 1 + self.temporal_ratio * (int(latent_start) - 1)
+
+    def cache_bytes(
+        self,
+        latent_h: int,
+        latent_w: int,
+        batch: int = 1,
+        itemsize: int = 2,
+        split: int | None = None,
+        part: str = "tiled",
+    ) -> int:
+        """Bytes of the cache entries of one region of ``latent_h x latent_w`` latent px (a tile's
+        halo-extended region for ``part="tiled"``, the whole frame for ``"global"``/``"all"``), at most
+        2 frames each. During a chunk the committed and the next cache coexist (x2)."""
+        first = self.split_info(split).first_slot
+        total = 0
+        for s in self.slots:
+            tiled = s.index >= first
+            if part == "all" or (part == "tiled") == tiled:
+                total += s.channels * CACHE_T * latent_h * s.scale * latent_w * s.scale
+        return int(total) * int(batch) * int(itemsize)
+
+    def device_cache_bytes(
+        self,
+        latent_h: int,
+        latent_w: int,
+        tile_ext: tuple[int, int] | None = None,
+        batch: int = 1,
+        itemsize: int = 2,
+        split: int | None = None,
+        offload: bool = False,
+        rollback: bool = True,
+    ) -> int:
+        """Cache bytes :func:`decode_wan_chunked` holds on the compute device at the end of a chunk (the
+        worst point), for a ``latent_h x latent_w`` frame and tiles whose halo-extended region is at most
+        ``tile_ext`` latent px (None = whole frames):
+
+        * whole frames, cache on the device: 2x the whole cache with ``rollback`` (committed + next),
+          1x without (ComfyUI's in-place protocol);
+        * tiles, cache on the device: 2x the whole cache + the tile's own new entries;
+        * ``offload`` (``cache_device`` = host): tiles: the tile's windows + its new entries (2x the
+          tiled part of one extended tile); whole frames: one entry in transit (the largest slot).
+        """
+        whole = self.cache_bytes(latent_h, latent_w, batch, itemsize, split, part="all")
+        if offload:
+            if tile_ext is None:
+                big = max(s.channels * s.scale * s.scale for s in self.slots)
+                return int(big * CACHE_T * latent_h * latent_w * batch * itemsize)
+            return 2 * self.cache_bytes(tile_ext[0], tile_ext[1], batch, itemsize, split)
+        if tile_ext is None:
+            return whole * (2 if rollback else 1)
+        return 2 * whole + self.cache_bytes(tile_ext[0], tile_ext[1], batch, itemsize, split)
+
+    def global_activation_bytes(
+        self,
+        latent_h: int,
+        latent_w: int,
+        k: int,
+        batch: int = 1,
+        itemsize: int = 2,
+        split: int | None = None,
+    ) -> int:
+        """Bytes of the global part's output for a chunk of ``k`` later latent frames (held during tiles)."""
+        si = self.split_info(split)
+        return int(
+            batch * si.channels * si.frame_factor * k * latent_h * si.scale * latent_w * si.scale * itemsize
+        )
+
+
+def _walk(
+    layer: Any,
+    name: str,
+    scale: int,
+    tf: int,
+    slots: list[tuple[str, int, int, str]],
+    contrib: list[tuple[str, float]],
+    global_ops: list[str],
+) -> tuple[int, int, int | None]:
+    """Walk one decoder layer in forward order. Returns (scale, temporal factor, output channels)."""
+    residual = getattr(layer, "residual", None)
+    if isinstance(residual, torch.nn.Sequential):  # ResidualBlock
+        r, out_c = 0.0, None
+        for j, sub in enumerate(residual):
+            if _is_conv3d(sub):
+                slots.append((f"{name}.residual.{j}", int(sub.in_channels), scale, "conv"))
+                r += _radius(sub) / scale
+                out_c = int(sub.out_channels)
+        sc = getattr(layer, "shortcut", None)
+        if _is_conv3d(sc) or isinstance(sc, torch.nn.Conv2d):
+            r = max(r, _radius(sc) / scale)
+        contrib.append((name, r))
+        return scale, tf, out_c
+    mode = getattr(layer, "mode", None)
+    if isinstance(mode, str) and hasattr(layer, "resample"):  # Resample
+        if mode.startswith("downsample"):
+            raise ValueError(f"{name}: a downsample in a decoder is not a Wan decoder")
+        out_c = None
+        if mode == "upsample3d":
+            slots.append((f"{name}.time_conv", int(layer.time_conv.in_channels), scale, "time_up"))
+            tf *= 2
+        subs = layer.resample if isinstance(layer.resample, torch.nn.Sequential) else [layer.resample]
+        r = 0.0
+        for sub in subs:
+            if isinstance(sub, torch.nn.Upsample):
+                sf = sub.scale_factor
+                sf = sf[-1] if isinstance(sf, (tuple, list)) else sf
+                scale = int(round(scale * float(sf)))
+            elif isinstance(sub, (torch.nn.Conv2d, torch.nn.Conv3d)):
+                r += _radius(sub) / scale
+                out_c = int(sub.out_channels)
+        contrib.append((name, r))
+        return scale, tf, out_c
+    inner = getattr(layer, "upsamples", None)
+    if isinstance(inner, torch.nn.Sequential):  # Wan 2.2 Up_ResidualBlock (avg_shortcut: no conv, local)
+        out_c = None
+        for j, sub in enumerate(inner):
+            scale, tf, c = _walk(sub, f"{name}.upsamples.{j}", scale, tf, slots, contrib, global_ops)
+            out_c = c if c is not None else out_c
+        return scale, tf, out_c
+    lname = type(layer).__name__.lower()
+    if "attn" in lname or "attention" in lname:
+        global_ops.append(name)
+        return scale, tf, None
+    if any(isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d)) for m in layer.modules()):
+        raise ValueError(f"{name}: unknown decoder layer {type(layer).__name__}")
+    return scale, tf, None
+
+
+def is_wan_vae(model: Any) -> bool:
+    """True when ``model`` (a ``first_stage_model``) looks like ComfyUI's Wan 2.1/2.2 ``WanVAE``."""
+    dec = getattr(model, "decoder", None)
+    return (
+        dec is not None
+        and _is_causal(getattr(model, "conv2", None))
+        and all(hasattr(dec, n) for n in ("conv1", "middle", "upsamples", "head"))
+        and _is_causal(getattr(dec, "conv1", None))
+        and _accepts(dec.forward, "feat_cache")
+    )
+
+
+def wan_layout(model: Any) -> WanLayout:
+    """Walk a Wan ``first_stage_model``: cache slots (index, channels, scale), split points and the
+    convolutional reach of the tiled part for each, temporal/spatial ratios. Raises ``ValueError`` when
+    the model is not a Wan VAE this executor understands."""
+    if not is_wan_vae(model):
+        raise ValueError(
+            f"not a Wan VAE (no decoder.conv1/middle/upsamples/head with feat_cache): {type(model)}"
+        )
+    dec = model.decoder
+    slots: list[tuple[str, int, int, str]] = []
+    contrib: list[tuple[str, float]] = []
+    glob: list[str] = []
+    slots.append(("conv1", int(dec.conv1.in_channels), 1, "conv"))
+    channels = int(dec.conv1.out_channels)
+    scale, tf = 1, 1
+    for j, layer in enumerate(dec.middle):
+        scale, tf, c = _walk(layer, f"middle.{j}", scale, tf, slots, contrib, glob)
+        channels = c or channels
+    if scale != 1:
+        raise ValueError("the middle block changes the scale")
+    # Cut points before each upsample layer.
+    cut_state = []
+    for j, layer in enumerate(dec.upsamples):
+        cut_state.append((j, scale, tf, channels, len(slots), len(contrib), len(glob)))
+        scale, tf, c = _walk(layer, f"upsamples.{j}", scale, tf, slots, contrib, glob)
+        channels = c or channels
+    cut_state.append((len(dec.upsamples), scale, tf, channels, len(slots), len(contrib), len(glob)))
+    head_c = None
+    for j, sub in enumerate(dec.head):
+        if _is_conv3d(sub):
+            slots.append((f"head.{j}", int(sub.in_channels), scale, "conv"))
+            contrib.append((f"head.{j}", _radius(sub) / scale))
+            head_c = int(sub.out_channels)
+    if head_c is None:
+        raise ValueError("decoder.head has no convolution")
+    if head_c % 3 != 0 or math.isqrt(head_c // 3) ** 2 != head_c // 3:
+        raise ValueError(f"head output channels {head_c} are not 3 * p^2")
+    patch = math.isqrt(head_c // 3)
+    total_reach = [sum(v for _, v in contrib[i:]) for i in range(len(contrib) + 1)]
+    splits = []
+    tiled_glob: tuple[str, ...] = ()
+    for j, s, t, c, n_slots, n_contrib, n_glob in cut_state:
+        splits.append(SplitInfo(j, s, c, t, total_reach[n_contrib], n_slots))
+        if j == 0:
+            tiled_glob = tuple(glob[n_glob:])
+    # Default split: the last cut at scale <= 2. The global part's output there is 1/8 of one
+    # full-resolution activation per output frame for Wan 2.1 and 2.2 (channels x area x frames), and
+    # the tiled part's reach (halo) drops from 12.25 to 2.75 (2.1) / 5.75 (2.2) latent px.
+    default = max(j for j, s, *_ in cut_state if s <= 2)
+    version = (
+        "2.2"
+        if patch > 1 or any(_accepts(layer.forward, "first_chunk") for layer in dec.upsamples)
+        else "2.1"
+    )
+    return WanLayout(
+        version=version,
+        latent_channels=int(model.conv2.in_channels),
+        temporal_ratio=tf,
+        decoder_ratio=scale,
+        patch=patch,
+        out_channels=head_c // (patch * patch),
+        slots=tuple(CacheSlot(i, n, c, s, k) for i, (n, c, s, k) in enumerate(slots)),
+        splits=tuple(splits),
+        default_split=default,
+        tiled_global_ops=tiled_glob,
+        n_cache=sum(1 for m in dec.modules() if _is_conv3d(m)),
+    )
+
+
+def _unpatchify(x: torch.Tensor, p: int) -> torch.Tensor:
+    """``rearrange(x, "b (c r q) f h w -> b c f (h q) (w r)", q=p, r=p)`` (Wan 2.2's ``unpatchify``)."""
+    if p == 1:
+        return x
+    b, cpp, f, h, w = x.shape
+    c = cpp // (p * p)
+    return x.reshape(b, c, p, p, f, h, w).permute(0, 1, 4, 5, 3, 6, 2).reshape(b, c, f, h * p, w * p)
+
+
+# --------------------------------------------------------------------------------------------------
+# Wan executor
+
+
+@dataclasses.dataclass
+class _Tile:
+    c0y: int
+    c1y: int
+    e0y: int
+    e1y: int
+    c0x: int
+    c1x: int
+    e0x: int
+    e1x: int
+
+
+class _OffloadList(list):
+    """A cache list whose tensor entries move to ``device`` the moment ComfyUI's code stores them
+    (``feat_cache[idx] = cache_x``), so the compute device never holds more than the entry in use; reads
+    hand the host tensor to ComfyUI's code, which moves it back itself (``cache_x.to(x.device)``)."""
+
+    def __init__(self, items: Sequence[Any], device: torch.device, pin: bool) -> None:
+        super().__init__(items)
+        self.device = device
+        self.pin = pin
+
+    def __setitem__(self, i: Any, v: Any) -> None:
+        if isinstance(v, torch.Tensor) and v.device != self.device:
+            if self.pin:
+                h = torch.empty(v.shape, dtype=v.dtype, device=self.device, pin_memory=True)
+                v = h.copy_(v, non_blocking=True)
+            else:
+                v = v.to(self.device)
+        super().__setitem__(i, v)
+
+
+class _WanRun:
+    def __init__(
+        self,
+        model: Any,
+        layout: WanLayout,
+        z: torch.Tensor,
+        k: int,
+        tile: tuple[int, int] | None,
+        halo: int,
+        split: int,
+        out: torch.Tensor,
+        compute: torch.device,
+        dtype: torch.dtype,
+        cache_device: torch.device,
+        rollback: bool,
+        progress: ProgressFn | None,
+        should_stop: Callable[[], Any] | None,
+        fault_hook: Callable[[int], None] | None,
+        oom_exceptions: tuple[type[BaseException], ...],
+        on_oom: Callable[[], None] | None,
+        min_tile: int,
+        pin: bool,
+        split_hook: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+    ) -> None:
+        self.model = model
+        self.dec = model.decoder
+        self.lay = layout
+        self.z = z
+        self.B, _, self.T, self.H, self.W = (int(v) for v in z.shape)
+        self.k = max(1, int(k))
+        self.tile = tile  # None = whole frame
+        self.halo = int(halo)
+        self.split = int(split)
+        self.out = out
+        self.compute = compute
+        self.dtype = dtype
+        self.cache_device = cache_device
+        self.offload = cache_device != compute
+        self.rollback = bool(rollback) or self.offload
+        self.progress = progress
+        self.should_stop = should_stop
+        self.fault_hook = fault_hook
+        self.oom = oom_exceptions
+        self.on_oom = on_oom
+        self.min_tile = max(1, int(min_tile))
+        self.pin = pin
+        self.split_hook = split_hook
+        self.step = 0  # tile attempts (fault_hook index)
+        self.done = 0  # finished units (progress)
+        self.shrinks = 0
+        self.restarts = 0
+        self.chunks_done = 0
+        self.up_first = [_accepts(layer.forward, "first_chunk") for layer in self.dec.upsamples]
+        self.mid_cached = [_accepts(layer.forward, "feat_cache") for layer in self.dec.middle]
+
+    # -- plan ----------------------------------------------------------------------------------
+    def tiles(self) -> list[_Tile]:
+        th, tw = self.tile if self.tile is not None else (self.H, self.W)
+        ys = tile_spans(self.H, th, self.halo)
+        xs = tile_spans(self.W, tw, self.halo)
+        return [_Tile(*y, *x) for y in ys for x in xs]
+
+    def chunks_from(self, pos: int) -> list[tuple[int, int]]:
+        """Chunks still to decode from latent frame ``pos`` with the current chunk size."""
+        if pos <= 0:
+            return chunk_ranges(self.T, self.k)
+        return [(p, min(self.T, p + self.k)) for p in range(pos, self.T, self.k)]
+
+    def _check_stop(self) -> None:
+        if self.should_stop is not None and self.should_stop():
+            raise InterruptedError("video decode stopped by should_stop()")
+
+    def _list(self, items: Sequence[Any]) -> list:
+        return _OffloadList(items, self.cache_device, self.pin) if self.offload else list(items)
+
+    # -- decoder pieces (ComfyUI's modules, ComfyUI's cache protocol) --------------------------
+    @staticmethod
+    def _cached_conv(conv: Any, x: torch.Tensor, cache: list, idx: list[int]) -> torch.Tensor:
+        """``Decoder3d.forward``'s inline caching around ``conv1`` and the head conv."""
+        i = idx[0]
+        cache_x = x[:, :, -CACHE_T:, :, :].clone()
+        prev = cache[i]
+        if cache_x.shape[2] < 2 and prev is not None:
+            cache_x = torch.cat([prev[:, :, -1:, :, :].to(cache_x.device), cache_x], dim=2)
+        x = conv(x, prev)
+        del prev
+        cache[i] = cache_x
+        idx[0] += 1
+        return x
+
+    def _up(self, j: int, x: torch.Tensor, cache: list, idx: list[int], first: bool) -> torch.Tensor:
+        layer = self.dec.upsamples[j]
+        if self.up_first[j]:
+            return layer(x, cache, idx, first)
+        return layer(x, cache, idx)
+
+    def global_part(self, zc: torch.Tensor, cache: list, first: bool) -> tuple[torch.Tensor, int]:
+        idx = [0]
+        x = self.model.conv2(zc)
+        x = self._cached_conv(self.dec.conv1, x, cache, idx)
+        for j, layer in enumerate(self.dec.middle):
+            x = layer(x, cache, idx) if self.mid_cached[j] else layer(x)
+        for j in range(self.split):
+            x = self._up(j, x, cache, idx, first)
+        return x, idx[0]
+
+    def tiled_part(self, x: torch.Tensor, cache: list, start: int, first: bool) -> tuple[torch.Tensor, int]:
+        idx = [start]
+        for j in range(self.split, len(self.dec.upsamples)):
+            x = self._up(j, x, cache, idx, first)
+        for layer in self.dec.head:
+            x = self._cached_conv(layer, x, cache, idx) if _is_causal(layer) else layer(x)
+        return x, idx[0]
+
+    # -- one chunk -----------------------------------------------------------------------------
+    def chunk(self, committed: list, s0: int, s1: int) -> list:
+        """Decode latent frames ``[s0, s1)``, write their frames into ``out``; return the next cache.
+
+        ``committed`` is not modified unless ``rollback`` is off (whole frames, cache on the compute
+        device: ComfyUI's in-place protocol; an OOM then restarts the decode)."""
+        first = s0 == 0
+        tiles = self.tiles()
+        whole = len(tiles) == 1
+        self._check_stop()
+        zc = self.z[:, :, s0:s1].to(device=self.compute, dtype=self.dtype)
+        work = committed if (whole and not self.rollback) else self._list(committed)
+        x, n_global = self.global_part(zc, work, first)
+        del zc
+        if self.split_hook is not None:
+            x = self.split_hook(x, s0)
+        expected_first = self.lay.split_info(self.split).first_slot
+        if n_global != expected_first:
+            raise RuntimeError(f"global part used {n_global} cache slots, layout says {expected_first}")
+        s = x.shape[-2] // self.H
+        if x.shape[-2] != self.H * s or x.shape[-1] != self.W * s:
+            raise RuntimeError(f"global part output {tuple(x.shape)} is not a multiple of {self.H}x{self.W}")
+        t0 = self.lay.out_frame_start(s0)
+        S, p = self.lay.decoder_ratio, self.lay.patch
+        if whole:
+            nxt = work  # entries >= n_global are still the committed ones: ComfyUI's flow, one list
+        else:
+            nxt = [self._to_cache(e) for e in work[:n_global]] + [None] * (len(committed) - n_global)
+            work = None
+        for ti, tl in enumerate(tiles):
+            if ti:
+                self._check_stop()
+            self.step += 1
+            if self.fault_hook is not None:
+                self.fault_hook(self.step - 1)
+            eh, ew = tl.e1y - tl.e0y, tl.e1x - tl.e0x
+            if whole:
+                tc, xt = nxt, x
+            else:
+                xt = x[:, :, :, tl.e0y * s : tl.e1y * s, tl.e0x * s : tl.e1x * s]
+                tc = [None] * len(committed)
+                for i in range(n_global, len(committed)):
+                    tc[i] = self._window(committed[i], tl)
+            y, n_end = self.tiled_part(xt, tc, n_global, first)
+            del xt
+            if n_end != len(self.lay.slots):
+                raise RuntimeError(f"decoder used {n_end} cache slots, layout says {len(self.lay.slots)}")
+            oy, ox = (tl.c0y - tl.e0y) * S, (tl.c0x - tl.e0x) * S
+            core = y[:, :, :, oy : oy + (tl.c1y - tl.c0y) * S, ox : ox + (tl.c1x - tl.c0x) * S]
+            del y
+            core = _unpatchify(core, p)
+            nt = core.shape[2]
+            if t0 + nt > self.out.shape[2]:
+                raise RuntimeError(
+                    f"chunk [{s0}, {s1}) yielded {nt} frames from {t0}: beyond {self.out.shape[2]}"
+                )
+            sp = S * p
+            self.out[:, :, t0 : t0 + nt, tl.c0y * sp : tl.c1y * sp, tl.c0x * sp : tl.c1x * sp] = core.to(
+                self.out.device, self.out.dtype
+            )
+            del core
+            if not whole:
+                for i in range(n_global, n_end):
+                    self._commit(nxt, i, tc[i], tl, eh, ew)
+            del tc
+            self.done += 1
+            if self.progress is not None:
+                left = len(tiles) - ti - 1 + len(self.chunks_from(s1)) * len(tiles)
+                self.progress(self.done, self.done + left)
+        return nxt
+
+    def _to_cache(self, e: Any) -> Any:
+        if isinstance(e, torch.Tensor) and e.device != self.cache_device:
+            return e.to(self.cache_device)
+        return e
+
+    def _window(self, e: Any, tl: _Tile) -> Any:
+        """A tile's halo-extended window of a committed whole-frame cache entry, on the compute device."""
+        if not isinstance(e, torch.Tensor):
+            return e
+        s = e.shape[-2] // self.H
+        if e.shape[-2] != s * self.H or e.shape[-1] != s * self.W:
+            raise RuntimeError(f"cache entry {tuple(e.shape)} is not at a multiple of {self.H}x{self.W}")
+        w = e[:, :, :, tl.e0y * s : tl.e1y * s, tl.e0x * s : tl.e1x * s]
+        return w.to(self.compute) if w.device != self.compute else w
+
+    def _commit(self, nxt: list, i: int, e: Any, tl: _Tile, eh: int, ew: int) -> None:
+        """Write the core of a tile's new cache entry ``e`` into the next whole-frame entry ``nxt[i]``."""
+        if not isinstance(e, torch.Tensor):
+            if nxt[i] is not None and not isinstance(nxt[i], type(e)):
+                raise RuntimeError(f"cache slot {i}: tiles disagree ({type(nxt[i])} vs {type(e)})")
+            nxt[i] = e
+            return
+        s = e.shape[-2] // eh
+        if e.shape[-2] != s * eh or e.shape[-1] != s * ew:
+            raise RuntimeError(f"cache slot {i}: {tuple(e.shape)} is not a multiple of the tile {eh}x{ew}")
+        if not isinstance(nxt[i], torch.Tensor):
+            shape = (*e.shape[:3], self.H * s, self.W * s)
+            nxt[i] = torch.empty(shape, dtype=e.dtype, device=self.cache_device, pin_memory=self.pin)
+        oy, ox = (tl.c0y - tl.e0y) * s, (tl.c0x - tl.e0x) * s
+        hy, wx = (tl.c1y - tl.c0y) * s, (tl.c1x - tl.c0x) * s
+        nxt[i][:, :, :, tl.c0y * s : tl.c1y * s, tl.c0x * s : tl.c1x * s].copy_(
+            e[:, :, :, oy : oy + hy, ox : ox + wx], non_blocking=self.pin
+        )
+
+    # -- re-plan ---------------------------------------------------------------------------------
+    def can_shrink(self, n: int) -> bool:
+        if n > 1:
+            return True
+        th, tw = self.tile if self.tile is not None else (self.H, self.W)
+        return max(th, tw) > self.min_tile
+
+    def shrink(self, n: int) -> None:
+        if n > 1:
+            self.k = max(1, n // 2)
+            log.warning("video decode: out of memory; resuming with %d latent frames per chunk", self.k)
+        else:
+            th, tw = self.tile if self.tile is not None else (self.H, self.W)
+            th, tw = min(th, self.H), min(tw, self.W)
+            if th >= tw:
+                th = max(self.min_tile, -(-th // 2))
+            else:
+                tw = max(self.min_tile, -(-tw // 2))
+            self.tile = (th, tw)
+            log.warning("video decode: out of memory; resuming with %dx%d latent px tiles", *self.tile)
+        self.shrinks += 1
+
+    def run(self) -> torch.Tensor:
+        cache: list = [None] * self.lay.n_cache
+        pos = 0
+        if self.progress is not None:
+            self.progress(0, len(self.chunks_from(0)) * len(self.tiles()))
+        while pos < self.T:
+            n = 1 if pos == 0 else min(self.k, self.T - pos)
+            in_place = len(self.tiles()) == 1 and not self.rollback
+            failed = False
+            try:
+                nxt = self.chunk(cache, pos, pos + n)
+            except self.oom:
+                if not self.can_shrink(n):
+                    raise
+                # Leave the except block first: the exception's traceback holds the failed chunk's
+                # tensors (ComfyUI's VAE.decode does the same); act after it.
+                failed = True
+            if failed:
+                nxt = None
+                if in_place:  # the committed cache was consumed in place: decode again from frame 0
+                    cache = [None] * self.lay.n_cache
+                    pos = 0
+                    self.restarts += 1
+                if self.on_oom is not None:
+                    self.on_oom()
+                self.shrink(n)
+                if self.progress is not None:
+                    self.progress(self.done, self.done + len(self.chunks_from(pos)) * len(self.tiles()))
+                continue
+            if self.pin and self.compute.type == "cuda":
+                # Non-blocking copies into pinned host entries must land before the next chunk reads
+                # them on the host side (slicing a pinned view makes a CPU copy, outside stream order).
+                torch.cuda.synchronize(self.compute)
+            cache = nxt
+            nxt = None
+            pos += n
+            self.chunks_done += 1
+        return self.out
+
+
+def decode_wan_chunked(
+    model: Any,
+    z: torch.Tensor,
+    frames_per_chunk: int = 1,
+    tile: int | Sequence[int] | None = None,
+    *,
+    halo: int | None = None,
+    split: int | None = None,
+    out: torch.Tensor | None = None,
+    out_device: torch.device | str | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    compute_device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    cache_device: torch.device | str | None = None,
+    rollback: bool = True,
+    progress: ProgressFn | None = None,
+    should_stop: Callable[[], Any] | None = None,
+    fault_hook: Callable[[int], None] | None = None,
+    oom_exceptions: tuple[type[BaseException], ...] | None = None,
+    on_oom: Callable[[], None] | None = None,
+    min_tile: int = MIN_TILE,
+    pin_memory: bool | None = None,
+    stats: dict | None = None,
+    split_hook: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Decode a Wan 2.1/2.2 latent exactly, in temporal chunks (and spatial tiles); returns what
+    ``model.decode(z)`` returns: ``(B, 3, 1 + 4 (T - 1), H, W)`` in [-1, 1] (``out_dtype``).
+
+    ``model``: the ``first_stage_model`` (``comfy.ldm.wan.vae.WanVAE`` or ``vae2_2.WanVAE``), already on
+    ``compute_device``. ``z``: ``(B, C, T, h, w)`` latent (anywhere; chunks are moved to
+    ``compute_device`` (default ``z.device``) and cast to ``dtype`` (default ``z.dtype``): pass
+    ``vae.vae_dtype``). ``frames_per_chunk``: latent frames per chunk after frame 0 (decoded alone);
+    ``<= 0`` = all the rest at once. ``tile``: tile core ``(h, w)`` (or one int) in latent px, or None
+    for whole frames. ``halo``: latent px around each tile (default: the tiled part's convolutional
+    reach, rounded up; smaller is inexact). ``split``: index into ``decoder.upsamples`` where the tiled
+    part starts (default :attr:`WanLayout.default_split`). ``out``: preallocated output (else one is
+    allocated on ``out_device``, default the compute device).
+
+    Caches: ``cache_device`` is where the committed causal caches live between chunks (default the
+    compute device). Another device (``"cpu"`` when computing on CUDA) keeps them there: every entry
+    ComfyUI's code stores is moved there at once (pinned, non-blocking on CUDA) and read back when
+    used, so the compute device holds no whole-frame cache. ``rollback`` (ignored when offloading,
+    where it is free): keep the committed cache untouched during a chunk so an OOM resumes from the
+    last chunk (whole frames on the compute device: up to 2x the cache there); ``False`` = ComfyUI's
+    in-place protocol (1x), and an OOM then decodes again from frame 0. Tiled chunks always keep the
+    committed cache (later tiles read its halos).
+
+    ``progress(done, total)`` after each tile of each chunk (``total`` grows after an OOM re-plan).
+    ``should_stop()`` before each chunk and tile: its exception propagates; a truthy return raises
+    ``InterruptedError``. ``fault_hook(step)`` at the start of each tile attempt (tests raise an OOM).
+    ``oom_exceptions`` (default ``torch.OutOfMemoryError``; a bare ``Exception``, ComfyUI's
+    ``OOM_EXCEPTION`` without CUDA, is ignored): caught per chunk, the chunk is discarded
+    (after the ``except`` block is left), ``on_oom()`` is called, the chunk size is halved (at one
+    latent frame: the tile's longer side) and the decode resumes; when nothing can shrink any more the
+    OOM propagates. ``stats``: a dict filled with what happened (chunks, steps, shrinks, restarts, final
+    frames_per_chunk and tile, halo, split, reach). ``split_hook(x, latent_start)``: sees (and may
+    replace) the global part's whole-frame output of each chunk before it is tiled (impulse
+    experiments, debugging).
+    """
+    lay = wan_layout(model)
+    if z.ndim != 5:
+        raise ValueError(f"expected a (B, C, T, h, w) latent, got shape {tuple(z.shape)}")
+    if z.shape[1] != lay.latent_channels:
+        raise ValueError(f"latent has {z.shape[1]} channels, the VAE expects {lay.latent_channels}")
+    split = lay.default_split if split is None else int(split)
+    if not 0 <= split <= len(lay.splits) - 1:
+        raise ValueError(f"split must be in [0, {len(lay.splits) - 1}], got {split}")
+    si = lay.split_info(split)
+    if tile is not None:
+        tile = (int(tile), int(tile)) if isinstance(tile, int) else (int(tile[0]), int(tile[1]))
+        if min(tile) < 1:
+            raise ValueError(f"tile must be >= 1 latent px, got {tile}")
+        if lay.tiled_global_ops and split == 0:
+            raise ValueError(f"the up path holds global ops {lay.tiled_global_ops}: cannot tile exactly")
+    halo = si.halo if halo is None else int(halo)
+    if halo < 0:
+        raise ValueError("halo must be >= 0")
+    compute = torch.device(compute_device) if compute_device is not None else z.device
+    cache_dev = torch.device(cache_device) if cache_device is not None else compute
+    B, _, T, h, w = (int(v) for v in z.shape)
+    shape = (B, lay.out_channels, lay.out_frames(T), h * lay.spatial_ratio, w * lay.spatial_ratio)
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=torch.device(out_device) if out_device else compute)
+    elif tuple(out.shape) != shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {shape}")
+    pin = (
+        pin_memory
+        if pin_memory is not None
+        else (cache_dev.type == "cpu" and compute.type == "cuda" and torch.cuda.is_available())
+    )
+    run = _WanRun(
+        model,
+        lay,
+        z,
+        frames_per_chunk if frames_per_chunk > 0 else max(1, T - 1),
+        tile,
+        halo,
+        split,
+        out,
+        compute,
+        dtype or z.dtype,
+        cache_dev,
+        rollback,
+        progress,
+        should_stop,
+        fault_hook,
+        _oom_types(oom_exceptions),
+        on_oom,
+        min_tile,
+        pin,
+        split_hook,
+    )
+    with torch.no_grad():
+        result = run.run()
+    if stats is not None:
+        stats.update(
+            exact=True,
+            chunks=run.chunks_done,
+            steps=run.step,
+            units=run.done,
+            shrinks=run.shrinks,
+            restarts=run.restarts,
+            frames_per_chunk=run.k,
+            tile=run.tile,
+            halo=halo,
+            split=split,
+            reach=si.reach,
+            rollback=run.rollback,
+            offload=run.offload,
+        )
+    if run.shrinks:
+        log.info(
+            "Wan chunked decode finished after %d OOM re-plan(s): k=%d tile=%s", run.shrinks, run.k, run.tile
+        )
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Overlap-blend for other video VAEs (approximate)
+
+
+def _frame_fn(f: Callable[[int], Any] | int | float) -> Callable[[int], int]:
+    if callable(f):
+        return lambda a: int(round(f(a)))
+    return lambda a: int(round(f * a))
+
+
+def decode_overlap_blend(
+    decode_fn: Callable[[torch.Tensor], torch.Tensor],
+    z: torch.Tensor,
+    frames_per_chunk: int,
+    overlap: int = 1,
+    *,
+    upscale_ratio: Callable[[int], Any] | int,
+    index_formula: Callable[[int], Any] | int | None = None,
+    out: torch.Tensor | None = None,
+    out_device: torch.device | str | None = None,
+    progress: ProgressFn | None = None,
+    should_stop: Callable[[], Any] | None = None,
+    fault_hook: Callable[[int], None] | None = None,
+    oom_exceptions: tuple[type[BaseException], ...] | None = None,
+    on_oom: Callable[[], None] | None = None,
+    stats: dict | None = None,
+) -> torch.Tensor:
+    """Decode ``z`` ``(B, C, T, h, w)`` in overlapping temporal chunks, cross-faded (approximate).
+
+    ``decode_fn(latent_chunk) -> frames (B, C', t, H, W)`` decodes one chunk on its own (the node
+    passes ``first_stage_model.decode`` with ComfyUI's dtype/device handling, or a spatially tiled
+    decode). ``upscale_ratio``: output frames of a chunk of ``l`` latent frames (callable, e.g. the
+    first entry of ``vae.upscale_ratio``: ``lambda a: max(0, 4 a - 3)``, or a number);
+    ``index_formula``: output index of latent index ``p`` (the first entry of
+    ``vae.upscale_index_formula``, e.g. ``4``: frame ``4 p``; default: ``upscale_ratio``). Chunks of
+    ``frames_per_chunk`` latent frames overlap by ``overlap`` (at least 1, as ComfyUI's ``decode_tiled``:
+    a chunk starting at latent ``p`` begins at frame ``4 p``, so without overlap the 3 frames before
+    it are missing; at most ``frames_per_chunk - 1``);
+    each chunk's frames are weighted by ComfyUI's linear feather over ``upscale_ratio(overlap)`` frames
+    at both ends and accumulated into one output plus a per-frame weight vector, normalised at the
+    end: the same result as ``comfy.utils.tiled_scale_multidim`` along time (with one spatial tile),
+    without its second full-size weight tensor.
+    ``frames_per_chunk`` is at least 2. On OOM (``oom_exceptions``, default ``torch.OutOfMemoryError``;
+    a bare ``Exception`` is ignored) in a chunk, nothing of it was
+    accumulated: ``on_oom()``, halve the chunk (not below 2; the overlap shrinks with it) and continue
+    from that chunk's start; at 2 the OOM propagates. ``progress(done, total)``
+    per chunk; ``should_stop()`` before each; ``fault_hook(step)`` before each decode_fn call.
+    """
+    if z.ndim != 5:
+        raise ValueError(f"expected a (B, C, T, h, w) latent, got shape {tuple(z.shape)}")
+    up = _frame_fn(upscale_ratio)
+    pos_fn = _frame_fn(index_formula if index_formula is not None else upscale_ratio)
+    oom = _oom_types(oom_exceptions)
+    T = int(z.shape[2])
+    k = max(2, int(frames_per_chunk))  # a chunk must reach past the overlap
+    o = max(1, int(overlap))  # as ComfyUI's decode_tiled: with 0, frames between chunks stay uncovered
+    t_out = up(T)
+    wsum = None
+    step = 0
+    done = 0
+    shrinks = 0
+    chunks: list[tuple[int, int]] = []
+
+    def plan_from(p: int) -> list[tuple[int, int]]:
+        oo = min(o, k - 1)
+        rest = overlap_chunks(T - p, k, oo) if p < T else []
+        return [(p + a, p + b) for a, b in rest]
+
+    todo = plan_from(0)
+    with torch.no_grad():
+        while todo:
+            a, b = todo[0]
+            if should_stop is not None and should_stop():
+                raise InterruptedError("video decode stopped by should_stop()")
+            failed = False
+            try:
+                step += 1
+                if fault_hook is not None:
+                    fault_hook(step - 1)
+                frames = decode_fn(z[:, :, a:b])
+            except oom:
+                if k <= 2:
+                    raise
+                failed = True
+            if failed:
+                frames = None
+                if on_oom is not None:
+                    on_oom()
+                k = max(2, k // 2)
+                shrinks += 1
+                log.warning(
+                    "overlap-blend decode: out of memory; resuming with %d latent frames per chunk", k
+                )
+                # Re-plan from this chunk's start (already-accumulated chunks end at or after it).
+                todo = plan_from(a)
+                continue
+            if out is None:
+                out = torch.zeros(
+                    (frames.shape[0], frames.shape[1], t_out, *frames.shape[3:]),
+                    dtype=torch.float32,
+                    device=torch.device(out_device) if out_device is not None else frames.device,
+                )
+            if wsum is None:
+                out.zero_()
+                wsum = torch.zeros(t_out, dtype=torch.float64)
+            n = frames.shape[2]
+            o0 = pos_fn(a)
+            if n != up(b - a) or o0 + n > t_out:
+                raise RuntimeError(
+                    f"decode_fn gave {n} frames for latent [{a}, {b}) at {o0}; out has {t_out}"
+                )
+            # ComfyUI's mask: a linear ramp (t + 1) / feather over ``feather = upscale_ratio(overlap)``
+            # frames at both ends of every chunk (frames covered by one chunk only normalise it away).
+            oo = min(o, k - 1)
+            feather = up(oo) if oo > 0 else 0
+            wt = torch.ones(n, dtype=torch.float64)
+            if 0 < feather < n:
+                for i in range(feather):
+                    f = (i + 1) / feather
+                    wt[i] *= f
+                    wt[n - 1 - i] *= f
+            for i in range(n):
+                out[:, :, o0 + i].add_(frames[:, :, i].to(out.device, out.dtype), alpha=float(wt[i]))
+            wsum[o0 : o0 + n] += wt
+            del frames
+            chunks.append((a, b))
+            todo.pop(0)
+            done += 1
+            if progress is not None:
+                progress(done, done + len(todo))
+    if out is None or wsum is None:
+        raise ValueError("empty latent")
+    if bool((wsum <= 0).any()):
+        raise RuntimeError("some output frames were not covered by any chunk")
+    out.div_(wsum.to(out.device, out.dtype).view(1, 1, -1, *([1] * (out.ndim - 3))))
+    if stats is not None:
+        stats.update(
+            exact=False,
+            chunks=len(chunks),
+            ranges=chunks,
+            steps=step,
+            shrinks=shrinks,
+            frames_per_chunk=k,
+            overlap=min(o, k - 1),
+        )
+    return out

@@ -1,0 +1,365 @@
+"""Exact chunked + tiled Wan decode on *tiny* Wan 2.1 / 2.2 models built from ComfyUI's own classes.
+
+``comfy.ldm.wan.vae.WanVAE`` / ``comfy.ldm.wan.vae2_2.WanVAE`` with ``dim=8`` (the real code, every
+layer and cache protocol of the releases, 8-32 channels instead of 96-1024), weights initialised as
+the fixture generator does. Small enough to test the whole matrix (versions x chunk sizes x tiles x
+split points x batch), the convolutional reach by impulses, and OOM re-planning in a few seconds each.
+The real-size fixture VAEs are compared with ComfyUI's ``VAEDecode`` in ``test_video_chunked_host.py``.
+
+Thresholds (outputs in [-1, 1], float32, CPU): chunked/tiled vs ComfyUI's ``WanVAE.decode`` max abs
+diff <= 1e-5 (measured: 0 to 1e-6); OOM-resumed vs uninterrupted <= 1e-5; a halo of 0 must be visibly
+wrong (> 1e-3; measured ~0.3) so the exact cases cannot pass by accident; the impulse extent equals
+the structural reach within 1/8 latent px (one output pixel).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+from vramfit.memory import video_chunked as vc
+from vramfit.memory.reach import impulse_extent
+
+pytestmark = pytest.mark.host
+
+TOL = 1e-5
+
+
+class FakeOOM(RuntimeError):
+    pass
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread (OpenMP spinning on a loaded 2-core machine is much slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _tiny(version: str, seed: int = 0) -> torch.nn.Module:
+    from scripts import fixtures
+
+    mod = importlib.import_module("comfy.ldm.wan.vae" if version == "2.1" else "comfy.ldm.wan.vae2_2")
+    kw = dict(
+        dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[], temperal_downsample=[False, True, True]
+    )
+    with torch.device("meta"):
+        if version == "2.1":
+            model = mod.WanVAE(dim=8, z_dim=4, **kw)
+        else:
+            model = mod.WanVAE(dim=8, dec_dim=8, z_dim=4, **kw)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        fixtures._materialise(model, torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["2.1", "2.2"])
+def tiny(request, host_config):
+    from scripts.host import import_comfy
+
+    import_comfy(host_config)
+    return request.param, _tiny(request.param)
+
+
+@pytest.fixture(scope="module")
+def case21(host_config):
+    """Wan 2.1 only, for the version-independent control flow (OOM, stop, progress, cache modes)."""
+    from scripts.host import import_comfy
+
+    import_comfy(host_config)
+    model = _tiny("2.1")
+    z = _z((1, 4, 4, 5, 7))
+    with torch.no_grad():
+        ref = model.decode(z)
+    return "2.1", model, z, ref
+
+
+def _z(shape, seed=0):
+    from scripts.fixtures import structured_latent
+
+    return structured_latent(shape, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def case(tiny):
+    """An odd-sized latent with 4 latent frames (13 output frames) and ComfyUI's own decode of it."""
+    version, model = tiny
+    z = _z((1, 4, 4, 5, 7))
+    with torch.no_grad():
+        ref = model.decode(z)
+    return version, model, z, ref
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+# --------------------------------------------------------------------------------------------------
+# Layout
+
+
+def test_layout_matches_comfy_decoder(tiny):
+    version, model = tiny
+    lay = vc.wan_layout(model)
+    assert lay.version == version
+    assert (lay.temporal_ratio, lay.decoder_ratio) == (4, 8)
+    assert lay.patch == (1 if version == "2.1" else 2) and lay.spatial_ratio == 8 * lay.patch
+    assert lay.out_channels == 3
+    mod = importlib.import_module(type(model).__module__)
+    assert lay.n_cache == mod.count_conv3d(model.decoder)
+    # Every cache entry ComfyUI's own decode leaves behind has the channels and scale the walk predicts.
+    feat = [None] * lay.n_cache
+    h, w = 3, 5
+    x = model.conv2(_z((1, 4, 3, h, w)))
+    with torch.no_grad():
+        for i in range(3):
+            kw = {"first_chunk": i == 0} if version == "2.2" else {}
+            model.decoder(x[:, :, i : i + 1], feat_cache=feat, feat_idx=[0], **kw)
+    used = [e for e in feat if e is not None]
+    assert len(used) == len(lay.slots)
+    total = 0
+    for slot, e in zip(lay.slots, feat, strict=False):
+        assert isinstance(e, torch.Tensor), slot
+        assert tuple(e.shape) == (1, slot.channels, 2, h * slot.scale, w * slot.scale), slot
+        total += e.numel() * e.element_size()
+    assert lay.cache_bytes(h, w, 1, 4, part="all") == total
+    # Default split: the last cut at scale <= 2.
+    assert lay.split_info().scale <= 2 < lay.splits[lay.default_split + 1].scale
+
+
+def test_impulse_extent_equals_structural_reach(tiny):
+    """An impulse added to the global part's output (one latent pixel, all channels, frame 0) changes the
+    output exactly within the walked reach of the tiled part, in frame 0 and in the frames of later
+    chunks (the caches carry it forward but do not widen it)."""
+    version, model = tiny
+    lay = vc.wan_layout(model)
+    z = _z((1, 4, 3, 3, 29))
+    S = lay.spatial_ratio
+    for split in sorted({0, lay.default_split} if version == "2.1" else {lay.default_split}):
+        si = lay.splits[split]
+        assert si.reach == pytest.approx(12.25 if split == 0 else (2.75 if version == "2.1" else 5.75))
+
+        def poke(x: torch.Tensor, s0: int, s=si.scale) -> torch.Tensor:
+            if s0 == 0:
+                x = x.clone()
+                x[:, :, :, 1 * s : 2 * s, 14 * s : 15 * s] += 1.0
+            return x
+
+        base = vc.decode_wan_chunked(model, z, 2, split=split)
+        hit = vc.decode_wan_chunked(model, z, 2, split=split, split_hook=poke)
+        delta = (hit - base)[0].movedim(1, 0)  # (T, C, H, W)
+        first = impulse_extent(delta[:1], (1, 14), S)
+        later = impulse_extent(delta[5:], (1, 14), S)
+        assert si.reach - 1 / 8 <= first <= si.reach, (split, first)
+        assert si.reach - 1 / 8 <= later <= si.reach, (split, later)
+
+
+# --------------------------------------------------------------------------------------------------
+# Exactness
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("tile", [None, (3, 4)])
+def test_chunked_and_tiled_equal_comfy_decode(case, k, tile):
+    version, model, z, ref = case
+    stats: dict = {}
+    out = vc.decode_wan_chunked(model, z, k, tile, stats=stats)
+    r = 8 if version == "2.1" else 16
+    assert out.shape == ref.shape == (1, 3, 13, 5 * r, 7 * r)
+    assert _diff(out, ref) <= TOL
+    assert stats["chunks"] == len(vc.chunk_ranges(4, k))
+    assert stats["steps"] == stats["chunks"] * (1 if tile is None else 4)
+
+
+def test_every_split_point_is_exact_and_a_short_halo_is_not(case):
+    version, model, z, ref = case
+    lay = vc.wan_layout(model)
+    for split in sorted({0, lay.default_split, len(lay.splits) - 1}):
+        assert _diff(vc.decode_wan_chunked(model, z, 3, (5, 4), split=split), ref) <= TOL, split
+    wrong = _diff(vc.decode_wan_chunked(model, z, 3, (5, 4), halo=0), ref)
+    assert wrong > 1e-3, wrong
+
+
+def test_batch_of_two_tiled(tiny):
+    _, model = tiny
+    z = _z((2, 4, 3, 5, 6), seed=3)
+    with torch.no_grad():
+        ref = model.decode(z)
+    out = vc.decode_wan_chunked(model, z, 2, (2, 4))
+    assert _diff(out, ref) <= TOL
+    assert _diff(out[1], ref[1]) <= TOL and _diff(out[0], out[1]) > 0.01  # the items differ
+
+
+def test_preallocated_out_is_filled_and_returned(case21):
+    _, model, z, ref = case21
+    out = torch.full(ref.shape, float("nan"))
+    got = vc.decode_wan_chunked(model, z, 2, (5, 4), out=out)
+    assert got is out and _diff(out, ref) <= TOL
+    with pytest.raises(ValueError, match="shape"):
+        vc.decode_wan_chunked(model, z, 2, out=torch.empty(1, 3, 12, 1, 1))
+
+
+def test_cache_modes_in_place_and_offloaded(case21):
+    """rollback=False is ComfyUI's in-place protocol; a cache_device other than the compute device goes
+    through the offloading list (on CPU: 'cpu:0' vs 'cpu' exercises that code path)."""
+    _, model, z, ref = case21
+    stats: dict = {}
+    assert _diff(vc.decode_wan_chunked(model, z, 2, rollback=False, stats=stats), ref) <= TOL
+    assert stats["rollback"] is False and stats["offload"] is False
+    off = torch.device("cpu", 0)
+    for tile in (None, (3, 4)):
+        assert _diff(vc.decode_wan_chunked(model, z, 3, tile, cache_device=off, stats=stats), ref) <= TOL
+        assert stats["offload"] is True and stats["rollback"] is True
+
+
+# --------------------------------------------------------------------------------------------------
+# OOM re-planning, stop, progress
+
+
+def _faults(steps: set[int]):
+    def hook(step: int) -> None:
+        if step in steps:
+            raise FakeOOM(f"injected OOM at step {step}")
+
+    return hook
+
+
+@pytest.mark.parametrize(
+    "tile,k,fail,kw,expect",
+    [
+        # tile 0 of the chunk [1, 4) (3 frames): one frame per chunk, resume from the committed cache
+        (None, 4, {1}, {}, {"shrinks": 1, "frames_per_chunk": 1, "restarts": 0}),
+        # tile 1 of chunk [1, 4) (its global part and tile 0 already ran), then twice at one frame per
+        # chunk: the tile shrinks (3x4 -> 3x2 -> 2x2)
+        ((3, 4), 4, {5, 9, 12}, {}, {"shrinks": 3, "frames_per_chunk": 1, "restarts": 0}),
+        # in-place caches: the decode starts again from frame 0
+        (None, 4, {1}, {"rollback": False}, {"shrinks": 1, "restarts": 1}),
+        # offloaded caches
+        ((3, 4), 2, {6}, {"cache_device": torch.device("cpu", 0)}, {"shrinks": 1, "frames_per_chunk": 1}),
+        # the first chunk (one frame): the tile is halved instead (untiled -> 2 tiles)
+        (None, 2, {0}, {}, {"shrinks": 1, "frames_per_chunk": 2, "tile": (5, 4)}),
+    ],
+)
+def test_oom_mid_video_resumes_identically(case21, tile, k, fail, kw, expect):
+    _, model, z, ref = case21
+    seen: list[tuple[int, int]] = []
+    oomed: list[int] = []
+    stats: dict = {}
+    out = vc.decode_wan_chunked(
+        model,
+        z,
+        k,
+        tile,
+        fault_hook=_faults(fail),
+        oom_exceptions=(FakeOOM,),
+        on_oom=lambda: oomed.append(1),
+        progress=lambda d, t: seen.append((d, t)),
+        stats=stats,
+        **kw,
+    )
+    assert _diff(out, ref) <= TOL
+    assert len(oomed) == stats["shrinks"] == expect["shrinks"]
+    for key, val in expect.items():
+        assert stats[key] == val, (key, stats)
+    assert seen[0][0] == 0 and seen[-1][0] == seen[-1][1] == stats["units"]
+    assert all(b[0] >= a[0] for a, b in zip(seen, seen[1:], strict=False))
+
+
+def test_oom_in_the_global_part_keeps_the_committed_cache(case21):
+    """An OOM raised after the global part of chunk [1, 3) rewrote its cache entries (the split hook runs
+    after it) must not leak those entries into the retry."""
+    _, model, z, ref = case21
+    fired: list[int] = []
+
+    def hook(x: torch.Tensor, s0: int) -> torch.Tensor:
+        if s0 == 1 and not fired:
+            fired.append(s0)
+            raise FakeOOM("after the global part")
+        return x
+
+    stats: dict = {}
+    out = vc.decode_wan_chunked(model, z, 2, (3, 4), split_hook=hook, oom_exceptions=(FakeOOM,), stats=stats)
+    assert fired == [1] and stats["shrinks"] == 1 and stats["frames_per_chunk"] == 1
+    assert _diff(out, ref) <= TOL
+
+
+def test_oom_that_cannot_shrink_propagates(case21):
+    _, model, z, _ = case21
+    with pytest.raises(FakeOOM):
+        vc.decode_wan_chunked(
+            model, z, 1, (2, 2), fault_hook=_faults(set(range(100))), oom_exceptions=(FakeOOM,), min_tile=2
+        )
+
+
+def test_should_stop_propagates_between_tiles(case21):
+    _, model, z, _ = case21
+    calls: list[int] = []
+
+    def should_stop() -> None:  # as comfy.model_management.throw_exception_if_processing_interrupted
+        calls.append(1)
+        if len(calls) == 4:
+            raise Stop
+
+    done: list[int] = []
+    with pytest.raises(Stop):
+        vc.decode_wan_chunked(
+            model, z, 2, (3, 4), should_stop=should_stop, progress=lambda d, t: done.append(d)
+        )
+    assert max(done) == 3  # checks before chunk 0 and before its tiles 1, 2, 3: stopped before tile 3
+    with pytest.raises(InterruptedError):
+        vc.decode_wan_chunked(model, z, 2, should_stop=lambda: True)
+
+
+def test_progress_total_is_known_up_front(case21):
+    _, model, z, _ = case21
+    seen: list[tuple[int, int]] = []
+    vc.decode_wan_chunked(model, z, 2, (3, 4), progress=lambda d, t: seen.append((d, t)))
+    total = len(vc.chunk_ranges(4, 2)) * 4
+    assert seen == [(i, total) for i in range(total + 1)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Overlap-blend vs ComfyUI's own temporal tiling
+
+
+def test_blend_equals_comfy_tiled_scale_multidim_along_time(host_config):
+    """Same chunks, same frame formula, same weights as ``comfy.utils.tiled_scale_multidim`` (one spatial
+    tile) on a decoder with chunk-dependent artefacts."""
+    from scripts.host import import_comfy
+
+    import_comfy(host_config)
+    import comfy.utils
+
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(1, 3, 4 * 9 - 3, 6, 5, generator=gen)
+    up = lambda a: max(0, a * 4 - 3)  # noqa: E731
+
+    def decode_fn(zc: torch.Tensor) -> torch.Tensor:
+        p, n = int(zc[0, 0, 0, 0, 0]), zc.shape[2]
+        return base[:, :, 4 * p : 4 * p + up(n)] + 0.3 * math.sin(p + 1)  # a per-chunk offset
+
+    z = torch.zeros(1, 2, 9, 6, 5)
+    z[:, 0] = torch.arange(9, dtype=torch.float32).view(1, 9, 1, 1)
+    for k, o in ((3, 1), (4, 2), (5, 1)):
+        ref = comfy.utils.tiled_scale_multidim(
+            z,
+            decode_fn,
+            tile=(k, 64, 64),
+            overlap=(o, 0, 0),
+            upscale_amount=(up, 1, 1),
+            out_channels=3,
+            index_formulas=(4, 1, 1),
+        )
+        ours = vc.decode_overlap_blend(decode_fn, z, k, o, upscale_ratio=up, index_formula=4)
+        assert ours.shape == ref.shape
+        assert _diff(ours, ref) <= 1e-6, (k, o)
+        assert _diff(ours, base) > 0.01  # the artefacts are there (approximate by design)
