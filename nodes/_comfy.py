@@ -7,9 +7,12 @@ Imported only inside ComfyUI (by the node modules).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import pathlib
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import comfy.model_management as mm
@@ -103,3 +106,196 @@ def cost_model_store() -> CostModelStore:
             path = None
         _STORE = CostModelStore(path)
     return _STORE
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers of the utility nodes (Offload Manager, bf16 Loader, VRAM Monitor)
+
+MODEL_SOCKET_TYPES = frozenset({"MODEL", "VAE", "CLIP", "CONTROL_NET", "CLIP_VISION", "STYLE_MODEL", "UPSCALE_MODEL"})
+"""Socket types whose values hold models ComfyUI loads onto a device."""
+
+
+def executing_context() -> tuple[str | None, str | None]:
+    """``(prompt_id, node_id)`` of the node ComfyUI is executing now; ``(None, None)`` outside a prompt."""
+    try:
+        from comfy_execution.utils import get_executing_context
+    except ImportError:  # older ComfyUI
+        return None, None
+    ctx = get_executing_context()
+    if ctx is None:
+        return None, None
+    return getattr(ctx, "prompt_id", None), getattr(ctx, "node_id", None)
+
+
+def loaded_models(device: torch.device | None = None) -> list[Any]:
+    """ComfyUI's ``LoadedModel`` entries (alive, optionally on ``device``), most recent first."""
+    out = []
+    for lm in list(mm.current_loaded_models):
+        if lm.model is None:
+            continue
+        if device is not None and torch.device(lm.device) != torch.device(device):
+            continue
+        out.append(lm)
+    return out
+
+
+def loaded_weights(device: torch.device | None = None) -> tuple[int, int]:
+    """``(count, bytes)`` of the models ComfyUI has loaded (on ``device``): its ``loaded_size()``."""
+    lms = loaded_models(device)
+    return len(lms), sum(int(lm.model.loaded_size()) for lm in lms)
+
+
+def decode_device() -> torch.device:
+    """The device ComfyUI decodes VAEs on (``--cpu``: the CPU)."""
+    return torch.device(mm.vae_device())
+
+
+def request_cache_release() -> bool:
+    """Ask ComfyUI to unload every model and drop its node-output cache once the current prompt ends.
+
+    Sets the ``unload_models`` and ``free_memory`` flags of the prompt queue, exactly what ``POST /free``
+    does; ComfyUI's prompt worker acts on them between prompts (``unload_all_models()`` then
+    ``PromptExecutor.reset()``; the garbage collector then frees the weights). Returns False when no
+    ComfyUI server runs in this process (in-process hosts, scripts).
+    """
+    server_module = sys.modules.get("server")
+    instance = getattr(getattr(server_module, "PromptServer", None), "instance", None)
+    queue = getattr(instance, "prompt_queue", None)
+    if queue is None or not hasattr(queue, "set_flag"):
+        return False
+    queue.set_flag("unload_models", True)
+    queue.set_flag("free_memory", True)
+    return True
+
+
+def blocked(message: str) -> Any:
+    """An output value that blocks every node using it with ``message`` (ComfyUI's ExecutionBlocker)."""
+    from comfy_execution.graph_utils import ExecutionBlocker
+
+    return ExecutionBlocker(message)
+
+
+def node_return_types(class_type: str) -> tuple[str, ...]:
+    """``RETURN_TYPES`` of a registered node class (empty when unknown)."""
+    import nodes as comfy_nodes  # ComfyUI's top-level nodes.py
+
+    cls = comfy_nodes.NODE_CLASS_MAPPINGS.get(class_type)
+    types = getattr(cls, "RETURN_TYPES", None) if cls is not None else None
+    return tuple(str(t) for t in types) if types else ()
+
+
+def malloc_trim() -> bool:
+    """Return freed heap memory to the OS (glibc); False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+# --------------------------------------------------------------------------- Tiled VAE Decode helpers
+
+
+def on_oom() -> None:
+    """What ComfyUI does after an out-of-memory error before retrying: release cached blocks."""
+    mm.soft_empty_cache()
+
+
+def has_core_decode(vae: Any) -> bool:
+    """True when ``vae`` decodes with ComfyUI's own ``VAE.decode`` contract: ``first_stage_model.decode``
+    on the latent in ``vae_dtype`` on ``vae.device``, then ``process_output``. Third-party subclasses
+    that override ``decode`` (e.g. ComfyUI_ExtraModels' ``EXVAE``: own device moves, own scaling) are
+    decoded through their own ``decode``."""
+    import comfy.sd
+
+    return getattr(type(vae), "decode", None) is comfy.sd.VAE.decode and callable(
+        getattr(vae, "process_output", None)
+    )
+
+
+def group_norm_params(norm: Any, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A GroupNorm's affine weight/bias as float32 (float64 for float64 ``x``) on ``x``'s device, through
+    ComfyUI's weight casting (``comfy.ops``: low-VRAM offloaded weights, weight patches) when it applies."""
+    import comfy.ops
+
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if getattr(norm, "weight", None) is None:
+        bias = getattr(norm, "bias", None)
+        return None, None if bias is None else bias.detach().to(x.device, dtype)
+    casts = bool(getattr(norm, "comfy_cast_weights", False)) or bool(getattr(norm, "weight_function", None)) or bool(
+        getattr(norm, "bias_function", None)
+    )
+    if casts:
+        w, b = comfy.ops.cast_bias_weight(norm, x, dtype=dtype, device=x.device)
+        return w.to(dtype), None if b is None else b.to(dtype)
+    b = getattr(norm, "bias", None)
+    return norm.weight.detach().to(x.device, dtype), None if b is None else b.detach().to(x.device, dtype)
+
+
+_EXACT_STORE: Any = None
+
+
+def exact_cost_store() -> Any:
+    """Process-wide cache of exact-executor cost models (JSON in ComfyUI's user folder when writable)."""
+    global _EXACT_STORE
+    if _EXACT_STORE is None:
+        from ..memory.decode_plan import ExactCostStore
+
+        path: pathlib.Path | None
+        try:
+            path = pathlib.Path(folder_paths.get_user_directory()) / "vramfit" / "exact_cost_models.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except (OSError, AttributeError) as e:
+            log.warning("VRAM Fit: exact cost-model cache disabled (%s); calibrations are kept in memory", e)
+            path = None
+        _EXACT_STORE = ExactCostStore(path)
+    return _EXACT_STORE
+
+
+def _bounded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_bytes: int) -> torch.Tensor:
+    """ComfyUI's ``normal_attention`` + ``slice_attention`` (same reshapes, same ops per slice), with
+    query-row slices sized from ``max_bytes`` instead of the free memory of the moment. Every slice holds
+    complete rows of the score matrix, so each softmax is the untiled one; with one slice the calls are
+    the very calls ComfyUI makes."""
+    orig = q.shape
+    b, c = orig[0], orig[1]
+    q = q.reshape(b, c, -1).permute(0, 2, 1)  # b, hw, c
+    k = k.reshape(b, c, -1)  # b, c, hw
+    v = v.reshape(b, c, -1)
+    n = int(q.shape[1])
+    scale = int(q.shape[-1]) ** (-0.5)
+    modifier = 3 if q.element_size() == 2 else 2.5  # ComfyUI's estimate of the live score copies
+    per_row = b * int(k.shape[2]) * q.element_size() * modifier
+    rows = max(1, min(n, int(max_bytes // max(1, per_row))))
+    r1 = torch.zeros_like(k, device=q.device)
+    for i in range(0, n, rows):
+        s1 = torch.bmm(q[:, i : i + rows], k) * scale
+        s2 = torch.nn.functional.softmax(s1, dim=2).permute(0, 2, 1)
+        del s1
+        r1[:, :, i : i + rows] = torch.bmm(v, s2)
+        del s2
+    return r1.reshape(orig)
+
+
+@contextlib.contextmanager
+def bounded_vae_attention(model: Any, max_bytes: int) -> Iterator[int]:
+    """Within the block, the VAE attention blocks of ``model`` that use ComfyUI's split attention
+    (``normal_attention``: the CPU path, and GPUs without PyTorch/xformers attention) slice their score
+    matrix to at most ``max_bytes`` (ComfyUI's own estimate) instead of by the free memory of the moment.
+    Memory-efficient kernels (PyTorch SDPA, xformers) are left alone. Yields how many blocks changed."""
+    from comfy.ldm.modules.diffusionmodules import model as dm
+
+    original = dm.normal_attention
+    swapped = [m for m in model.modules() if getattr(m, "optimized_attention", None) is original]
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _bounded_attention(q, k, v, max_bytes)
+
+    for m in swapped:
+        m.optimized_attention = attention
+    try:
+        yield len(swapped)
+    finally:
+        for m in swapped:
+            m.optimized_attention = original

@@ -245,14 +245,23 @@ def format_execution_error(status: dict) -> str:
     return f"ComfyUI failed the prompt: {status}"
 
 
-def output_files(entry: dict, output_dir: pathlib.Path) -> list[pathlib.Path]:
-    """Paths of the files a finished prompt saved (images, animated images, videos)."""
+def output_files(
+    entry: dict, output_dir: pathlib.Path, temp_dir: pathlib.Path | None = None
+) -> list[pathlib.Path]:
+    """Paths of the files a finished prompt saved (images, animated images, videos).
+
+    ``type: "temp"`` previews are looked up in ``temp_dir`` (ComfyUI's ``--temp-directory X`` writes
+    them to ``X/temp``) and left out when it is not given.
+    """
     paths = []
     for node_out in entry.get("outputs", {}).values():
         for key in ("images", "gifs", "videos", "animated"):
             for item in node_out.get(key, []) or []:
-                if isinstance(item, dict) and "filename" in item:
-                    base = output_dir if item.get("type", "output") == "output" else output_dir.parent / item["type"]
+                if not (isinstance(item, dict) and "filename" in item):
+                    continue
+                kind = item.get("type", "output")
+                base = output_dir if kind == "output" else temp_dir if kind == "temp" else None
+                if base is not None:
                     paths.append(base / item.get("subfolder", "") / item["filename"])
     return paths
 
@@ -278,6 +287,7 @@ class ComfyServer:
         self.output_dir = self.work_dir / "output"
         self.user_dir = self.work_dir / "user"
         self.input_dir = self.work_dir / "input"
+        self.temp_dir = self.work_dir / "temp" / "temp"  # ComfyUI appends "temp" to --temp-directory
         self.log_path = self.work_dir / "comfyui.log"
         self.extra_args = list(extra_args)
         self.cpu = cpu
