@@ -59,7 +59,9 @@ FAMILIES: dict[str, Family] = {
     "wan22": Family(
         "wan22",
         "Wan 2.2 video VAE: causal 3-D convs, 16x spatial, 4x temporal",
-        VaeGeometry("wan22", spatial_ratio=16, temporal_ratio=4, halo=4, align=1),
+        # halo: the tiled part's reach at the chunked executor's default split (5.75 latent px, walked and
+        # measured: docs/VIDEO_DECODE.md); 4 was inexact.
+        VaeGeometry("wan22", spatial_ratio=16, temporal_ratio=4, halo=6, align=1),
         48,
         _VIDEO_PHASES,
         _WAN_REAL,

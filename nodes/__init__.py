@@ -11,6 +11,21 @@ from comfy_api.v0_0_2 import ComfyExtension, io
 def node_classes() -> list[type[io.ComfyNode]]:
     """All node classes of the pack, in menu order (each node module adds itself here)."""
     classes: list[type[io.ComfyNode]] = []
+    from .tiled_vae_decode import TiledVAEDecode
+
+    classes.append(TiledVAEDecode)
+    from .video_decode import TemporalChunkVideoDecode
+
+    classes.append(TemporalChunkVideoDecode)
+    from .offload_manager import OffloadManager
+
+    classes.append(OffloadManager)
+    from .bf16_loader import Bf16Loader
+
+    classes.append(Bf16Loader)
+    from .vram_monitor import VRAMMonitor
+
+    classes.append(VRAMMonitor)
     return classes
 
 

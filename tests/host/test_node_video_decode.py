@@ -1,0 +1,285 @@
+"""Temporal-Chunk Video Decode (VRAM Fit) on the in-process ComfyUI host, against ComfyUI's ``VAEDecode``.
+
+The node comes from ComfyUI's registry (loaded by ComfyUI's own loader); hooks are set on the module
+ComfyUI imported. Thresholds (frames on [0, 1]):
+
+* Wan 2.1 / 2.2 vs core ``VAEDecode``: same shape (B*T, H, W, 3), max abs diff <= 1e-3 for k in {1, 2, 3}
+  (Wan 2.1; Wan 2.2: 9 frames, k in {1, 2}), whole frames and spatial tiles (Wan 2.2 k = 1 tiles and
+  Wan 2.1 k = 1 / 3 tiles are ``slow``), odd latent sizes;
+* budget sweep: tracked peak (live tensor bytes) <= the budget and the plan's meta-sized prediction
+  within +-15 % of the tracked peak; tighter budgets give other plans;
+* OOM injected mid-video (inside a later chunk): the run re-plans, resumes and equals the clean run;
+* HunyuanVideo: approximate path, said in the report, VAEDecode's shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+
+from scripts.fixtures import structured_latent
+
+pytestmark = pytest.mark.host
+log = logging.getLogger("vramfit.tests.node_video_decode")
+
+NODE_ID = "VRAMFit_TemporalChunkVideoDecode"
+TOL = 1e-3
+MiB = 2**20
+WAN21 = (1, 16, 4, 5, 7)  # 13 frames of 40x56 px, odd latent
+WAN22 = (1, 48, 3, 2, 2)  # 9 frames of 32x32 px
+SWEEP = (1, 16, 3, 4, 6)  # 9 frames of 32x48 px
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def node(comfy):
+    return comfy.NODE_CLASS_MAPPINGS[NODE_ID]
+
+
+@pytest.fixture(scope="module")
+def mod(node):
+    m = sys.modules[node.__module__]
+    yield m
+    m._FAULT_HOOK = None
+    m.MEASURE_CPU_TENSORS = False
+
+
+@pytest.fixture()
+def hook(mod):
+    yield lambda fn: setattr(mod, "_FAULT_HOOK", fn)
+    mod._FAULT_HOOK = None
+
+
+def _case(comfy, fixture_vaes, kind, shape, seed):
+    vae = comfy.VAELoader().load_vae(fixture_vaes[kind])[0]
+    z = structured_latent(shape, seed=seed)
+    (ref,) = comfy.VAEDecode().decode(vae, {"samples": z})
+    return vae, z, ref
+
+
+@pytest.fixture(scope="module")
+def wan21(comfy, fixture_vaes):
+    return _case(comfy, fixture_vaes, "wan21", WAN21, 5)
+
+
+@pytest.fixture(scope="module")
+def wan22(comfy, fixture_vaes):
+    return _case(comfy, fixture_vaes, "wan22", WAN22, 6)
+
+
+def _diff(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+# ------------------------------------------------------------------------------------------ schema
+
+
+def test_schema_ids_and_tooltips(node):
+    schema = node.define_schema()
+    assert schema.node_id == NODE_ID and schema.display_name == "Temporal-Chunk Video Decode (VRAM Fit)"
+    ids = [i.id for i in schema.inputs]
+    assert ids == ["samples", "vae", "frames_per_chunk", "tile_size", "budget_mb", "unload_others"]
+    assert all(i.tooltip for i in schema.inputs) and all(o.tooltip for o in schema.outputs)
+    assert [o.get_io_type() for o in schema.outputs] == ["IMAGE", "STRING"]
+
+
+# ------------------------------------------------------------------------------------------ fidelity
+
+
+@pytest.mark.parametrize(
+    "k,tile_px",
+    [(1, 0), (2, 0), (3, 0), (2, 24), pytest.param(1, 24, marks=pytest.mark.slow),
+     pytest.param(3, 24, marks=pytest.mark.slow)],
+)
+def test_wan21_matches_core_vaedecode(mod, wan21, k, tile_px):
+    vae, z, ref = wan21
+    r = mod.decode(vae, {"samples": z}, frames_per_chunk=k, tile_size=tile_px)
+    assert r.images.shape == ref.shape and r.images.dtype == ref.dtype
+    d = _diff(r.images, ref)
+    log.info("wan21 k=%d tile=%d px: %s, max abs diff %.2e, %.2f s (plan %.2f s)", k, tile_px, r.plan.describe(), d,
+             r.seconds, r.plan_seconds)
+    assert r.plan.k == k and (r.plan.tile is None) == (tile_px == 0)
+    if tile_px:
+        assert r.plan.grid[0] * r.plan.grid[1] > 1
+    assert d <= TOL
+
+
+@pytest.mark.parametrize(
+    "k,tile_px",
+    [(1, 0), (2, 0), (2, 16), pytest.param(1, 16, marks=pytest.mark.slow)],
+)
+def test_wan22_matches_core_vaedecode(mod, wan22, k, tile_px):
+    vae, z, ref = wan22
+    r = mod.decode(vae, {"samples": z}, frames_per_chunk=k, tile_size=tile_px)
+    assert r.images.shape == ref.shape
+    d = _diff(r.images, ref)
+    log.info("wan22 k=%d tile=%d px: %s, max abs diff %.2e, %.2f s", k, tile_px, r.plan.describe(), d, r.seconds)
+    assert r.plan.halo == 6  # the walked reach at the default split, not families.py's 4
+    assert d <= TOL
+
+
+def test_auto_plan_report_rows(mod, wan21):
+    vae, z, ref = wan21
+    r = mod.decode(vae, {"samples": z})
+    rows = dict(r.report.rows)
+    for key in ("vae", "path", "budget", "offload", "plan", "cache", "predicted", "measured", "time"):
+        assert key in rows, key
+    assert rows["path"].startswith("exact") and "k = " in rows["plan"]
+    assert r.plan.tile is None  # free memory: whole frames
+    assert _diff(r.images, ref) <= TOL
+
+
+# ------------------------------------------------------------------------------------------ budget
+
+
+def test_budget_sweep_tracked_within_budget_and_prediction(comfy, mod, wan21):
+    """Budgets from the unconstrained plan's prediction downwards: every run stays within its budget,
+    the meta-sized prediction is within +-15 % of the tracked peak, and tighter budgets change the plan
+    (in-place cache, tiles)."""
+    vae = wan21[0]
+    z = structured_latent(SWEEP, seed=7)
+    (ref,) = comfy.VAEDecode().decode(vae, {"samples": z})
+    mod.MEASURE_CPU_TENSORS = True
+    seen = []
+    try:
+        free = mod.decode(vae, {"samples": z}, budget_mb=4096)
+        top = free.plan.planned
+        for frac in (1.0, 0.75):
+            budget_mb = max(1, int(top * frac / MiB) + 1)
+            r = mod.decode(vae, {"samples": z}, budget_mb=budget_mb)
+            tracked = r.measured_peak
+            err = (r.plan.planned - tracked) / tracked
+            log.info("budget %d MiB: %s; predicted %.1f MiB, tracked %.1f MiB (%+.1f%%)", budget_mb,
+                     r.plan.describe(), r.plan.planned / MiB, tracked / MiB, 100 * err)
+            assert r.plan.planned <= budget_mb * MiB
+            assert tracked <= budget_mb * MiB, (budget_mb, tracked)
+            assert abs(err) <= 0.15, (budget_mb, r.plan.planned, tracked)
+            assert _diff(r.images, ref) <= TOL
+            seen.append((r.plan.k, r.plan.tile, r.plan.rollback))
+    finally:
+        mod.MEASURE_CPU_TENSORS = False
+    assert seen[0] == (free.plan.k, free.plan.tile, free.plan.rollback)
+    assert len(set(seen)) == len(seen), f"every budget should give another plan: {seen}"
+
+
+def test_impossible_budget_is_a_clear_error(mod, wan21):
+    vae = wan21[0]
+    z = structured_latent((1, 16, 2, 3, 3), seed=1)
+    with pytest.raises(ValueError, match=r"no plan fits the budget of 1.0 MiB: the smallest .* needs"):
+        mod.decode(vae, {"samples": z}, budget_mb=1)
+
+
+# ------------------------------------------------------------------------------------------ OOM, cancel, progress
+
+
+@pytest.fixture(scope="module")
+def clean_k2(mod, wan21):
+    vae, z, _ = wan21
+    return mod.decode(vae, {"samples": z}, frames_per_chunk=2)
+
+
+@pytest.mark.parametrize("fail_step", [1, 2])
+def test_oom_mid_video_resumes_identically(mod, wan21, clean_k2, hook, fail_step):
+    """Chunks: frame 0, [1, 3), [3, 4). An OOM in chunk [1, 3) halves k; one in the last chunk (one latent
+    frame) tiles it; both resume after the last finished chunk and equal the clean run."""
+    vae, z, _ = wan21
+    clean = clean_k2
+    steps: list[int] = []
+
+    def fault(step: int) -> None:
+        steps.append(step)
+        if step == fail_step and steps.count(fail_step) == 1:
+            raise torch.OutOfMemoryError("injected mid-video")
+
+    hook(fault)
+    r = mod.decode(vae, {"samples": z}, frames_per_chunk=2)
+    assert r.stats["shrinks"] == 1 and r.stats["restarts"] == 0
+    assert steps.count(0) == 1  # frame 0 was not decoded again
+    if fail_step == 1:
+        assert r.stats["frames_per_chunk"] == 1
+    else:
+        assert r.stats["tile"] is not None
+    assert "oom" in dict(r.report.rows)
+    assert torch.equal(r.images[0], clean.images[0])  # frame 0 (finished before the OOM) is untouched
+    assert _diff(r.images, clean.images) <= 1e-5  # other chunk sizes: float noise (measured <= 1.2e-6)
+
+
+def test_cancel_between_chunks(mod, wan21, hook):
+    import comfy.model_management as mm
+
+    vae, z, _ = wan21
+    steps: list[int] = []
+
+    def fault(step: int) -> None:
+        steps.append(step)
+        if step == 1:
+            mm.interrupt_current_processing(True)
+
+    hook(fault)
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            mod.decode(vae, {"samples": z}, frames_per_chunk=1)
+    finally:
+        mm.interrupt_current_processing(False)
+    assert steps == [0, 1]
+
+
+def test_progress_reaches_total(mod, wan21, monkeypatch):
+    import comfy.utils
+
+    vae, z, _ = wan21
+    events: list[tuple[int, int | None]] = []
+    orig = comfy.utils.ProgressBar.update_absolute
+
+    def spy(self, value, total=None, preview=None):
+        events.append((value, total))
+        return orig(self, value, total, preview)
+
+    monkeypatch.setattr(comfy.utils.ProgressBar, "update_absolute", spy)
+    mod.decode(vae, {"samples": z}, frames_per_chunk=1)
+    values = [v for v, _ in events]
+    assert values == sorted(values) and events[-1] == (4, 4)  # frame 0 + 3 chunks of one latent frame
+
+
+# ------------------------------------------------------------------------------------------ errors, other VAEs
+
+
+@pytest.mark.parametrize(
+    "kind,shape,needle",
+    [
+        ("wan21", (1, 16, 5, 7), "4-D image latent"),
+        ("wan21", (1, 4, 3, 5, 7), "expects 16"),
+        ("kl_f8", (1, 4, 3, 5, 7), "not a video VAE"),
+    ],
+)
+def test_input_errors_name_node_and_shape(comfy, fixture_vaes, mod, kind, shape, needle):
+    vae = comfy.VAELoader().load_vae(fixture_vaes[kind])[0]
+    with pytest.raises(ValueError) as e:
+        mod.decode(vae, {"samples": torch.zeros(shape)})
+    msg = str(e.value)
+    assert "Temporal-Chunk Video Decode" in msg and str(shape) in msg and needle in msg
+    assert "Tiled VAE Decode" in msg
+
+
+def test_hunyuan_is_approximate_with_core_shape(comfy, fixture_vaes, mod, node):
+    vae = comfy.VAELoader().load_vae(fixture_vaes["hunyuan_video"])[0]
+    z = structured_latent((1, 16, 5, 4, 4), seed=2)
+    (ref,) = comfy.VAEDecode().decode(vae, {"samples": z})
+    out = node.execute(samples={"samples": z}, vae=vae, frames_per_chunk=3, tile_size=0, budget_mb=0,
+                       unload_others=True)
+    images, text = out.args
+    assert images.shape == ref.shape
+    assert "APPROXIMATE" in text
+    err = (images - ref).abs()
+    log.info("hunyuan overlap-blend k=3 vs VAEDecode: mean abs %.3f, max %.3f", err.mean().item(), err.max().item())
+    assert err.mean().item() <= 0.15
