@@ -60,6 +60,8 @@ from typing import Any
 
 import torch
 
+from .tiled_exact import default_oom_exceptions, split_even
+
 log = logging.getLogger("vramfit.memory.video_chunked")
 
 __all__ = [
@@ -85,12 +87,6 @@ MIN_TILE = 2
 ProgressFn = Callable[[int, int], None]
 
 
-def default_oom_exceptions() -> tuple[type[BaseException], ...]:
-    """``torch.OutOfMemoryError`` (alias of ``torch.cuda.OutOfMemoryError``) where torch has it."""
-    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
-    return (oom,) if oom is not None else ()
-
-
 def _oom_types(given: Sequence[type[BaseException]] | None) -> tuple[type[BaseException], ...]:
     """The exception types treated as out-of-memory. ``Exception``/``BaseException`` are dropped: ComfyUI
     sets ``model_management.OOM_EXCEPTION = Exception`` when CUDA is unavailable, and catching that
@@ -107,13 +103,6 @@ def _oom_types(given: Sequence[type[BaseException]] | None) -> tuple[type[BaseEx
 # Geometry helpers (pure)
 
 
-def split_even(n: int, t: int) -> list[tuple[int, int]]:
-    """``[0, n)`` cut into ``ceil(n / t)`` near-equal ``(start, end)`` pieces, none longer than ``t``."""
-    if n <= 0:
-        return []
-    t = max(1, int(t))
-    k = -(-n // t)
-    return [(i * n // k, (i + 1) * n // k) for i in range(k)]
 
 
 def tile_spans(n: int, tile: int, halo: int) -> list[tuple[int, int, int, int]]:
