@@ -1,0 +1,990 @@
+"""Example workflows: build them from one description, and validate them against a real host.
+
+    python -m scripts.workflows build  [--url URL]   # write workflows/*.json, *.jpg, api/*.json, README.md
+    python -m scripts.workflows check  [--url URL]   # exit 1 when a committed file differs from the build
+    python -m scripts.workflows validate [--url URL] # validate the committed workflows against /object_info
+
+Without ``--url`` a headless ComfyUI (the host of ``scripts/setup_host.sh``) is started for the run.
+
+One source of truth: ``scripts/workflow_graphs.py`` describes each graph (node types, widget values by
+input name, links); this module turns a description into
+
+* the UI-format workflow (ComfyUI frontend JSON, version 0.4) served as a template from ``workflows/``,
+* its API-format twin in ``workflows/api/`` (what ``POST /prompt`` and ``scripts/run_workflow.py`` take),
+* a thumbnail ``workflows/<name>.jpg`` (the frontend requests ``<name>.jpg`` for custom-node templates),
+* ``workflows/README.md`` (every workflow, the files it expects and the folder each goes in),
+
+using the node schemas of the live ``/object_info`` plus the third-party node packs declared in
+``scripts/workflow_declarations.json`` (read from their source; each with its repository and commit).
+
+The validator (:func:`validate_workflow`) checks a UI workflow and its API twin against those schemas:
+every node type exists on the host, is frontend-only, or belongs to a declared pack the workflow names;
+every link joins an existing output to an input of a compatible type (pass-through outputs resolved);
+every widget value has the declared type and lies in the declared range or options; file-list COMBOs
+(model files) are either on the host or declared with their folder; and the UI converted to API format
+(:func:`ui_to_api`, the frontend's widget mapping) equals the committed twin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import sys
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+log = logging.getLogger("vramfit.workflows")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKFLOWS_DIR = ROOT / "workflows"
+API_DIR = WORKFLOWS_DIR / "api"
+DECLARATIONS_PATH = pathlib.Path(__file__).resolve().with_name("workflow_declarations.json")
+
+WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
+PACK_PREFIX = "VRAMFit_"
+THUMB_SIZE = (640, 400)
+
+
+def load_declarations(path: pathlib.Path = DECLARATIONS_PATH) -> dict:
+    return json.loads(path.read_text())
+
+
+# ------------------------------------------------------------------------------------ schemas
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    """One input of a node as the frontend sees it."""
+
+    name: str
+    type: str
+    """INT/FLOAT/STRING/BOOLEAN/COMBO for widgets, else the socket type (``*`` = anything)."""
+    opts: dict
+    required: bool
+    options: tuple | None = None
+    """COMBO options."""
+
+    @property
+    def widget(self) -> bool:
+        return self.type in WIDGET_TYPES and not self.opts.get("forceInput")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeSchema:
+    type: str
+    display_name: str
+    inputs: tuple[InputSpec, ...]
+    outputs: tuple[str, ...]
+    output_names: tuple[str, ...]
+    pack: str | None = None
+    """Declared third-party pack, None for the host's own node types."""
+
+    def input(self, name: str) -> InputSpec | None:
+        return next((i for i in self.inputs if i.name == name), None)
+
+    @property
+    def sockets(self) -> list[InputSpec]:
+        return [i for i in self.inputs if not i.widget]
+
+    @property
+    def widgets(self) -> list[InputSpec]:
+        return [i for i in self.inputs if i.widget]
+
+
+def _parse_input(name: str, spec: Any, required: bool) -> InputSpec:
+    kind = spec[0] if isinstance(spec, (list, tuple)) and spec else spec
+    opts = spec[1] if isinstance(spec, (list, tuple)) and len(spec) > 1 and isinstance(spec[1], dict) else {}
+    if isinstance(kind, (list, tuple)):
+        return InputSpec(name, "COMBO", opts, required, tuple(kind))
+    if kind == "COMBO":
+        options = opts.get("options")
+        if options is None and isinstance(spec, (list, tuple)) and len(spec) > 1 and isinstance(spec[1], list):
+            options, opts = spec[1], {}
+        return InputSpec(name, "COMBO", opts, required, tuple(options or ()))
+    return InputSpec(name, str(kind), opts, required)
+
+
+def parse_schema(node_type: str, info: dict, pack: str | None = None) -> NodeSchema:
+    inputs = []
+    order = info.get("input_order") or {}
+    for section in ("required", "optional"):
+        specs = (info.get("input") or {}).get(section) or {}
+        for name in order.get(section) or list(specs):
+            inputs.append(_parse_input(name, specs[name], section == "required"))
+    outputs = tuple(str(o) if not isinstance(o, list) else "COMBO" for o in info.get("output") or ())
+    names = tuple(info.get("output_name") or outputs)
+    return NodeSchema(
+        type=node_type, display_name=info.get("display_name") or node_type, inputs=tuple(inputs),
+        outputs=outputs, output_names=names, pack=pack,
+    )  # fmt: skip
+
+
+class Schemas:
+    """Node schemas: the host's ``/object_info`` first, then the declared third-party packs."""
+
+    def __init__(self, object_info: dict, declarations: dict | None = None):
+        self.object_info = object_info
+        self.decl = declarations or load_declarations()
+        self.frontend_only = dict(self.decl["frontend"]["node_types"])
+        self.seed_names = set(self.decl["frontend"]["seed_widget_names"])
+        self.control_values = set(self.decl["frontend"]["control_values"])
+        self.file_inputs = {k: v for k, v in self.decl["file_inputs"].items() if k != "about"}
+        self.passthrough = {
+            k: {int(s): n for s, n in v.items()} for k, v in self.decl["passthrough_outputs"].items() if k != "about"
+        }
+        self.packs = self.decl["packs"]
+        self._cache: dict[str, NodeSchema | None] = {}
+
+    def pack_of(self, node_type: str) -> str | None:
+        return next((p for p, d in self.packs.items() if node_type in d["nodes"]), None)
+
+    def get(self, node_type: str) -> NodeSchema | None:
+        if node_type in self._cache:
+            return self._cache[node_type]
+        schema = None
+        if node_type in self.object_info:
+            schema = parse_schema(node_type, self.object_info[node_type])
+        elif (pack := self.pack_of(node_type)) is not None:
+            info = dict(self.packs[pack]["nodes"][node_type])
+            base = info.get("inherits_inputs_from")
+            if base:
+                base_info = self.object_info[base]
+                info["input"], info["input_order"] = base_info["input"], base_info.get("input_order")
+            schema = parse_schema(node_type, info, pack=pack)
+        self._cache[node_type] = schema
+        return schema
+
+    def has_control(self, spec: InputSpec) -> bool:
+        """The frontend adds a control_after_generate widget value after this widget."""
+        return spec.type == "INT" and (bool(spec.opts.get("control_after_generate")) or spec.name in self.seed_names)
+
+    def file_input(self, node_type: str, name: str) -> dict | None:
+        return self.file_inputs.get(f"{node_type}.{name}")
+
+
+# ------------------------------------------------------------------------------- description DSL
+
+
+@dataclasses.dataclass(frozen=True)
+class Out:
+    """Output ``slot`` of node ``node`` (a link source in a description)."""
+
+    node: int
+    slot: int = 0
+
+
+@dataclasses.dataclass
+class NodeDesc:
+    id: int
+    type: str
+    values: dict[str, Any]
+    title: str | None = None
+    control: str = "fixed"
+
+    def out(self, slot: int = 0) -> Out:
+        return Out(self.id, slot)
+
+
+@dataclasses.dataclass(frozen=True)
+class FileDecl:
+    """A file a workflow expects on the host."""
+
+    name: str
+    """As the widget shows it (the bf16 Loader's ``folder/name`` is split: name without the folder)."""
+    directory: str
+    """ComfyUI folder: ``models/<directory>/``, or ``input`` for ComfyUI's input folder."""
+    url: str | None = None
+    how: str = ""
+
+
+@dataclasses.dataclass
+class WorkflowDesc:
+    name: str
+    title: str
+    summary: str
+    cpu: bool = False
+    files: list[FileDecl] = dataclasses.field(default_factory=list)
+    packs: list[str] = dataclasses.field(default_factory=list)
+    notes: str = ""
+    nodes: list[NodeDesc] = dataclasses.field(default_factory=list)
+
+    def add(self, node_type: str, title: str | None = None, control: str = "fixed", **values: Any) -> NodeDesc:
+        node = NodeDesc(id=len(self.nodes) + 1, type=node_type, values=values, title=title, control=control)
+        self.nodes.append(node)
+        return node
+
+
+# ------------------------------------------------------------------------------------ building
+
+
+def _default(spec: InputSpec) -> Any:
+    if "default" in spec.opts:
+        return spec.opts["default"]
+    if spec.type == "COMBO":
+        return spec.options[0] if spec.options else ""
+    return {"INT": 0, "FLOAT": 0.0, "STRING": "", "BOOLEAN": False}[spec.type]
+
+
+def _toposort(nodes: dict[int, set[int]]) -> list[int]:
+    """Kahn's algorithm, ties by id; ``nodes`` maps id -> ids it depends on."""
+    deps = {k: set(v) for k, v in nodes.items()}
+    order: list[int] = []
+    ready = sorted(k for k, v in deps.items() if not v)
+    while ready:
+        n = ready.pop(0)
+        order.append(n)
+        for k, v in deps.items():
+            if n in v:
+                v.discard(n)
+                if not v and k not in order and k not in ready:
+                    ready.append(k)
+        ready.sort()
+    if len(order) != len(deps):
+        raise ValueError("the graph has a cycle")
+    return order
+
+
+def effective_type(schemas: Schemas, node_types: dict[int, str], links_in: dict, node: int, slot: int) -> str:
+    """Type of output ``slot`` of ``node``, following pass-through outputs (``*``) to their source."""
+    schema = schemas.get(node_types[node])
+    if schema is None or slot >= len(schema.outputs):
+        return "?"
+    declared = schema.outputs[slot]
+    through = schemas.passthrough.get(schema.type, {}).get(slot)
+    if declared == "*" and through and (node, through) in links_in:
+        src_node, src_slot = links_in[(node, through)]
+        return effective_type(schemas, node_types, links_in, src_node, src_slot)
+    return declared
+
+
+def types_compatible(src: str, dst: str) -> bool:
+    if "*" in (src, dst):
+        return True
+    return src == dst or src in dst.split(",") or dst in src.split(",")
+
+
+def _node_size(schema: NodeSchema, desc: NodeDesc) -> list[int]:
+    linked_widgets = sum(1 for w in schema.widgets if isinstance(desc.values.get(w.name), Out))
+    sockets = len(schema.sockets) + linked_widgets
+    widgets = len(schema.widgets)
+    multiline = any(w.type == "STRING" and w.opts.get("multiline") for w in schema.widgets)
+    width = 400 if multiline else 320
+    height = 30 + 22 * max(sockets, len(schema.outputs), 1) + 26 * widgets + (110 if multiline else 0)
+    return [width, height]
+
+
+def _note_markdown(desc: WorkflowDesc, schemas: Schemas) -> str:
+    lines = [f"## {desc.title}", "", desc.summary, ""]
+    if desc.packs:
+        lines += ["**Custom nodes required** (besides VRAM Fit):", ""]
+        for pack in desc.packs:
+            info = schemas.packs[pack]
+            lines.append(f"- {pack}: {info['url']}")
+        lines.append("")
+    if desc.files:
+        lines += ["**Files it expects** (name → folder):", ""]
+        for f in desc.files:
+            where = "ComfyUI/input/" if f.directory == "input" else f"ComfyUI/models/{f.directory}/"
+            extra = f" ({f.url})" if f.url else ""
+            how = f" {f.how}" if f.how else ""
+            lines.append(f"- `{f.name}` → `{where}`{extra}{how}")
+        lines.append("")
+    if desc.notes:
+        lines += [desc.notes, ""]
+    lines.append(
+        "VRAM Fit reports (plan, offload, memory timeline) show on the nodes and in `/history`; "
+        "headless: `python -m scripts.run_workflow workflows/api/" + desc.name + ".json --url URL`."
+    )
+    return "\n".join(lines)
+
+
+def build_ui(desc: WorkflowDesc, schemas: Schemas) -> dict:
+    """The UI-format (frontend) workflow of a description."""
+    by_id = {n.id: n for n in desc.nodes}
+    node_schemas = {}
+    for n in desc.nodes:
+        schema = schemas.get(n.type)
+        if schema is None:
+            raise KeyError(f"{desc.name}: node type {n.type!r} is neither on the host nor declared")
+        node_schemas[n.id] = schema
+        for key, value in n.values.items():
+            if schema.input(key) is None:
+                raise KeyError(f"{desc.name}: node {n.id} ({n.type}) has no input {key!r}")
+            if isinstance(value, Out) and value.node not in by_id:
+                raise KeyError(f"{desc.name}: node {n.id} input {key!r} links to missing node {value.node}")
+    deps = {n.id: {v.node for v in n.values.values() if isinstance(v, Out)} for n in desc.nodes}
+    order = _toposort(deps)
+    depth: dict[int, int] = {}
+    for nid in order:
+        depth[nid] = 1 + max((depth[d] for d in deps[nid]), default=-1)
+
+    node_types = {n.id: n.type for n in desc.nodes}
+    links_in = {(n.id, k): (v.node, v.slot) for n in desc.nodes for k, v in n.values.items() if isinstance(v, Out)}
+    # layout: a note column, then one column per dependency depth
+    sizes = {n.id: _node_size(node_schemas[n.id], n) for n in desc.nodes}
+    note_w = 440
+    col_x: dict[int, int] = {}
+    x = 40 + note_w + 60
+    for d in range(max(depth.values()) + 1):
+        col_x[d] = x
+        x += max(sizes[i][0] for i in by_id if depth[i] == d) + 60
+    col_y: dict[int, int] = {}
+    pos = {}
+    for nid in sorted(by_id):
+        d = depth[nid]
+        y = col_y.get(d, 60)
+        pos[nid] = [col_x[d], y]
+        col_y[d] = y + sizes[nid][1] + 50
+
+    links: list[list] = []
+    ui_nodes = []
+    out_links: dict[tuple[int, int], list[int]] = {}
+    pending_inputs: dict[int, list[dict]] = {}
+    for n in desc.nodes:
+        schema = node_schemas[n.id]
+        inputs = []
+        for spec in schema.inputs:
+            value = n.values.get(spec.name)
+            if spec.widget and not isinstance(value, Out):
+                continue
+            entry: dict[str, Any] = {"name": spec.name, "type": spec.type, "link": None}
+            if spec.widget:
+                entry["widget"] = {"name": spec.name}
+            if isinstance(value, Out):
+                link_id = len(links) + 1
+                src_type = effective_type(schemas, node_types, links_in, value.node, value.slot)
+                link_type = spec.type if spec.type != "*" else src_type
+                links.append([link_id, value.node, value.slot, n.id, len(inputs), link_type])
+                entry["link"] = link_id
+                out_links.setdefault((value.node, value.slot), []).append(link_id)
+            elif spec.required:
+                raise ValueError(f"{desc.name}: node {n.id} ({n.type}) required input {spec.name!r} is not linked")
+            inputs.append(entry)
+        pending_inputs[n.id] = inputs
+
+    for n in desc.nodes:
+        schema = node_schemas[n.id]
+        widgets_values = []
+        for spec in schema.widgets:
+            value = n.values.get(spec.name)
+            widgets_values.append(_default(spec) if value is None or isinstance(value, Out) else value)
+            if schemas.has_control(spec):
+                widgets_values.append(n.control)
+        outputs = []
+        for slot, (otype, oname) in enumerate(zip(schema.outputs, schema.output_names, strict=True)):
+            outputs.append({"name": oname, "type": otype, "links": out_links.get((n.id, slot), []), "slot_index": slot})
+        node: dict[str, Any] = {
+            "id": n.id, "type": n.type, "pos": pos[n.id], "size": sizes[n.id], "flags": {},
+            "order": order.index(n.id), "mode": 0, "inputs": pending_inputs[n.id], "outputs": outputs,
+            "properties": {"Node name for S&R": n.type}, "widgets_values": widgets_values,
+        }  # fmt: skip
+        if n.title:
+            node["title"] = n.title
+        if n.type.startswith(PACK_PREFIX):
+            node["color"], node["bgcolor"] = "#233", "#355"
+        elif schema.pack:
+            node["color"], node["bgcolor"] = "#432", "#653"
+        ui_nodes.append(node)
+
+    note_id = len(desc.nodes) + 1
+    ui_nodes.append({
+        "id": note_id, "type": "MarkdownNote", "pos": [40, 60], "size": [note_w, 620], "flags": {},
+        "order": len(desc.nodes), "mode": 0, "inputs": [], "outputs": [], "title": "Read me: models and folders",
+        "properties": {}, "widgets_values": [_note_markdown(desc, schemas)], "color": "#432", "bgcolor": "#653",
+    })  # fmt: skip
+
+    groups = []
+    pack_ids = [n.id for n in desc.nodes if n.type.startswith(PACK_PREFIX)]
+    if pack_ids:
+        x0 = min(pos[i][0] for i in pack_ids) - 20
+        y0 = min(pos[i][1] for i in pack_ids) - 60
+        x1 = max(pos[i][0] + sizes[i][0] for i in pack_ids) + 20
+        y1 = max(pos[i][1] + sizes[i][1] for i in pack_ids) + 20
+        groups.append({
+            "id": 1, "title": "VRAM Fit", "bounding": [x0, y0, x1 - x0, y1 - y0], "color": "#3f789e",
+            "font_size": 24, "flags": {},
+        })  # fmt: skip
+
+    files = [dataclasses.asdict(f) for f in desc.files]
+    return {
+        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, "vramfit/workflows/" + desc.name)),
+        "revision": 0,
+        "last_node_id": note_id,
+        "last_link_id": len(links),
+        "nodes": ui_nodes,
+        "links": links,
+        "groups": groups,
+        "config": {},
+        "extra": {
+            "ds": {"scale": 0.75, "offset": [0, 0]},
+            "vramfit": {
+                "name": desc.name, "title": desc.title, "summary": desc.summary, "cpu": desc.cpu,
+                "custom_node_packs": [{"name": p, "url": schemas.packs[p]["url"]} for p in desc.packs],
+                "files": files,
+            },
+        },  # fmt: skip
+        "models": [{"name": f.name, "url": f.url, "directory": f.directory} for f in desc.files if f.url],
+        "version": 0.4,
+    }
+
+
+def ui_to_api(ui: dict, schemas: Schemas) -> dict:
+    """API-format prompt of a UI workflow, mapping widgets_values by the node schemas (as the frontend)."""
+    links = {link[0]: link for link in ui.get("links", [])}
+    api: dict[str, dict] = {}
+    for node in sorted(ui.get("nodes", []), key=lambda n: n["id"]):
+        if node["type"] in schemas.frontend_only or node.get("mode", 0) in (2, 4):
+            continue
+        schema = schemas.get(node["type"])
+        if schema is None:
+            raise KeyError(f"node {node['id']}: unknown node type {node['type']!r}")
+        linked = {}
+        for entry in node.get("inputs", []):
+            if entry.get("link") is not None and entry["link"] in links:
+                link = links[entry["link"]]
+                linked[entry["name"]] = [str(link[1]), link[2]]
+        values = list(node.get("widgets_values") or [])
+        inputs: dict[str, Any] = {}
+        widget_values: dict[str, Any] = {}
+        i = 0
+        for spec in schema.widgets:
+            if i < len(values):
+                widget_values[spec.name] = values[i]
+            i += 2 if schemas.has_control(spec) else 1
+        for spec in schema.inputs:
+            if spec.name in linked:
+                inputs[spec.name] = linked[spec.name]
+            elif spec.widget and spec.name in widget_values:
+                inputs[spec.name] = widget_values[spec.name]
+        api[str(node["id"])] = {
+            "class_type": node["type"],
+            "inputs": inputs,
+            "_meta": {"title": node.get("title") or schema.display_name},
+        }
+    return api
+
+
+def build(desc: WorkflowDesc, schemas: Schemas) -> tuple[dict, dict]:
+    ui = build_ui(desc, schemas)
+    return ui, ui_to_api(ui, schemas)
+
+
+# ---------------------------------------------------------------------------------- validation
+
+
+def _fmt(workflow: str, node_id: Any, node_type: str, what: str) -> str:
+    return f"{workflow}: node {node_id} ({node_type}): {what}"
+
+
+def check_widget_value(spec: InputSpec, value: Any) -> str | None:
+    """Why ``value`` is not a valid value of widget ``spec`` (None when it is)."""
+    if spec.type == "INT":
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"value {value!r} is not an INT"
+    elif spec.type == "FLOAT":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"value {value!r} is not a FLOAT"
+    elif spec.type == "BOOLEAN":
+        if not isinstance(value, bool):
+            return f"value {value!r} is not a BOOLEAN"
+    elif spec.type == "STRING":
+        if not isinstance(value, str):
+            return f"value {value!r} is not a STRING"
+    elif spec.type == "COMBO":
+        if value not in (spec.options or ()):
+            shown = list(spec.options or ())
+            shown = shown[:8] + ["..."] if len(shown) > 8 else shown
+            return f"value {value!r} is not one of the options {shown}"
+    if spec.type in ("INT", "FLOAT"):
+        lo, hi = spec.opts.get("min"), spec.opts.get("max")
+        if lo is not None and value < lo:
+            return f"value {value!r} is below the minimum {lo}"
+        if hi is not None and value > hi:
+            return f"value {value!r} is above the maximum {hi}"
+        step = spec.opts.get("step")
+        if spec.type == "INT" and isinstance(step, int) and step > 1:
+            base = lo if isinstance(lo, int) else 0
+            if (value - base) % step and value % step:
+                return f"value {value!r} is not on the step {step} (from {base})"
+    return None
+
+
+@dataclasses.dataclass
+class ValidationContext:
+    workflow: str
+    schemas: Schemas
+    files: list[dict]
+    """extra.vramfit.files of the UI workflow."""
+    note_text: str
+    cpu: bool
+    packs: list[str]
+
+
+def _check_file_value(ctx: ValidationContext, node_id: Any, node_type: str, spec: InputSpec, value: Any) -> str | None:
+    rule = ctx.schemas.file_input(node_type, spec.name)
+    if rule is None or value in (spec.options or ()):
+        return None
+    where = f"input '{spec.name}'"
+    if ctx.cpu:
+        return _fmt(ctx.workflow, node_id, node_type, f"{where}: file {value!r} is not on the host (CPU variant)")
+    if not isinstance(value, str):
+        return _fmt(ctx.workflow, node_id, node_type, f"{where}: value {value!r} is not a file name")
+    folder, name = rule["folder"], value
+    if folder == "*":
+        folder, _, name = value.partition("/")
+        if folder not in rule["folders"] or not name:
+            return _fmt(ctx.workflow, node_id, node_type, f"{where}: value {value!r} is not 'folder/file' "
+                        f"with a folder of {rule['folders']}")  # fmt: skip
+    if not name.lower().endswith(tuple(rule["extensions"])):
+        return _fmt(ctx.workflow, node_id, node_type, f"{where}: file {value!r} has none of the extensions "
+                    f"{rule['extensions']}")  # fmt: skip
+    declared = any(f["name"] == name and f["directory"] == folder for f in ctx.files)
+    if not declared:
+        return _fmt(ctx.workflow, node_id, node_type, f"{where}: file {value!r} is neither on the host nor "
+                    f"declared in the workflow's files with directory {folder!r}")  # fmt: skip
+    if f"`{name}`" not in ctx.note_text or f"/{folder}/" not in ctx.note_text:
+        return _fmt(ctx.workflow, node_id, node_type, f"{where}: the note does not name file {name!r} and "
+                    f"folder {folder!r}")  # fmt: skip
+    return None
+
+
+def _check_node_type(ctx: ValidationContext, node_id: Any, node_type: str) -> tuple[NodeSchema | None, list[str]]:
+    schema = ctx.schemas.get(node_type)
+    if schema is None:
+        return None, [_fmt(ctx.workflow, node_id, node_type, f"node type {node_type!r} is not on the host "
+                           "(/object_info) and not declared as a third-party node")]  # fmt: skip
+    if schema.pack and schema.pack not in ctx.packs:
+        return schema, [_fmt(ctx.workflow, node_id, node_type, f"node type {node_type!r} belongs to the "
+                             f"third-party pack {schema.pack!r}, which the workflow does not declare")]  # fmt: skip
+    if schema.pack and ctx.schemas.packs[schema.pack]["url"] not in ctx.note_text:
+        return schema, [_fmt(ctx.workflow, node_id, node_type, f"the note does not name pack {schema.pack!r} "
+                             f"({ctx.schemas.packs[schema.pack]['url']})")]  # fmt: skip
+    return schema, []
+
+
+def _check_widget(ctx: ValidationContext, node_id: Any, node_type: str, spec: InputSpec, value: Any) -> list[str]:
+    if ctx.schemas.file_input(node_type, spec.name) is not None and value not in (spec.options or ()):
+        err = _check_file_value(ctx, node_id, node_type, spec, value)
+        return [err] if err else []
+    why = check_widget_value(spec, value)
+    return [_fmt(ctx.workflow, node_id, node_type, f"input '{spec.name}': {why}")] if why else []
+
+
+def validate_ui(ctx: ValidationContext, ui: dict) -> list[str]:
+    errors: list[str] = []
+    wf, schemas = ctx.workflow, ctx.schemas
+    nodes = {n["id"]: n for n in ui.get("nodes", [])}
+    if len(nodes) != len(ui.get("nodes", [])):
+        errors.append(f"{wf}: duplicate node ids")
+    node_types = {nid: n["type"] for nid, n in nodes.items()}
+    links = {}
+    for link in ui.get("links", []):
+        if not (isinstance(link, list) and len(link) == 6):
+            errors.append(f"{wf}: malformed link {link!r}")
+            continue
+        links[link[0]] = link
+    if ui.get("last_link_id", 0) < max(links, default=0) or ui.get("last_node_id", 0) < max(nodes, default=0):
+        errors.append(f"{wf}: last_node_id/last_link_id below the ids in use")
+    links_in = {}
+    for link in links.values():
+        dst = nodes.get(link[3])
+        if dst and link[4] < len(dst.get("inputs", [])):
+            links_in[(link[3], dst["inputs"][link[4]]["name"])] = (link[1], link[2])
+
+    schemas_by_id: dict[Any, NodeSchema] = {}
+    for nid, node in nodes.items():
+        ntype = node["type"]
+        if ntype in schemas.frontend_only:
+            continue
+        schema, errs = _check_node_type(ctx, nid, ntype)
+        errors += errs
+        if schema is None:
+            continue
+        schemas_by_id[nid] = schema
+        linked = set()
+        for slot, entry in enumerate(node.get("inputs", [])):
+            spec = schema.input(entry.get("name"))
+            if spec is None:
+                errors.append(_fmt(wf, nid, ntype, f"input '{entry.get('name')}' is not an input of {ntype}"))
+                continue
+            if entry.get("type") != spec.type:
+                errors.append(_fmt(wf, nid, ntype, f"input '{spec.name}': slot type {entry.get('type')!r} "
+                                   f"is not the declared {spec.type!r}"))  # fmt: skip
+            link_id = entry.get("link")
+            if link_id is None:
+                continue
+            link = links.get(link_id)
+            if link is None or link[3] != nid or link[4] != slot:
+                errors.append(_fmt(wf, nid, ntype, f"input '{spec.name}': link {link_id} does not end here"))
+                continue
+            linked.add(spec.name)
+        for spec in schema.sockets:
+            if spec.required and spec.name not in linked:
+                errors.append(_fmt(wf, nid, ntype, f"required input '{spec.name}' ({spec.type}) is not linked"))
+        values = list(node.get("widgets_values") or [])
+        expected = sum(2 if schemas.has_control(s) else 1 for s in schema.widgets)
+        if len(values) != expected:
+            errors.append(_fmt(wf, nid, ntype, f"widgets_values has {len(values)} values, the node's widgets "
+                               f"take {expected}"))  # fmt: skip
+            continue
+        i = 0
+        for spec in schema.widgets:
+            value = values[i]
+            if spec.name not in linked:
+                errors += _check_widget(ctx, nid, ntype, spec, value)
+            if schemas.has_control(spec):
+                if values[i + 1] not in schemas.control_values:
+                    errors.append(_fmt(wf, nid, ntype, f"input '{spec.name}': control_after_generate value "
+                                       f"{values[i + 1]!r} is not one of {sorted(schemas.control_values)}"))  # fmt: skip
+                i += 1
+            i += 1
+        outs = node.get("outputs", [])
+        if [(o.get("name"), o.get("type")) for o in outs] != list(zip(schema.output_names, schema.outputs, strict=True)):
+            errors.append(_fmt(wf, nid, ntype, f"outputs {[(o.get('name'), o.get('type')) for o in outs]} are "
+                               f"not the declared {list(zip(schema.output_names, schema.outputs, strict=True))}"))  # fmt: skip
+
+    for link_id, (_, src, src_slot, dst, dst_slot, ltype) in links.items():
+        if src not in nodes or dst not in nodes:
+            errors.append(f"{wf}: link {link_id} joins missing node {src if src not in nodes else dst}")
+            continue
+        if src not in schemas_by_id or dst not in schemas_by_id:
+            continue
+        src_schema, dst_node = schemas_by_id[src], nodes[dst]
+        if src_slot >= len(src_schema.outputs):
+            errors.append(_fmt(wf, src, src_schema.type, f"link {link_id} starts at missing output {src_slot}"))
+            continue
+        if link_id not in (nodes[src]["outputs"][src_slot].get("links") or []):
+            errors.append(_fmt(wf, src, src_schema.type, f"output {src_slot} does not list link {link_id}"))
+        if dst_slot >= len(dst_node.get("inputs", [])):
+            errors.append(_fmt(wf, dst, dst_node["type"], f"link {link_id} ends at missing input slot {dst_slot}"))
+            continue
+        spec = schemas_by_id[dst].input(dst_node["inputs"][dst_slot]["name"])
+        if spec is None:
+            continue
+        src_type = effective_type(schemas, node_types, links_in, src, src_slot)
+        if not types_compatible(src_type, spec.type):
+            errors.append(_fmt(wf, dst, dst_node["type"], f"input '{spec.name}' ({spec.type}) is linked to "
+                               f"output {src_slot} of node {src} ({src_schema.type}), of type {src_type!r}"))  # fmt: skip
+        expected = spec.type if spec.type != "*" else src_type
+        if ltype != expected:
+            errors.append(_fmt(wf, dst, dst_node["type"], f"input '{spec.name}': link {link_id} records type "
+                               f"{ltype!r}, expected {expected!r}"))  # fmt: skip
+    return errors
+
+
+def validate_api(ctx: ValidationContext, api: dict) -> list[str]:
+    """Check an API-format prompt the way ComfyUI's validation would, against the same schemas."""
+    errors: list[str] = []
+    wf, schemas = ctx.workflow, ctx.schemas
+    node_types = {int(k): v.get("class_type", "?") for k, v in api.items()}
+    links_in = {}
+    for nid, node in api.items():
+        for name, value in node.get("inputs", {}).items():
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str):
+                links_in[(int(nid), name)] = (int(value[0]), value[1])
+    for nid, node in api.items():
+        ntype = node.get("class_type", "?")
+        schema, errs = _check_node_type(ctx, nid, ntype)
+        errors += [e.replace(f"{wf}:", f"{wf} (API):", 1) for e in errs]
+        if schema is None:
+            continue
+        inputs = node.get("inputs", {})
+        for name in inputs:
+            if schema.input(name) is None:
+                errors.append(_fmt(wf + " (API)", nid, ntype, f"input '{name}' is not an input of {ntype}"))
+        for spec in schema.inputs:
+            if spec.name not in inputs:
+                if spec.required:
+                    errors.append(_fmt(wf + " (API)", nid, ntype, f"required input '{spec.name}' is missing"))
+                continue
+            value = inputs[spec.name]
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str):
+                src = int(value[0])
+                if value[0] not in api:
+                    errors.append(_fmt(wf + " (API)", nid, ntype, f"input '{spec.name}' links to missing node {src}"))
+                    continue
+                src_type = effective_type(schemas, node_types, links_in, src, value[1])
+                if not types_compatible(src_type, spec.type):
+                    errors.append(_fmt(wf + " (API)", nid, ntype, f"input '{spec.name}' ({spec.type}) is linked "
+                                       f"to output {value[1]} of node {src} ({node_types[src]}), of type "
+                                       f"{src_type!r}"))  # fmt: skip
+            elif not spec.widget:
+                errors.append(_fmt(wf + " (API)", nid, ntype, f"input '{spec.name}' ({spec.type}) needs a link, "
+                                   f"got {value!r}"))  # fmt: skip
+            else:
+                errors += [e.replace(f"{wf}:", f"{wf} (API):", 1) for e in _check_widget(ctx, nid, ntype, spec, value)]
+    return errors
+
+
+def note_text(ui: dict, schemas: Schemas) -> str:
+    return "\n".join(
+        str(v) for n in ui.get("nodes", []) if n["type"] in schemas.frontend_only for v in n.get("widgets_values", [])
+    )
+
+
+def validate_workflow(name: str, ui: dict, api: dict | None, schemas: Schemas) -> list[str]:
+    """Every problem of a UI workflow and its API twin, as 'workflow: node id (type): what' lines."""
+    meta = (ui.get("extra") or {}).get("vramfit") or {}
+    ctx = ValidationContext(
+        workflow=name, schemas=schemas, files=meta.get("files", []), note_text=note_text(ui, schemas),
+        cpu=bool(meta.get("cpu")), packs=[p["name"] for p in meta.get("custom_node_packs", [])],
+    )  # fmt: skip
+    for pack in ctx.packs:
+        if pack not in schemas.packs:
+            return [f"{name}: custom node pack {pack!r} is not declared in {DECLARATIONS_PATH.name}"]
+    errors = validate_ui(ctx, ui)
+    if api is not None:
+        errors += validate_api(ctx, api)
+        if not errors:
+            converted = ui_to_api(ui, schemas)
+            if converted != api:
+                for nid in sorted(set(converted) | set(api), key=int):
+                    if converted.get(nid) != api.get(nid):
+                        errors.append(f"{name}: node {nid}: the API twin {api.get(nid)!r} differs from the UI "
+                                      f"workflow converted to API format {converted.get(nid)!r}")  # fmt: skip
+    return errors
+
+
+# ---------------------------------------------------------------------------------- thumbnails
+
+
+def _font(size: int):
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow < 10.1: bitmap font only
+        return ImageFont.load_default()
+
+
+def render_thumbnail(ui: dict, path: pathlib.Path) -> None:
+    """A diagram of the graph (nodes as boxes with titles, links as lines), deterministic, small JPEG."""
+    from PIL import Image, ImageDraw
+
+    width, height = THUMB_SIZE
+    img = Image.new("RGB", (width, height), (32, 34, 38))
+    draw = ImageDraw.Draw(img)
+    meta = (ui.get("extra") or {}).get("vramfit") or {}
+    draw.rectangle([0, 0, width, 62], fill=(24, 60, 78))
+    draw.text((16, 9), meta.get("title", ""), fill=(240, 240, 240), font=_font(21))
+    tag = "CPU variant · random-weight fixtures" if meta.get("cpu") else "VRAM Fit example workflow"
+    packs = ", ".join(p["name"] for p in meta.get("custom_node_packs", []))
+    draw.text((16, 38), tag + (f" · needs {packs}" if packs else ""), fill=(170, 205, 220), font=_font(12))
+
+    nodes = [n for n in ui.get("nodes", []) if n["type"] != "MarkdownNote" and n["type"] != "Note"]
+    if not nodes:
+        img.save(path, "JPEG", quality=82, optimize=True)
+        return
+    x0 = min(n["pos"][0] for n in nodes)
+    y0 = min(n["pos"][1] for n in nodes)
+    x1 = max(n["pos"][0] + n["size"][0] for n in nodes)
+    y1 = max(n["pos"][1] + n["size"][1] for n in nodes)
+    area = (16, 76, width - 16, height - 14)
+    scale = min((area[2] - area[0]) / (x1 - x0), (area[3] - area[1]) / (y1 - y0))
+    ox = area[0] + ((area[2] - area[0]) - (x1 - x0) * scale) / 2
+    oy = area[1] + ((area[3] - area[1]) - (y1 - y0) * scale) / 2
+
+    def box(n: dict) -> tuple[float, float, float, float]:
+        return (ox + (n["pos"][0] - x0) * scale, oy + (n["pos"][1] - y0) * scale,
+                ox + (n["pos"][0] + n["size"][0] - x0) * scale, oy + (n["pos"][1] + n["size"][1] - y0) * scale)  # fmt: skip
+
+    by_id = {n["id"]: n for n in nodes}
+    for link in ui.get("links", []):
+        if link[1] in by_id and link[3] in by_id:
+            a, b = box(by_id[link[1]]), box(by_id[link[3]])
+            start = (a[2], a[1] + 10 + 8 * link[2])
+            end = (b[0], b[1] + 10 + 8 * link[4])
+            mid = (start[0] + end[0]) / 2
+            draw.line([start, (mid, start[1]), (mid, end[1]), end], fill=(120, 150, 170), width=2)
+    font = _font(max(9, min(13, int(15 * scale / 0.45))))
+    for n in nodes:
+        b = box(n)
+        vram = n["type"].startswith(PACK_PREFIX)
+        third = n.get("color") == "#432"
+        fill = (36, 84, 90) if vram else (96, 72, 40) if third else (58, 60, 66)
+        head = (60, 150, 160) if vram else (170, 120, 60) if third else (90, 94, 104)
+        draw.rounded_rectangle(b, radius=5, fill=fill, outline=(20, 20, 22))
+        draw.rectangle([b[0] + 1, b[1] + 1, b[2] - 1, min(b[3] - 1, b[1] + 16)], fill=head)
+        title = n.get("title") or n["type"].replace(PACK_PREFIX, "")
+        limit = max(4, int((b[2] - b[0]) / 6.5))
+        draw.text((b[0] + 4, b[1] + 2), title if len(title) <= limit else title[: limit - 1] + "…",
+                  fill=(250, 250, 250), font=font)  # fmt: skip
+    img.save(path, "JPEG", quality=82, optimize=True)
+
+
+def thumbnail_difference(a: pathlib.Path, b: pathlib.Path) -> float:
+    """Mean absolute pixel difference of two images (0..255); inf when sizes differ."""
+    from PIL import Image, ImageChops, ImageStat
+
+    ia, ib = Image.open(a).convert("RGB"), Image.open(b).convert("RGB")
+    if ia.size != ib.size:
+        return math.inf
+    return sum(ImageStat.Stat(ImageChops.difference(ia, ib)).mean) / 3
+
+
+# ---------------------------------------------------------------------------------- README
+
+
+def workflows_readme(descs: Iterable[WorkflowDesc], schemas: Schemas) -> str:
+    lines = [
+        "# VRAM Fit example workflows",
+        "",
+        "Generated by `python -m scripts.workflows build` from `scripts/workflow_graphs.py`; do not edit the",
+        "JSON by hand (`python -m scripts.workflows check` and `tests/server/test_workflows.py` fail on drift).",
+        "",
+        "- `workflows/<name>.json`: UI format, shown by ComfyUI as templates (Workflow → Browse Templates →",
+        "  ComfyUI-VRAM-Fit); `workflows/<name>.jpg` is its thumbnail (the frontend loads `<name>.jpg` for",
+        "  custom-node templates).",
+        "- `workflows/api/<name>.json`: the same graph in API format, for `POST /prompt` or",
+        "  `python -m scripts.run_workflow workflows/api/<name>.json --url http://127.0.0.1:8188`.",
+        "",
+        "Thumbnails are diagrams of the graph (VRAM Fit nodes teal, third-party nodes orange), drawn with",
+        "Pillow from the UI JSON: deterministic, ~20–40 KB, and true for the GPU workflows too, whose real",
+        "outputs need models this repository cannot ship.",
+        "",
+        "Every workflow is validated against a real ComfyUI's `/object_info` (node types, link types, widget",
+        "ranges; third-party node types from `scripts/workflow_declarations.json`, read from the packs'",
+        "source), and the CPU variants run end to end headless in the tests.",
+        "",
+    ]
+    for d in descs:
+        lines += [f"## `{d.name}`: {d.title}", "", d.summary, ""]
+        if d.packs:
+            lines.append(
+                "Custom nodes: " + ", ".join(f"[{p}]({schemas.packs[p]['url']})" for p in d.packs) + "."
+            )
+            lines.append("")
+        lines += ["| file | folder | source |", "|---|---|---|"]
+        for f in d.files:
+            where = "`ComfyUI/input/`" if f.directory == "input" else f"`ComfyUI/models/{f.directory}/`"
+            src = f"[download]({f.url})" if f.url else (f.how or "")
+            lines.append(f"| `{f.name}` | {where} | {src} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- files
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
+
+
+def api_dumps(api: dict) -> str:
+    """One node per line (readable diffs, like the hand-written demo)."""
+    rows = [f"  {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}" for k, v in api.items()]
+    return "{\n" + ",\n".join(rows) + "\n}\n"
+
+
+def expected_files(schemas: Schemas, out_dir: pathlib.Path = WORKFLOWS_DIR) -> dict[pathlib.Path, str]:
+    """Text files the build writes (thumbnails are written separately)."""
+    from scripts.workflow_graphs import all_workflows
+
+    files: dict[pathlib.Path, str] = {}
+    descs = all_workflows()
+    for desc in descs:
+        ui, api = build(desc, schemas)
+        files[out_dir / f"{desc.name}.json"] = dumps(ui)
+        files[out_dir / "api" / f"{desc.name}.json"] = api_dumps(api)
+    files[out_dir / "README.md"] = workflows_readme(descs, schemas)
+    return files
+
+
+def write_all(schemas: Schemas, out_dir: pathlib.Path = WORKFLOWS_DIR) -> list[pathlib.Path]:
+    written = []
+    for path, text in expected_files(schemas, out_dir).items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        written.append(path)
+        if path.parent == out_dir and path.suffix == ".json":
+            thumb = path.with_suffix(".jpg")
+            render_thumbnail(json.loads(text), thumb)
+            written.append(thumb)
+    return written
+
+
+def check_all(schemas: Schemas, out_dir: pathlib.Path = WORKFLOWS_DIR, tolerance: float = 2.0) -> list[str]:
+    """Differences between the committed files and a fresh build."""
+    import tempfile
+
+    problems = []
+    expected = expected_files(schemas, out_dir)
+    for path, text in expected.items():
+        if not path.is_file():
+            problems.append(f"missing: {path.relative_to(ROOT)}")
+        elif path.read_text() != text:
+            problems.append(f"differs from the build: {path.relative_to(ROOT)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for path, text in expected.items():
+            if path.parent != out_dir or path.suffix != ".json":
+                continue
+            thumb = path.with_suffix(".jpg")
+            fresh = pathlib.Path(tmp) / thumb.name
+            render_thumbnail(json.loads(text), fresh)
+            if not thumb.is_file():
+                problems.append(f"missing: {thumb.relative_to(ROOT)}")
+            elif (diff := thumbnail_difference(thumb, fresh)) > tolerance:
+                problems.append(f"thumbnail differs from the build (mean diff {diff:.1f}): {thumb.relative_to(ROOT)}")
+    known = {p.name for p in expected}
+    for path in list(out_dir.glob("*.json")) + list((out_dir / "api").glob("*.json")):
+        if path.name not in known:
+            problems.append(f"not built by scripts/workflow_graphs.py: {path.relative_to(ROOT)}")
+    return problems
+
+
+def committed_workflows(out_dir: pathlib.Path = WORKFLOWS_DIR) -> Iterator[tuple[str, dict, dict | None]]:
+    for path in sorted(out_dir.glob("*.json")):
+        api_path = out_dir / "api" / path.name
+        yield path.stem, json.loads(path.read_text()), json.loads(api_path.read_text()) if api_path.is_file() else None
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+@contextlib.contextmanager
+def _object_info(url: str | None) -> Iterator[dict]:
+    from scripts.host import ComfyClient, ComfyServer, HostConfig
+
+    if url:
+        yield ComfyClient(url, timeout=120).object_info()
+        return
+    with ComfyServer(HostConfig.load()) as server:
+        yield server.client(timeout=120).object_info()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["build", "check", "validate"])
+    parser.add_argument("--url", default=None, help="a running ComfyUI (default: start a headless one)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    with _object_info(args.url) as info:
+        schemas = Schemas(info)
+        if args.command == "build":
+            for path in write_all(schemas):
+                log.info("wrote %s", path.relative_to(ROOT))
+            return 0
+        if args.command == "check":
+            problems = check_all(schemas)
+        else:
+            problems = []
+            for name, ui, api in committed_workflows():
+                problems += validate_workflow(name, ui, api, schemas)
+    for p in problems:
+        log.error("%s", p)
+    if not problems:
+        log.info("%s: all workflows OK", args.command)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    # run the importable module, not __main__: workflow_graphs imports its classes from scripts.workflows
+    from scripts.workflows import main as _main
+
+    sys.exit(_main())

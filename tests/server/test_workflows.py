@@ -1,0 +1,294 @@
+"""The example workflows (issue 7) against a real ComfyUI: built from one description, valid against
+the live /object_info, served as templates, and the CPU variants run headless end to end."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from scripts.host import ROOT, output_files
+from scripts.workflow_graphs import CPU_WORKFLOWS, all_workflows
+from scripts.workflows import (
+    API_DIR,
+    WORKFLOWS_DIR,
+    Schemas,
+    check_all,
+    committed_workflows,
+    validate_workflow,
+)
+
+pytestmark = pytest.mark.server
+
+NAMES = [d.name for d in all_workflows()]
+DEMO_LATENT = "vramfit_demo.latent"
+
+
+@pytest.fixture(scope="module")
+def demo_latent(server):
+    """The structured latent the demo workflow loads, in the server's input folder."""
+    from scripts.fixtures import structured_latent, write_latent_file
+
+    write_latent_file(server.input_dir / DEMO_LATENT, structured_latent((1, 4, 32, 40), seed=0))
+    return DEMO_LATENT
+
+
+@pytest.fixture(scope="module")
+def schemas(client, demo_latent):
+    """The live /object_info (read after the demo latent is in the input folder) and the declarations."""
+    return Schemas(client.object_info())
+
+
+def _load(name: str) -> tuple[dict, dict]:
+    return json.loads((WORKFLOWS_DIR / f"{name}.json").read_text()), json.loads((API_DIR / f"{name}.json").read_text())
+
+
+def _reports(entry: dict) -> str:
+    return "\n".join(t for out in entry["outputs"].values() for t in out.get("text", []) or [] if isinstance(t, str))
+
+
+# ------------------------------------------------------------------------------ files and build
+
+
+def test_committed_files_are_the_builder_output(schemas):
+    """UI, API twin, README and thumbnails equal a fresh build: the UI and API can never drift."""
+    assert check_all(schemas) == []
+
+
+def test_every_workflow_has_ui_api_thumbnail_and_readme_entry():
+    readme = (WORKFLOWS_DIR / "README.md").read_text()
+    committed = sorted(p.stem for p in WORKFLOWS_DIR.glob("*.json"))
+    assert committed == sorted(NAMES)
+    for name in NAMES:
+        assert (API_DIR / f"{name}.json").is_file()
+        thumb = WORKFLOWS_DIR / f"{name}.jpg"
+        assert thumb.read_bytes()[:3] == b"\xff\xd8\xff" and thumb.stat().st_size <= 60_000, thumb
+        assert f"`{name}`" in readme
+        ui, _ = _load(name)
+        assert ui["version"] == 0.4 and any(n["type"] == "MarkdownNote" for n in ui["nodes"])
+
+
+def _chain(ui: dict, *types: str) -> bool:
+    """Whether nodes of these types follow each other along links, in this order."""
+    nodes = {n["id"]: n["type"] for n in ui["nodes"]}
+    edges = {(link[1], link[3]) for link in ui["links"]}
+    starts = [i for i, t in nodes.items() if t == types[0]]
+    for start in starts:
+        cur, ok = start, True
+        for t in types[1:]:
+            nxt = [d for (s, d) in edges if s == cur and nodes[d] == t]
+            if not nxt:
+                ok = False
+                break
+            cur = nxt[0]
+        if ok:
+            return True
+    return False
+
+
+def test_workflows_have_the_graphs_the_issue_asks_for():
+    for res, (w, h) in {"480p": (832, 480), "720p": (1280, 720)}.items():
+        ui, api = _load(f"vramfit_wan21_t2v_1_3b_{res}")
+        assert _chain(ui, "KSampler", "VRAMFit_OffloadManager", "VRAMFit_TemporalChunkVideoDecode",
+                      "VRAMFit_VRAMMonitor", "CreateVideo", "SaveVideo")  # fmt: skip
+        latent = next(n["inputs"] for n in api.values() if n["class_type"] == "EmptyHunyuanLatentVideo")
+        assert (latent["width"], latent["height"], latent["length"]) == (w, h, 81)
+        shift = next(n["inputs"]["shift"] for n in api.values() if n["class_type"] == "ModelSamplingSD3")
+        assert shift == 8.0
+    ui, api = _load("vramfit_sana_1600m_2048_batch2")
+    assert _chain(ui, "KSampler", "VRAMFit_OffloadManager", "VRAMFit_TiledVAEDecode")
+    assert next(n["inputs"]["batch_size"] for n in api.values() if n["class_type"] == "EmptySanaLatentImage") == 2
+    assert next(n["inputs"]["model"] for n in api.values() if n["class_type"] == "SanaResolutionSelect") == "2K"
+    ui, api = _load("vramfit_infiniteyou_flux")
+    types = {n["class_type"] for n in api.values()}
+    assert {"VRAMFit_Bf16Loader", "InfuseNetApply", "ExtractIDEmbedding"} <= types
+    assert _chain(ui, "VRAMFit_Bf16Loader", "KSampler", "VRAMFit_OffloadManager", "VRAMFit_TiledVAEDecode")
+    ui, api = _load("vramfit_8k_decode_sdxl_vae")
+    assert next(n["inputs"]["scale_by"] for n in api.values() if n["class_type"] == "LatentUpscaleBy") * 1024 == 8192
+    assert _chain(ui, "LatentUpscaleBy", "VRAMFit_OffloadManager", "VRAMFit_VRAMMonitor", "VRAMFit_TiledVAEDecode")
+    cpu_types = set()
+    for name in CPU_WORKFLOWS:
+        cpu_types |= {n["class_type"] for n in _load(name)[1].values()}
+    assert {t for t in cpu_types if t.startswith("VRAMFit_")} == {
+        "VRAMFit_TiledVAEDecode", "VRAMFit_TemporalChunkVideoDecode", "VRAMFit_OffloadManager",
+        "VRAMFit_Bf16Loader", "VRAMFit_VRAMMonitor",
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_workflow_is_valid_against_object_info(name, schemas, demo_latent):
+    ui, api = _load(name)
+    assert validate_workflow(name, ui, api, schemas) == []
+
+
+def test_committed_workflows_listing_matches(schemas, demo_latent):
+    problems = [p for name, ui, api in committed_workflows() for p in validate_workflow(name, ui, api, schemas)]
+    assert problems == []
+
+
+def _node(ui: dict, node_type: str) -> dict:
+    return next(n for n in ui["nodes"] if n["type"] == node_type)
+
+
+def test_validator_rejects_a_wrong_link_type(schemas):
+    ui, api = _load("vramfit_wan21_t2v_1_3b_480p")
+    # feed the CLIP loader's output into the sampler's latent_image (LATENT)
+    clip = _node(ui, "CLIPLoader")
+    sampler = _node(ui, "KSampler")
+    slot = next(i for i, e in enumerate(sampler["inputs"]) if e["name"] == "latent_image")
+    link_id = sampler["inputs"][slot]["link"]
+    link = next(lk for lk in ui["links"] if lk[0] == link_id)
+    link[1], link[2] = clip["id"], 0
+    clip["outputs"][0]["links"].append(link_id)
+    api[str(sampler["id"])]["inputs"]["latent_image"] = [str(clip["id"]), 0]
+    errors = validate_workflow("wan480", ui, api, schemas)
+    expected = f"wan480: node {sampler['id']} (KSampler): input 'latent_image' (LATENT) is linked to output 0 of node {clip['id']} (CLIPLoader), of type 'CLIP'"
+    assert expected in errors
+    assert any(e.startswith("wan480 (API):") and "'latent_image' (LATENT)" in e and "'CLIP'" in e for e in errors)
+
+
+def test_validator_rejects_an_out_of_range_widget(schemas):
+    ui, api = _load("vramfit_video_cpu")
+    node = _node(ui, "EmptyHunyuanLatentVideo")
+    node["widgets_values"][2] = 100000  # length: max 16384
+    errors = validate_workflow("video_cpu", ui, None, schemas)
+    assert errors == [f"video_cpu: node {node['id']} (EmptyHunyuanLatentVideo): input 'length': value 100000 is above the maximum 16384"]
+    decode = _node(ui, "VRAMFit_TemporalChunkVideoDecode")
+    decode_api = api[str(decode["id"])]["inputs"]
+    decode_api["frames_per_chunk"] = -1
+    errors = validate_workflow("video_cpu", *_load("vramfit_video_cpu")[:1], api, schemas)
+    assert f"video_cpu (API): node {decode['id']} (VRAMFit_TemporalChunkVideoDecode): input 'frames_per_chunk': value -1 is below the minimum 0" in errors
+
+
+def test_validator_rejects_bad_combo_and_control_values(schemas):
+    ui, _ = _load("vramfit_wan21_t2v_1_3b_720p")
+    sampler = _node(ui, "KSampler")
+    sampler["widgets_values"][1] = "sometimes"  # control_after_generate
+    sampler["widgets_values"][4] = "euler_magic"  # sampler_name
+    errors = validate_workflow("wan720", ui, None, schemas)
+    assert any(f"node {sampler['id']} (KSampler): input 'seed': control_after_generate value 'sometimes'" in e for e in errors)
+    assert any(f"node {sampler['id']} (KSampler): input 'sampler_name': value 'euler_magic' is not one of" in e for e in errors)
+    del sampler["widgets_values"][1]  # a seed widget without its control value shifts every later widget
+    assert any("widgets_values has 6 values, the node's widgets take 7" in e for e in validate_workflow("wan720", ui, None, schemas))
+
+
+def test_validator_rejects_an_undeclared_node_type(schemas):
+    ui, api = _load("vramfit_image_cpu")
+    node = _node(ui, "VRAMFit_TiledVAEDecode")
+    node["type"] = "MysteryDecode"
+    api[str(node["id"])]["class_type"] = "MysteryDecode"
+    errors = validate_workflow("image_cpu", ui, api, schemas)
+    msg = "node type 'MysteryDecode' is not on the host (/object_info) and not declared as a third-party node"
+    assert f"image_cpu: node {node['id']} (MysteryDecode): {msg}" in errors
+    assert f"image_cpu (API): node {node['id']} (MysteryDecode): {msg}" in errors
+
+
+def test_validator_requires_third_party_packs_and_model_files_declared(schemas):
+    ui, api = _load("vramfit_sana_1600m_2048_batch2")
+    ui["extra"]["vramfit"]["custom_node_packs"] = []
+    errors = validate_workflow("sana", ui, api, schemas)
+    assert any("(SanaCheckpointLoader): node type 'SanaCheckpointLoader' belongs to the third-party pack" in e for e in errors)
+    ui, api = _load("vramfit_infiniteyou_flux")
+    ui["extra"]["vramfit"]["files"] = [f for f in ui["extra"]["vramfit"]["files"] if f["name"] != "ae.safetensors"]
+    vae = _node(ui, "VAELoader")
+    errors = validate_workflow("infu", ui, None, schemas)
+    assert errors == [f"infu: node {vae['id']} (VAELoader): input 'vae_name': file 'ae.safetensors' is neither on the host nor declared in the workflow's files with directory 'vae'"]
+    ui, _ = _load("vramfit_infiniteyou_flux")
+    loader = _node(ui, "VRAMFit_Bf16Loader")
+    loader["widgets_values"][0] = "loras/flux1-dev.safetensors"
+    assert any("input 'model': value 'loras/flux1-dev.safetensors' is not 'folder/file'" in e for e in validate_workflow("infu", ui, None, schemas))
+
+
+def test_validator_rejects_an_api_twin_that_drifted(schemas, demo_latent):
+    ui, api = _load("vramfit_demo_cpu")
+    api["5"]["inputs"]["tile_size"] = 512
+    errors = validate_workflow("demo", ui, api, schemas)
+    assert len(errors) == 1 and errors[0].startswith("demo: node 5: the API twin") and "'tile_size': 512" in errors[0]
+
+
+# ------------------------------------------------------------------------------ templates
+
+
+def test_server_lists_and_serves_the_templates(server):
+    with urllib.request.urlopen(server.url + "/workflow_templates", timeout=30) as resp:
+        listing = json.loads(resp.read())
+    assert sorted(listing.get("ComfyUI-VRAM-Fit", [])) == sorted(NAMES)
+    for suffix, ctype in ((".json", "application/json"), (".jpg", "image/jpeg")):
+        url = f"{server.url}/api/workflow_templates/ComfyUI-VRAM-Fit/vramfit_wan21_t2v_1_3b_480p{suffix}"
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            assert resp.headers["Content-Type"].startswith(ctype)
+            assert resp.read() == (WORKFLOWS_DIR / f"vramfit_wan21_t2v_1_3b_480p{suffix}").read_bytes()
+
+
+# ------------------------------------------------------------------------------ CPU variants run
+
+
+def test_image_cpu_variant_runs_end_to_end(server, client):
+    from PIL import Image
+
+    entry = client.run(_load("vramfit_image_cpu")[1], timeout=300)
+    files = output_files(entry, server.output_dir)
+    images = sorted(p for p in files if p.name.startswith("vramfit_image_cpu_0"))
+    assert len(images) == 2 and all(Image.open(p).size == (128, 128) for p in images)
+    plot = [p for p in files if p.name.startswith("vramfit_image_cpu_vram")]
+    assert len(plot) == 1 and Image.open(plot[0]).size == (512, 256)
+    text = _reports(entry)
+    for title in ("bf16 Loader", "VRAM Monitor", "Offload Manager", "Tiled VAE Decode"):
+        assert f"VRAM Fit | {title}" in text
+    assert "exact" in text and "(2, 4, 16, 16)" in text
+
+
+def test_video_cpu_variant_runs_end_to_end(server, client):
+    import av
+
+    entry = client.run(_load("vramfit_video_cpu")[1], timeout=300)
+    videos = [p for p in output_files(entry, server.output_dir) if p.suffix == ".mp4"]
+    assert len(videos) == 1 and videos[0].is_file()
+    with av.open(str(videos[0])) as container:
+        frames = [f for f in container.decode(video=0)]
+    assert len(frames) == 9 and (frames[0].width, frames[0].height) == (64, 64)
+    text = _reports(entry)
+    for title in ("Offload Manager", "Temporal-Chunk Video Decode", "VRAM Monitor"):
+        assert f"VRAM Fit | {title}" in text
+    assert "exact" in text
+
+
+def _run_cli(server, workflow: pathlib.Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "scripts.run_workflow", str(workflow), "--url", server.url, "--timeout", "300",
+         "--output-dir", str(server.output_dir)],
+        cwd=ROOT, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+
+
+def test_demo_cpu_variant_runs_through_the_headless_runner(server, demo_latent):
+    from PIL import Image
+
+    proc = _run_cli(server, API_DIR / "vramfit_demo_cpu.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    outs = [pathlib.Path(line.split("output: ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("output: ")]
+    image = next(p for p in outs if p.name.startswith("vramfit_demo_"))
+    assert Image.open(image).size == (320, 256)
+    assert any(p.name.startswith("vramfit_vram_timeline_") and p.is_file() for p in outs)
+    for title in ("VRAM Monitor", "Offload Manager", "Tiled VAE Decode"):
+        assert f"VRAM Fit | {title}" in proc.stdout
+
+
+def test_runner_exits_nonzero_with_comfy_error_on_a_bad_node_input(server, tmp_path):
+    api = copy.deepcopy(_load("vramfit_video_cpu")[1])
+    decode = next(k for k, v in api.items() if v["class_type"] == "VRAMFit_TemporalChunkVideoDecode")
+    api[decode]["inputs"]["frames_per_chunk"] = -3
+    bad = tmp_path / "bad_video_cpu.json"
+    bad.write_text(json.dumps(api))
+    proc = _run_cli(server, bad)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "frames_per_chunk" in out and "-3" in out and f"node {decode}" in out
