@@ -255,7 +255,7 @@ class WanLayout:
     ) -> int:
         """Bytes of the cache entries of one region of ``latent_h x latent_w`` latent px (a tile's
         halo-extended region for ``part="tiled"``, the whole frame for ``"global"``/``"all"``), at most
-        2 frames each. During a chunk the committed and the next cache coexist (x2)."""
+        2 frames each. With ``rollback`` the committed and the next cache coexist during a chunk (x2)."""
         first = self.split_info(split).first_slot
         total = 0
         for s in self.slots:
@@ -264,51 +264,30 @@ class WanLayout:
                 total += s.channels * CACHE_T * latent_h * s.scale * latent_w * s.scale
         return int(total) * int(batch) * int(itemsize)
 
-    def device_cache_bytes(
+    def store_frames(self, latent_frames: int, split: int | None = None, start: int = 0) -> int:
+        """Frames of the global part's output (the store) for latent frames ``[start, T)``: the split's
+        frame factor ``f`` gives ``1 + f (T - 1)`` frames from 0 (latent frame 0 yields one frame)."""
+        f = self.split_info(split).frame_factor
+
+        def at(p: int) -> int:
+            return 0 if p <= 0 else 1 + f * (int(p) - 1)
+
+        return max(0, at(latent_frames) - at(start))
+
+    def store_bytes(
         self,
         latent_h: int,
         latent_w: int,
-        tile_ext: tuple[int, int] | None = None,
-        batch: int = 1,
-        itemsize: int = 2,
-        split: int | None = None,
-        offload: bool = False,
-        rollback: bool = True,
-    ) -> int:
-        """Cache bytes :func:`decode_wan_chunked` holds on the compute device at the end of a chunk (the
-        worst point), for a ``latent_h x latent_w`` frame and tiles whose halo-extended region is at most
-        ``tile_ext`` latent px (None = whole frames):
-
-        * whole frames, cache on the device: 2x the whole cache with ``rollback`` (committed + next),
-          1x without (ComfyUI's in-place protocol);
-        * tiles, cache on the device: 2x the whole cache + the tile's own new entries;
-        * ``offload`` (``cache_device`` = host): tiles: the tile's windows + its new entries (2x the
-          tiled part of one extended tile); whole frames: one entry in transit (the largest slot).
-        """
-        whole = self.cache_bytes(latent_h, latent_w, batch, itemsize, split, part="all")
-        if offload:
-            if tile_ext is None:
-                big = max(s.channels * s.scale * s.scale for s in self.slots)
-                return int(big * CACHE_T * latent_h * latent_w * batch * itemsize)
-            return 2 * self.cache_bytes(tile_ext[0], tile_ext[1], batch, itemsize, split)
-        if tile_ext is None:
-            return whole * (2 if rollback else 1)
-        return 2 * whole + self.cache_bytes(tile_ext[0], tile_ext[1], batch, itemsize, split)
-
-    def global_activation_bytes(
-        self,
-        latent_h: int,
-        latent_w: int,
-        k: int,
+        latent_frames: int,
         batch: int = 1,
         itemsize: int = 2,
         split: int | None = None,
     ) -> int:
-        """Bytes of the global part's output for a chunk of ``k`` later latent frames (held during tiles)."""
+        """Bytes of the store: the global part's output for every latent frame, whole frames
+        (``(B, channels, store_frames(T), H * scale, W * scale)``)."""
         si = self.split_info(split)
-        return int(
-            batch * si.channels * si.frame_factor * k * latent_h * si.scale * latent_w * si.scale * itemsize
-        )
+        frames = self.store_frames(latent_frames, split)
+        return int(batch * si.channels * frames * latent_h * si.scale * latent_w * si.scale * itemsize)
 
 
 def _walk(
@@ -464,8 +443,10 @@ def _unpatchify(x: torch.Tensor, p: int) -> torch.Tensor:
 # Wan executor
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Tile:
+    """A tile: its core ``[c0, c1)`` and its halo-extended region ``[e0, e1)`` per axis (latent px)."""
+
     c0y: int
     c1y: int
     e0y: int
@@ -475,25 +456,35 @@ class _Tile:
     e0x: int
     e1x: int
 
+    @property
+    def core(self) -> tuple[int, int]:
+        return (self.c1y - self.c0y, self.c1x - self.c0x)
 
-class _OffloadList(list):
-    """A cache list whose tensor entries move to ``device`` the moment ComfyUI's code stores them
-    (``feat_cache[idx] = cache_x``), so the compute device never holds more than the entry in use; reads
-    hand the host tensor to ComfyUI's code, which moves it back itself (``cache_x.to(x.device)``)."""
+    @property
+    def ext(self) -> tuple[int, int]:
+        return (self.e1y - self.e0y, self.e1x - self.e0x)
 
-    def __init__(self, items: Sequence[Any], device: torch.device, pin: bool) -> None:
-        super().__init__(items)
-        self.device = device
-        self.pin = pin
 
-    def __setitem__(self, i: Any, v: Any) -> None:
-        if isinstance(v, torch.Tensor) and v.device != self.device:
-            if self.pin:
-                h = torch.empty(v.shape, dtype=v.dtype, device=self.device, pin_memory=True)
-                v = h.copy_(v, non_blocking=True)
-            else:
-                v = v.to(self.device)
-        super().__setitem__(i, v)
+@dataclasses.dataclass
+class _Item:
+    """One tile's remaining work: the tile, its own causal caches (ComfyUI's full-length list; the tiled
+    part's entries cover the tile's extended region) and the next latent frame to decode."""
+
+    tile: _Tile
+    cache: list
+    pos: int
+    inline: bool
+    """Runs the global part itself, chunk by chunk (the one whole-frame tile: no store)."""
+
+
+@dataclasses.dataclass
+class _Store:
+    """The global part's output for latent frames ``[pos, T)``: ``(B, C, frames, H s, W s)``."""
+
+    x: torch.Tensor
+    pos: int
+    f0: int
+    """Store frame index of latent frame ``pos`` (frames before it are not held)."""
 
 
 class _WanRun:
@@ -509,7 +500,7 @@ class _WanRun:
         out: torch.Tensor,
         compute: torch.device,
         dtype: torch.dtype,
-        cache_device: torch.device,
+        store_device: torch.device,
         rollback: bool,
         progress: ProgressFn | None,
         should_stop: Callable[[], Any] | None,
@@ -529,12 +520,13 @@ class _WanRun:
         self.tile = tile  # None = whole frame
         self.halo = int(halo)
         self.split = int(split)
+        self.si = layout.split_info(split)
+        self.n_global = self.si.first_slot
         self.out = out
         self.compute = compute
         self.dtype = dtype
-        self.cache_device = cache_device
-        self.offload = cache_device != compute
-        self.rollback = bool(rollback) or self.offload
+        self.store_device = store_device
+        self.rollback = bool(rollback)
         self.progress = progress
         self.should_stop = should_stop
         self.fault_hook = fault_hook
@@ -543,15 +535,24 @@ class _WanRun:
         self.min_tile = max(1, int(min_tile))
         self.pin = pin
         self.split_hook = split_hook
-        self.step = 0  # tile attempts (fault_hook index)
-        self.done = 0  # finished units (progress)
+        self.store: _Store | None = None
+        self.queue: list[_Item] = []
+        self.global_left = 0  # phase-1 chunks still to run (progress)
+        self.step = 0  # tile-chunk attempts (fault_hook index)
+        self.done = 0  # finished units: tile-chunks and phase-1 chunks (progress)
+        self.units = 0  # finished tile-chunks
+        self.global_chunks = 0
+        self.tiles_done = 0
         self.shrinks = 0
         self.restarts = 0
-        self.chunks_done = 0
         self.up_first = [_accepts(layer.forward, "first_chunk") for layer in self.dec.upsamples]
         self.mid_cached = [_accepts(layer.forward, "feat_cache") for layer in self.dec.middle]
 
     # -- plan ----------------------------------------------------------------------------------
+    def _make_tile(self, c0y: int, c1y: int, c0x: int, c1x: int) -> _Tile:
+        h = self.halo
+        return _Tile(c0y, c1y, max(0, c0y - h), min(self.H, c1y + h), c0x, c1x, max(0, c0x - h), min(self.W, c1x + h))
+
     def tiles(self) -> list[_Tile]:
         th, tw = self.tile if self.tile is not None else (self.H, self.W)
         ys = tile_spans(self.H, th, self.halo)
@@ -564,12 +565,22 @@ class _WanRun:
             return chunk_ranges(self.T, self.k)
         return [(p, min(self.T, p + self.k)) for p in range(pos, self.T, self.k)]
 
+    def _sframe(self, pos: int) -> int:
+        """Store frame index of latent frame ``pos`` (frame 0 yields one frame, later ones ``f`` each)."""
+        return 0 if pos <= 0 else 1 + self.si.frame_factor * (int(pos) - 1)
+
     def _check_stop(self) -> None:
         if self.should_stop is not None and self.should_stop():
             raise InterruptedError("video decode stopped by should_stop()")
 
-    def _list(self, items: Sequence[Any]) -> list:
-        return _OffloadList(items, self.cache_device, self.pin) if self.offload else list(items)
+    def _report(self) -> None:
+        if self.progress is not None:
+            left = self.global_left + sum(len(self.chunks_from(it.pos)) for it in self.queue)
+            self.progress(self.done, self.done + left)
+
+    def _oom(self) -> None:
+        if self.on_oom is not None:
+            self.on_oom()
 
     # -- decoder pieces (ComfyUI's modules, ComfyUI's cache protocol) --------------------------
     @staticmethod
@@ -592,7 +603,7 @@ class _WanRun:
             return layer(x, cache, idx, first)
         return layer(x, cache, idx)
 
-    def global_part(self, zc: torch.Tensor, cache: list, first: bool) -> tuple[torch.Tensor, int]:
+    def global_part(self, zc: torch.Tensor, cache: list, first: bool) -> torch.Tensor:
         idx = [0]
         x = self.model.conv2(zc)
         x = self._cached_conv(self.dec.conv1, x, cache, idx)
@@ -600,180 +611,222 @@ class _WanRun:
             x = layer(x, cache, idx) if self.mid_cached[j] else layer(x)
         for j in range(self.split):
             x = self._up(j, x, cache, idx, first)
-        return x, idx[0]
+        if idx[0] != self.n_global:
+            raise RuntimeError(f"global part used {idx[0]} cache slots, layout says {self.n_global}")
+        s = self.si.scale
+        if x.shape[-2] != self.H * s or x.shape[-1] != self.W * s:
+            raise RuntimeError(f"global part output {tuple(x.shape)} is not {s}x {self.H}x{self.W}")
+        return x
 
-    def tiled_part(self, x: torch.Tensor, cache: list, start: int, first: bool) -> tuple[torch.Tensor, int]:
-        idx = [start]
+    def tiled_part(self, x: torch.Tensor, cache: list, first: bool) -> torch.Tensor:
+        idx = [self.n_global]
         for j in range(self.split, len(self.dec.upsamples)):
             x = self._up(j, x, cache, idx, first)
         for layer in self.dec.head:
             x = self._cached_conv(layer, x, cache, idx) if _is_causal(layer) else layer(x)
-        return x, idx[0]
+        if idx[0] != len(self.lay.slots):
+            raise RuntimeError(f"decoder used {idx[0]} cache slots, layout says {len(self.lay.slots)}")
+        return x
 
-    # -- one chunk -----------------------------------------------------------------------------
-    def chunk(self, committed: list, s0: int, s1: int) -> list:
-        """Decode latent frames ``[s0, s1)``, write their frames into ``out``; return the next cache.
+    # -- phase 1: the global part on whole frames, into the store ------------------------------
+    def build_store(self, cache: list, pos: int) -> None:
+        """Run the global part over latent frames ``[pos, T)`` from the global cache entries of ``cache``
+        (whole frames, low resolution) and keep its output for every frame in the store.
 
-        ``committed`` is not modified unless ``rollback`` is off (whole frames, cache on the compute
-        device: ComfyUI's in-place protocol; an OOM then restarts the decode)."""
-        first = s0 == 0
-        tiles = self.tiles()
-        whole = len(tiles) == 1
-        self._check_stop()
-        zc = self.z[:, :, s0:s1].to(device=self.compute, dtype=self.dtype)
-        work = committed if (whole and not self.rollback) else self._list(committed)
-        x, n_global = self.global_part(zc, work, first)
-        del zc
-        if self.split_hook is not None:
-            x = self.split_hook(x, s0)
-        expected_first = self.lay.split_info(self.split).first_slot
-        if n_global != expected_first:
-            raise RuntimeError(f"global part used {n_global} cache slots, layout says {expected_first}")
-        s = x.shape[-2] // self.H
-        if x.shape[-2] != self.H * s or x.shape[-1] != self.W * s:
-            raise RuntimeError(f"global part output {tuple(x.shape)} is not a multiple of {self.H}x{self.W}")
-        t0 = self.lay.out_frame_start(s0)
-        S, p = self.lay.decoder_ratio, self.lay.patch
-        if whole:
-            nxt = work  # entries >= n_global are still the committed ones: ComfyUI's flow, one list
-        else:
-            nxt = [self._to_cache(e) for e in work[:n_global]] + [None] * (len(committed) - n_global)
-            work = None
-        for ti, tl in enumerate(tiles):
-            if ti:
-                self._check_stop()
-            self.step += 1
-            if self.fault_hook is not None:
-                self.fault_hook(self.step - 1)
-            eh, ew = tl.e1y - tl.e0y, tl.e1x - tl.e0x
-            if whole:
-                tc, xt = nxt, x
-            else:
-                xt = x[:, :, :, tl.e0y * s : tl.e1y * s, tl.e0x * s : tl.e1x * s]
-                tc = [None] * len(committed)
-                for i in range(n_global, len(committed)):
-                    tc[i] = self._window(committed[i], tl)
-            y, n_end = self.tiled_part(xt, tc, n_global, first)
-            del xt
-            if n_end != len(self.lay.slots):
-                raise RuntimeError(f"decoder used {n_end} cache slots, layout says {len(self.lay.slots)}")
-            oy, ox = (tl.c0y - tl.e0y) * S, (tl.c0x - tl.e0x) * S
-            core = y[:, :, :, oy : oy + (tl.c1y - tl.c0y) * S, ox : ox + (tl.c1x - tl.c0x) * S]
-            del y
-            core = _unpatchify(core, p)
-            nt = core.shape[2]
-            if t0 + nt > self.out.shape[2]:
-                raise RuntimeError(
-                    f"chunk [{s0}, {s1}) yielded {nt} frames from {t0}: beyond {self.out.shape[2]}"
-                )
-            sp = S * p
-            self.out[:, :, t0 : t0 + nt, tl.c0y * sp : tl.c1y * sp, tl.c0x * sp : tl.c1x * sp] = core.to(
-                self.out.device, self.out.dtype
-            )
-            del core
-            if not whole:
-                for i in range(n_global, n_end):
-                    self._commit(nxt, i, tc[i], tl, eh, ew)
-            del tc
-            self.done += 1
-            if self.progress is not None:
-                left = len(tiles) - ti - 1 + len(self.chunks_from(s1)) * len(tiles)
-                self.progress(self.done, self.done + left)
-        return nxt
-
-    def _to_cache(self, e: Any) -> Any:
-        if isinstance(e, torch.Tensor) and e.device != self.cache_device:
-            return e.to(self.cache_device)
-        return e
-
-    def _window(self, e: Any, tl: _Tile) -> Any:
-        """A tile's halo-extended window of a committed whole-frame cache entry, on the compute device."""
-        if not isinstance(e, torch.Tensor):
-            return e
-        s = e.shape[-2] // self.H
-        if e.shape[-2] != s * self.H or e.shape[-1] != s * self.W:
-            raise RuntimeError(f"cache entry {tuple(e.shape)} is not at a multiple of {self.H}x{self.W}")
-        w = e[:, :, :, tl.e0y * s : tl.e1y * s, tl.e0x * s : tl.e1x * s]
-        return w.to(self.compute) if w.device != self.compute else w
-
-    def _commit(self, nxt: list, i: int, e: Any, tl: _Tile, eh: int, ew: int) -> None:
-        """Write the core of a tile's new cache entry ``e`` into the next whole-frame entry ``nxt[i]``."""
-        if not isinstance(e, torch.Tensor):
-            if nxt[i] is not None and not isinstance(nxt[i], type(e)):
-                raise RuntimeError(f"cache slot {i}: tiles disagree ({type(nxt[i])} vs {type(e)})")
-            nxt[i] = e
-            return
-        s = e.shape[-2] // eh
-        if e.shape[-2] != s * eh or e.shape[-1] != s * ew:
-            raise RuntimeError(f"cache slot {i}: {tuple(e.shape)} is not a multiple of the tile {eh}x{ew}")
-        if not isinstance(nxt[i], torch.Tensor):
-            shape = (*e.shape[:3], self.H * s, self.W * s)
-            nxt[i] = torch.empty(shape, dtype=e.dtype, device=self.cache_device, pin_memory=self.pin)
-        oy, ox = (tl.c0y - tl.e0y) * s, (tl.c0x - tl.e0x) * s
-        hy, wx = (tl.c1y - tl.c0y) * s, (tl.c1x - tl.c0x) * s
-        nxt[i][:, :, :, tl.c0y * s : tl.c1y * s, tl.c0x * s : tl.c1x * s].copy_(
-            e[:, :, :, oy : oy + hy, ox : ox + wx], non_blocking=self.pin
-        )
-
-    # -- re-plan ---------------------------------------------------------------------------------
-    def can_shrink(self, n: int) -> bool:
-        if n > 1:
-            return True
-        th, tw = self.tile if self.tile is not None else (self.H, self.W)
-        return max(th, tw) > self.min_tile
-
-    def shrink(self, n: int) -> None:
-        if n > 1:
-            self.k = max(1, n // 2)
-            log.warning("video decode: out of memory; resuming with %d latent frames per chunk", self.k)
-        else:
-            th, tw = self.tile if self.tile is not None else (self.H, self.W)
-            th, tw = min(th, self.H), min(tw, self.W)
-            if th >= tw:
-                th = max(self.min_tile, -(-th // 2))
-            else:
-                tw = max(self.min_tile, -(-tw // 2))
-            self.tile = (th, tw)
-            log.warning("video decode: out of memory; resuming with %dx%d latent px tiles", *self.tile)
-        self.shrinks += 1
-
-    def run(self) -> torch.Tensor:
-        cache: list = [None] * self.lay.n_cache
-        pos = 0
-        if self.progress is not None:
-            self.progress(0, len(self.chunks_from(0)) * len(self.tiles()))
-        while pos < self.T:
-            n = 1 if pos == 0 else min(self.k, self.T - pos)
-            in_place = len(self.tiles()) == 1 and not self.rollback
+        Chunks of ``k`` with snapshot/commit of the global cache (an OOM halves ``k`` and resumes); with
+        ``rollback`` off and ``pos = 0`` the cache is used in place and an OOM starts phase 1 again."""
+        self.store = None
+        si = self.si
+        f0 = self._sframe(pos)
+        shape = (self.B, si.channels, self._sframe(self.T) - f0, self.H * si.scale, self.W * si.scale)
+        buf = torch.empty(shape, dtype=self.dtype, device=self.store_device, pin_memory=self.pin)
+        fresh = [None] * self.lay.n_cache
+        cache = list(cache[: self.n_global]) + fresh[self.n_global :]
+        in_place = not self.rollback and pos == 0
+        p = pos
+        self.global_left = len(self.chunks_from(p))
+        self._report()
+        while p < self.T:
+            n = 1 if p == 0 else min(self.k, self.T - p)
+            self._check_stop()
+            work: list | None = cache if in_place else list(cache)
+            x: torch.Tensor | None = None
             failed = False
             try:
-                nxt = self.chunk(cache, pos, pos + n)
+                zc = self.z[:, :, p : p + n].to(device=self.compute, dtype=self.dtype)
+                x = self.global_part(zc, work, p == 0)
+                del zc
+                if self.split_hook is not None:
+                    x = self.split_hook(x, p)
+                a = self._sframe(p) - f0
+                buf[:, :, a : a + x.shape[2]].copy_(x, non_blocking=self.pin)
             except self.oom:
-                if not self.can_shrink(n):
+                if n <= 1:
                     raise
-                # Leave the except block first: the exception's traceback holds the failed chunk's
-                # tensors (ComfyUI's VAE.decode does the same); act after it.
+                failed = True
+            x = None
+            if failed:
+                work = None
+                if in_place:
+                    cache, p = list(fresh), pos
+                    self.restarts += 1
+                self._oom()
+                self.k = max(1, n // 2)
+                self.shrinks += 1
+                log.warning("video decode: out of memory in the global part; resuming with k = %d", self.k)
+                self.global_left = len(self.chunks_from(p))
+                self._report()
+                continue
+            cache, work = work, None
+            p += n
+            self.global_chunks += 1
+            self.global_left -= 1
+            self.done += 1
+            self._report()
+        if self.pin and self.compute.type == "cuda":
+            torch.cuda.synchronize(self.compute)  # the non-blocking copies into pinned memory have landed
+        self.store = _Store(buf, pos, f0)
+
+    # -- phase 2: one tile over time -----------------------------------------------------------
+    def chunk(self, item: _Item, s0: int, s1: int) -> list:
+        """Decode latent frames ``[s0, s1)`` of one tile, write its core frames into ``out``; return the
+        tile's next cache (``item.cache`` is left as it was unless ``rollback`` is off)."""
+        first = s0 == 0
+        tl = item.tile
+        work = list(item.cache) if self.rollback else item.cache
+        if item.inline:
+            zc = self.z[:, :, s0:s1].to(device=self.compute, dtype=self.dtype)
+            x = self.global_part(zc, work, first)
+            del zc
+            if self.split_hook is not None:
+                x = self.split_hook(x, s0)
+        else:
+            st = self.store
+            assert st is not None and st.pos <= s0
+            s = self.si.scale
+            a, b = self._sframe(s0) - st.f0, self._sframe(s1) - st.f0
+            x = st.x[:, :, a:b, tl.e0y * s : tl.e1y * s, tl.e0x * s : tl.e1x * s]
+            if x.device != self.compute:
+                x = x.to(self.compute, non_blocking=self.pin)
+        y = self.tiled_part(x, work, first)
+        del x
+        S, p = self.lay.decoder_ratio, self.lay.patch
+        oy, ox = (tl.c0y - tl.e0y) * S, (tl.c0x - tl.e0x) * S
+        core = y[:, :, :, oy : oy + (tl.c1y - tl.c0y) * S, ox : ox + (tl.c1x - tl.c0x) * S]
+        del y
+        core = _unpatchify(core, p)
+        t0, nt = self.lay.out_frame_start(s0), core.shape[2]
+        if t0 + nt > self.out.shape[2]:
+            raise RuntimeError(f"chunk [{s0}, {s1}) yielded {nt} frames from {t0}: beyond {self.out.shape[2]}")
+        sp = S * p
+        self.out[:, :, t0 : t0 + nt, tl.c0y * sp : tl.c1y * sp, tl.c0x * sp : tl.c1x * sp] = core.to(
+            self.out.device, self.out.dtype
+        )
+        return work
+
+    def _to_compute(self, e: Any) -> Any:
+        if isinstance(e, torch.Tensor) and e.device != self.compute:
+            return e.to(self.compute)
+        return e
+
+    def run_item(self, item: _Item) -> list[_Item]:
+        """Run one tile over all its remaining chunks. Returns ``[]`` when done, or the sub-tiles that
+        replace it after an OOM at one latent frame per chunk."""
+        item.cache = [self._to_compute(e) for e in item.cache]
+        while item.pos < self.T:
+            s0 = item.pos
+            n = 1 if s0 == 0 else min(self.k, self.T - s0)
+            self._check_stop()
+            self.step += 1
+            nxt: list | None = None
+            failed = False
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook(self.step - 1)
+                nxt = self.chunk(item, s0, s0 + n)
+            except self.oom:
+                if n <= 1 and max(item.tile.core) <= self.min_tile:
+                    raise
                 failed = True
             if failed:
-                nxt = None
-                if in_place:  # the committed cache was consumed in place: decode again from frame 0
-                    cache = [None] * self.lay.n_cache
-                    pos = 0
-                    self.restarts += 1
-                if self.on_oom is not None:
-                    self.on_oom()
-                self.shrink(n)
-                if self.progress is not None:
-                    self.progress(self.done, self.done + len(self.chunks_from(pos)) * len(self.tiles()))
-                continue
-            if self.pin and self.compute.type == "cuda":
-                # Non-blocking copies into pinned host entries must land before the next chunk reads
-                # them on the host side (slicing a pinned view makes a CPU copy, outside stream order).
-                torch.cuda.synchronize(self.compute)
-            cache = nxt
-            nxt = None
-            pos += n
-            self.chunks_done += 1
+                # Left the except block first: its traceback held the failed chunk's tensors.
+                if not self.rollback:  # the tile's cache was consumed in place: this tile starts again
+                    item.cache = [None] * self.lay.n_cache
+                    item.pos = 0
+                    self.restarts += int(s0 > 0)
+                self._oom()
+                if n > 1:
+                    self.k = max(1, n // 2)
+                    self.shrinks += 1
+                    log.warning("video decode: out of memory; resuming with %d latent frames per chunk", self.k)
+                    self._report()
+                    continue
+                return self.split_item(item)
+            item.cache, nxt = nxt, None
+            item.pos += n
+            self.units += 1
+            self.done += 1
+            self._report()
+        self.tiles_done += 1
+        return []
+
+    def split_item(self, item: _Item) -> list[_Item]:
+        """Halve a tile's core along its longer side. The halves resume from the tile's committed frame with
+        windows of its committed cache: a half's core + halo lies inside the tile's core + halo, and the
+        tile's cache is exact there except within each layer's partial reach of the tile's own border,
+        which is within the same distance of the half's border (what the half computes wrongly anyway)."""
+        tl = item.tile
+        ch, cw = tl.core
+        if ch >= cw:
+            m = tl.c0y + (ch + 1) // 2
+            cores = [(tl.c0y, m, tl.c0x, tl.c1x), (m, tl.c1y, tl.c0x, tl.c1x)]
+        else:
+            m = tl.c0x + (cw + 1) // 2
+            cores = [(tl.c0y, tl.c1y, tl.c0x, m), (tl.c0y, tl.c1y, m, tl.c1x)]
+        subs = [self._make_tile(*c) for c in cores]
+        if item.inline:  # whole frame so far: phase 1 for the rest, from the committed global cache
+            self.build_store(item.cache, item.pos)
+        items = []
+        for j, sub in enumerate(subs):
+            cache: list = [None] * self.n_global
+            for e in item.cache[self.n_global :]:
+                cache.append(self._sub_window(e, tl, sub, park=j > 0))
+            items.append(_Item(sub, cache, item.pos, False))
+        item.cache = []
+        self.tile = subs[0].core
+        self.shrinks += 1
+        log.warning("video decode: out of memory at one latent frame; resuming tile with %dx%d latent px halves",
+                    *self.tile)
+        return items
+
+    def _sub_window(self, e: Any, parent: _Tile, sub: _Tile, park: bool) -> Any:
+        """The window of ``sub``'s extended region in a parent tile's cache entry (a view for the tile
+        that runs next, a copy on the store device for the ones that wait)."""
+        if not isinstance(e, torch.Tensor):
+            return e
+        eh, ew = parent.ext
+        s = e.shape[-2] // eh
+        if e.shape[-2] != s * eh or e.shape[-1] != s * ew:
+            raise RuntimeError(f"cache entry {tuple(e.shape)} is not a multiple of the tile {eh}x{ew}")
+        y0, x0 = (sub.e0y - parent.e0y) * s, (sub.e0x - parent.e0x) * s
+        w = e[:, :, :, y0 : y0 + sub.ext[0] * s, x0 : x0 + sub.ext[1] * s]
+        if not park:
+            return w
+        return w.to(self.store_device, copy=True)
+
+    def run(self) -> torch.Tensor:
+        tiles = self.tiles()
+        fresh = [None] * self.lay.n_cache
+        if len(tiles) == 1:
+            self.queue = [_Item(tiles[0], list(fresh), 0, True)]
+            self._report()
+        else:
+            self.queue = [_Item(t, list(fresh), 0, False) for t in tiles]
+            self.build_store(fresh, 0)
+        while self.queue:
+            subs = self.run_item(self.queue[0])
+            self.queue[0:1] = subs
+        self.store = None
         return self.out
 
 
@@ -790,7 +843,7 @@ def decode_wan_chunked(
     out_dtype: torch.dtype = torch.float32,
     compute_device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
-    cache_device: torch.device | str | None = None,
+    store_device: torch.device | str | None = None,
     rollback: bool = True,
     progress: ProgressFn | None = None,
     should_stop: Callable[[], Any] | None = None,
@@ -802,7 +855,7 @@ def decode_wan_chunked(
     stats: dict | None = None,
     split_hook: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Decode a Wan 2.1/2.2 latent exactly, in temporal chunks (and spatial tiles); returns what
+    """Decode a Wan 2.1/2.2 latent exactly, tile by tile, each tile over time in chunks; returns what
     ``model.decode(z)`` returns: ``(B, 3, 1 + 4 (T - 1), H, W)`` in [-1, 1] (``out_dtype``).
 
     ``model``: the ``first_stage_model`` (``comfy.ldm.wan.vae.WanVAE`` or ``vae2_2.WanVAE``), already on
@@ -815,26 +868,27 @@ def decode_wan_chunked(
     part starts (default :attr:`WanLayout.default_split`). ``out``: preallocated output (else one is
     allocated on ``out_device``, default the compute device).
 
-    Caches: ``cache_device`` is where the committed causal caches live between chunks (default the
-    compute device). Another device (``"cpu"`` when computing on CUDA) keeps them there: every entry
-    ComfyUI's code stores is moved there at once (pinned, non-blocking on CUDA) and read back when
-    used, so the compute device holds no whole-frame cache. ``rollback`` (ignored when offloading,
-    where it is free): keep the committed cache untouched during a chunk so an OOM resumes from the
-    last chunk (whole frames on the compute device: up to 2x the cache there); ``False`` = ComfyUI's
-    in-place protocol (1x), and an OOM then decodes again from frame 0. Tiled chunks always keep the
-    committed cache (later tiles read its halos).
+    Order: with one tile (whole frames) the whole decoder runs chunk by chunk (ComfyUI's flow, batched in
+    time). With several tiles, phase 1 runs the global part over all latent frames (whole frames, low
+    resolution) into a store on ``store_device`` (default the compute device; ``"cpu"`` on CUDA: pinned
+    host memory, each tile-chunk copies its window in); phase 2 runs each tile over all chunks with only
+    its own causal caches, so one tile's caches are alive at a time.
 
-    ``progress(done, total)`` after each tile of each chunk (``total`` grows after an OOM re-plan).
-    ``should_stop()`` before each chunk and tile: its exception propagates; a truthy return raises
-    ``InterruptedError``. ``fault_hook(step)`` at the start of each tile attempt (tests raise an OOM).
+    ``rollback`` (default): a tile's committed cache is kept during a chunk (2x one tile's cache), so an
+    OOM resumes that tile from its last chunk; ``False``: ComfyUI's in-place protocol (1x), and an OOM
+    starts that tile again from frame 0. Finished tiles are never decoded again.
+
+    ``progress(done, total)`` after each tile-chunk and phase-1 chunk (``total`` grows after a re-plan).
+    ``should_stop()`` before each: its exception propagates; a truthy return raises ``InterruptedError``.
+    ``fault_hook(step)`` at the start of each tile-chunk attempt (tests raise an OOM there).
     ``oom_exceptions`` (default ``torch.OutOfMemoryError``; a bare ``Exception``, ComfyUI's
-    ``OOM_EXCEPTION`` without CUDA, is ignored): caught per chunk, the chunk is discarded
-    (after the ``except`` block is left), ``on_oom()`` is called, the chunk size is halved (at one
-    latent frame: the tile's longer side) and the decode resumes; when nothing can shrink any more the
-    OOM propagates. ``stats``: a dict filled with what happened (chunks, steps, shrinks, restarts, final
-    frames_per_chunk and tile, halo, split, reach). ``split_hook(x, latent_start)``: sees (and may
-    replace) the global part's whole-frame output of each chunk before it is tiled (impulse
-    experiments, debugging).
+    ``OOM_EXCEPTION`` without CUDA, is ignored): after the ``except`` block is left, ``on_oom()`` is
+    called and the chunk size is halved; at one latent frame the tile is split in two halves that resume
+    from its committed cache (phase 1 at one frame: the OOM propagates, as it does when a tile's core is
+    already ``min_tile``). ``stats``: a dict filled with what happened (units = tile-chunks, steps =
+    attempts, tiles, global_chunks, shrinks, restarts, final frames_per_chunk and tile, halo, split,
+    reach, store). ``split_hook(x, latent_start)``: sees (and may replace) the global part's whole-frame
+    output of each chunk (impulse experiments, fault injection in phase 1).
     """
     lay = wan_layout(model)
     if z.ndim != 5:
@@ -855,7 +909,7 @@ def decode_wan_chunked(
     if halo < 0:
         raise ValueError("halo must be >= 0")
     compute = torch.device(compute_device) if compute_device is not None else z.device
-    cache_dev = torch.device(cache_device) if cache_device is not None else compute
+    store_dev = torch.device(store_device) if store_device is not None else compute
     B, _, T, h, w = (int(v) for v in z.shape)
     shape = (B, lay.out_channels, lay.out_frames(T), h * lay.spatial_ratio, w * lay.spatial_ratio)
     if out is None:
@@ -865,7 +919,12 @@ def decode_wan_chunked(
     pin = (
         pin_memory
         if pin_memory is not None
-        else (cache_dev.type == "cpu" and compute.type == "cuda" and torch.cuda.is_available())
+        else (
+            store_dev.type == "cpu"
+            and compute.type == "cuda"
+            and torch.cuda.is_available()
+            and not _is_fake(z)
+        )
     )
     run = _WanRun(
         model,
@@ -878,7 +937,7 @@ def decode_wan_chunked(
         out,
         compute,
         dtype or z.dtype,
-        cache_dev,
+        store_dev,
         rollback,
         progress,
         should_stop,
@@ -894,9 +953,11 @@ def decode_wan_chunked(
     if stats is not None:
         stats.update(
             exact=True,
-            chunks=run.chunks_done,
+            chunks=run.units,
+            units=run.units,
             steps=run.step,
-            units=run.done,
+            tiles=run.tiles_done,
+            global_chunks=run.global_chunks,
             shrinks=run.shrinks,
             restarts=run.restarts,
             frames_per_chunk=run.k,
@@ -905,13 +966,18 @@ def decode_wan_chunked(
             split=split,
             reach=si.reach,
             rollback=run.rollback,
-            offload=run.offload,
+            store=None if run.global_chunks == 0 else ("host" if store_dev != compute else "device"),
         )
     if run.shrinks:
         log.info(
             "Wan chunked decode finished after %d OOM re-plan(s): k=%d tile=%s", run.shrinks, run.k, run.tile
         )
     return result
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    """A FakeTensor (meta sizing): no real pinned memory, no synchronisation."""
+    return type(t).__name__ == "FakeTensor"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -49,7 +49,8 @@ MEASURE_CPU_TENSORS = False
 """Debug/tests: on CPU count live tensor bytes (PeakTracker dispatch) instead of the RSS high-water."""
 
 _SIZES: dict[tuple, int] = {}
-"""Meta-sized peaks per (model class, dtype, device, batch, latent h/w, k, tile, offload)."""
+"""Meta-sized peaks per (model class, dtype, device, batch, latent c/h/w, frames sized, k, tile, split, cache
+mode, store placement)."""
 
 
 def _error(message: str) -> _comfy.NodeInputError:
@@ -116,21 +117,25 @@ class _Plan:
     tile: tuple[int, int] | None
     """Tile core in latent px (None: whole frames)."""
     grid: tuple[int, int]
-    offload: bool
     rollback: bool
-    """Keep the committed cache during a chunk (OOM resumes from the last chunk; whole frames: 2x cache);
-    False: ComfyUI's in-place protocol (1x cache; an OOM decodes again from frame 0)."""
+    """Keep a tile's committed cache during a chunk (OOM resumes from its last chunk; 2x one tile's cache);
+    False: ComfyUI's in-place protocol (1x; an OOM decodes that tile again from frame 0)."""
     halo: int
     split: int
+    store: str | None
+    """Where the global part's output of every frame lives with tiles: "device" or "host" (None: whole
+    frames, no store)."""
     planned: int
     """Predicted peak bytes on the compute device (decode + output buffer when it lives there)."""
     exact: bool = True
     over_budget: bool = False
 
     def describe(self) -> str:
-        tiles = "whole frames" if self.tile is None else (
-            f"{self.grid[0]}x{self.grid[1]} tiles of {self.tile[0]}x{self.tile[1]} latent px (halo {self.halo}, "
-            f"split {self.split})")
+        if self.tile is None:
+            tiles = "whole frames"
+        else:
+            tiles = (f"tile-major: {self.grid[0]}x{self.grid[1]} tiles of {self.tile[0]}x{self.tile[1]} latent px "
+                     f"(halo {self.halo}, split {self.split}, store on {self.store})")
         return f"k = {self.k} latent frames/chunk (frame 0 alone), {tiles}"
 
 
@@ -141,31 +146,39 @@ def _out_bytes(job: _Job, frames: int, h: int, w: int) -> int:
     return int(job.z.shape[0]) * frames * h * w * 3 * 4
 
 
-def _meta_peak(job: _Job, k: int, tile: tuple[int, int] | None, offload: bool, rollback: bool) -> int:
+def _meta_peak(job: _Job, k: int, tile: tuple[int, int] | None, split: int, rollback: bool, host: bool) -> int:
     """Peak bytes of ``decode_wan_chunked`` for this latent's frame size on fake tensors, without the
-    output buffer. Two chunks after frame 0 reach the steady state (the cache does not grow with T)."""
+    output buffer. Two chunks after frame 0 reach the steady state (a tile's cache does not grow with T);
+    the store (tiles, on the device) does grow with T: the difference to the sized run is added."""
     model = job.vae.first_stage_model
     b, c, t, h, w = (int(v) for v in job.z.shape)
     t_meta = min(t, 1 + 2 * k)
     key = (type(model).__module__, type(model).__qualname__, str(job.dtype), str(job.device), b, c, h, w, t_meta, k,
-           tile, offload, rollback)
+           tile, split, rollback, host)
     if key not in _SIZES:
         lay = vc.wan_layout(model)
         with MetaSizer([model], job.dtype, job.device) as sizer:
             zf = torch.empty((b, c, t_meta, h, w), dtype=job.dtype, device=job.device)
-            out = vc.decode_wan_chunked(model, zf, k, tile, halo=None, compute_device=job.device, dtype=job.dtype,
-                                        cache_device="cpu" if offload else None, out_device=job.device,
-                                        rollback=rollback)
+            out = vc.decode_wan_chunked(model, zf, k, tile, halo=None, split=split, compute_device=job.device,
+                                        dtype=job.dtype, store_device="cpu" if host else None,
+                                        out_device=job.device, rollback=rollback)
             del out, zf
         fr = lay.out_frames(t_meta)
         out_b = b * 3 * fr * h * w * lay.spatial_ratio**2 * 4
         _SIZES[key] = max(0, int(sizer.peak_bytes) - out_b)
-    return _SIZES[key]
+    peak = _SIZES[key]
+    if tile is not None and not host:
+        lay = vc.wan_layout(model)
+        item = torch.empty((), dtype=job.dtype).element_size()
+        peak += lay.store_bytes(h, w, t, b, item, split) - lay.store_bytes(h, w, t_meta, b, item, split)
+    return peak
 
 
 def _grids(h: int, w: int, tile: tuple[int, int] | None) -> list[tuple[tuple[int, int] | None, tuple[int, int]]]:
     if tile is not None:
         th, tw = min(h, tile[0]), min(w, tile[1])
+        if (th, tw) == (h, w):
+            return [(None, (1, 1))]
         return [((th, tw), (math.ceil(h / th), math.ceil(w / tw)))]
     out: list[tuple[tuple[int, int] | None, tuple[int, int]]] = [(None, (1, 1))]
     seen = set()
@@ -178,21 +191,50 @@ def _grids(h: int, w: int, tile: tuple[int, int] | None) -> list[tuple[tuple[int
     return out
 
 
-def _area_factor(h: int, w: int, tile: tuple[int, int] | None, grid: tuple[int, int], halo: int) -> float:
+def _area_factor(h: int, w: int, tile: tuple[int, int] | None, halo: int) -> float:
+    """Latent px the tiled part computes (cores + halos, clipped at the frame) per frame px."""
     if tile is None:
         return 1.0
-    eh = min(h, tile[0] + 2 * halo) if grid[0] > 1 else h
-    ew = min(w, tile[1] + 2 * halo) if grid[1] > 1 else w
-    return grid[0] * grid[1] * eh * ew / (h * w)
+    ys = sum(e1 - e0 for _, _, e0, e1 in vc.tile_spans(h, tile[0], halo))
+    xs = sum(e1 - e0 for _, _, e0, e1 in vc.tile_spans(w, tile[1], halo))
+    return ys * xs / (h * w)
+
+
+def _split_options(lay: vc.WanLayout) -> list[int]:
+    """Split points for tiles: the default (scale 2, small halo) and the last one at latent scale (a store
+    of 1/8 the size, larger halo); none whose tiled part holds a global op."""
+    at_latent = max(s.split for s in lay.splits if s.scale == 1)
+    opts = [lay.default_split] + ([at_latent] if at_latent != lay.default_split else [])
+    return [s for s in opts if not (lay.tiled_global_ops and s == 0)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cand:
+    speed: float
+    k: int
+    tile: tuple[int, int] | None
+    grid: tuple[int, int]
+    split: int
+    rollback: bool
+    host: bool
+
+    def order(self) -> tuple:
+        return (self.speed, not self.rollback, self.host, self.k)
+
+    def needs_more_than(self, f: _Cand) -> bool:
+        """Surely needs at least the failed ``f``'s memory: same kind, no smaller in k, tile, cache, store."""
+        if (self.tile is None) != (f.tile is None) or self.split != f.split:
+            return False
+        tile_ok = self.tile is None or (self.tile[0] >= f.tile[0] and self.tile[1] >= f.tile[1])  # type: ignore[index]
+        return (tile_ok and self.k >= f.k and self.rollback >= f.rollback and (not self.host or f.host))
 
 
 def _plan_wan(job: _Job, budget: int, k_user: int, tile_user: tuple[int, int] | None) -> _Plan:
-    """The fastest (k, tile) whose meta-sized peak fits ``budget``: candidates in speed order, the first
-    that fits wins (usually one or two sizings)."""
+    """The fastest plan whose meta-sized peak fits ``budget``: candidates (k, whole frames or tile grid x
+    split x store placement, cache mode) in estimated speed order; the first that fits wins. A candidate
+    that needs at least the memory of one that did not fit is not sized."""
     model = job.vae.first_stage_model
     lay = vc.wan_layout(model)
-    split = lay.default_split
-    halo = lay.split_info(split).halo
     _, _, t, h, w = (int(v) for v in job.z.shape)
     rest = max(1, t - 1)
     ks = [min(k_user, rest)] if k_user else list(range(1, min(rest, MAX_AUTO_K) + 1))
@@ -200,26 +242,29 @@ def _plan_wan(job: _Job, budget: int, k_user: int, tile_user: tuple[int, int] | 
     out_b = _out_bytes(job, lay.out_frames(t), h * lay.spatial_ratio, w * lay.spatial_ratio)
     # process_output per output frame: two float32 temporaries of one frame
     post = 2 * int(job.z.shape[0]) * 3 * h * w * lay.spatial_ratio**2 * 4
+    hosts = (False, True) if job.device.type != "cpu" else (False,)
     cands = []
     for tile, grid in _grids(h, w, tile_user):
-        for k in ks:
-            speed = _area_factor(h, w, tile, grid, halo) * (1 + c / k) * (1 + 1e-3 * k)
-            for rollback in (True, False) if tile is None else (True,):
-                cands.append((speed, not rollback, k, tile, grid))
-    cands.sort(key=lambda x: x[:3])
-    offload = job.device.type != "cpu"
+        for split in [lay.default_split] if tile is None else _split_options(lay):
+            area = _area_factor(h, w, tile, lay.split_info(split).halo)
+            for host in (False,) if tile is None else hosts:
+                for k in ks:
+                    speed = area * (1 + c / k) * (1 + 1e-3 * k) * (1.02 if host else 1.0)
+                    for rollback in (True, False):
+                        cands.append(_Cand(speed, k, tile, grid, split, rollback, host))
+    cands.sort(key=_Cand.order)
     best: _Plan | None = None
-    failed: dict[tuple, int] = {}  # (tile, rollback) -> smallest k that did not fit (the peak grows with k)
-    for _, in_place, k, tile, grid in cands:
-        key = (tile, in_place)
-        if key in failed and k >= failed[key]:
+    failed: list[_Cand] = []
+    for cd in cands:
+        if any(cd.needs_more_than(f) for f in failed):
             continue
-        off = offload and tile is not None
-        dec = _meta_peak(job, k, tile, off, not in_place)
-        p = _Plan(k, tile, grid, off, not in_place, halo, split, out_b + max(dec, post))
+        dec = _meta_peak(job, cd.k, cd.tile, cd.split, cd.rollback, cd.host)
+        store = None if cd.tile is None else ("host" if cd.host else "device")
+        p = _Plan(cd.k, cd.tile, cd.grid, cd.rollback, lay.split_info(cd.split).halo, cd.split, store,
+                  out_b + max(dec, post))
         if p.planned <= budget:
             return p
-        failed[key] = min(k, failed.get(key, k))
+        failed.append(cd)
         if best is None or p.planned < best.planned:
             best = p
     assert best is not None
@@ -314,7 +359,7 @@ def decode(
         r = int(vae.upscale_ratio[1]) if isinstance(vae.upscale_ratio, tuple) else 8
         oh, ow = h * r, w * r
         k = max(2, int(frames_per_chunk) or min(t, 4))
-        plan = _Plan(k, None, (1, 1), False, True, 0, 0, 0, exact=False)
+        plan = _Plan(k, None, (1, 1), True, 0, 0, None, 0, exact=False)
     plan_seconds = time.perf_counter() - t0
 
     if hasattr(vae, "patcher"):
@@ -329,7 +374,7 @@ def decode(
         if job.wan:
             vc.decode_wan_chunked(
                 model, z, plan.k, plan.tile, halo=plan.halo, split=plan.split, out=view,
-                compute_device=job.device, dtype=job.dtype, cache_device="cpu" if plan.offload else None,
+                compute_device=job.device, dtype=job.dtype, store_device="cpu" if plan.store == "host" else None,
                 rollback=plan.rollback,
                 progress=bar, should_stop=_comfy.should_stop, fault_hook=_FAULT_HOOK,
                 oom_exceptions=_comfy.oom_exceptions(), on_oom=_comfy.on_oom, stats=stats)
@@ -363,12 +408,13 @@ def _report(job: _Job, plan: _Plan, budget: Any, offload_text: str, stats: dict,
     r.add("offload", offload_text)
     r.add("plan", plan.describe() if plan.exact else f"k = {plan.k} latent frames/chunk, overlap 1")
     if plan.exact:
-        if plan.offload:
-            cache = "host (offloaded between chunks; OOM resumes from the last chunk)"
-        elif plan.rollback:
-            cache = f"{job.device}, committed + next (OOM resumes from the last chunk)"
+        scope = "whole frame" if plan.tile is None else "one tile at a time (tile-major)"
+        if plan.rollback:
+            cache = f"{job.device}, {scope}, committed + next (an OOM resumes from the last chunk)"
         else:
-            cache = f"{job.device}, in place as ComfyUI (1x; an OOM decodes again from frame 0)"
+            cache = f"{job.device}, {scope}, in place as ComfyUI (1x; an OOM decodes that tile again from frame 0)"
+        if plan.store is not None:
+            cache += f"; global part of every frame stored on the {plan.store}"
         r.add("cache", cache)
         avail = budget.available
         pct = plan.planned / avail if avail else math.inf

@@ -287,14 +287,12 @@ def test_layout_geometry_for_the_planner():
     assert lay.cache_bytes(h, w, b, item, part="global") == glob
     assert lay.cache_bytes(h, w, b, item, part="all") == tiled + glob
     assert lay.cache_bytes(h, w, b, item, split=0) == (384 + 192 * 4 + 96 * 64) * 2 * h * w * b * item
-    assert lay.global_activation_bytes(h, w, 3, b, item) == b * 192 * 2 * 3 * (h * 2) * (w * 2) * item
     assert lay.split_info().halo == 3 and lay.split_info(0).halo == 13
-    everything = tiled + glob
-    assert lay.device_cache_bytes(h, w, None, b, item) == 2 * everything
-    assert lay.device_cache_bytes(h, w, None, b, item, rollback=False) == everything
-    assert lay.device_cache_bytes(h, w, (3, 4), b, item) == 2 * everything + lay.cache_bytes(3, 4, b, item)
-    assert lay.device_cache_bytes(h, w, (3, 4), b, item, offload=True) == 2 * lay.cache_bytes(3, 4, b, item)
-    assert lay.device_cache_bytes(h, w, None, b, item, offload=True) == 96 * 64 * 2 * h * w * b * item
+    # the store: frame 0 yields one frame, later latent frames frame_factor each (2 at split 1, 1 at 0)
+    assert [lay.store_frames(t) for t in (0, 1, 2, 21)] == [0, 1, 3, 41]
+    assert lay.store_frames(21, split=0) == 21 and lay.store_frames(21, start=5) == 41 - 9
+    assert lay.store_bytes(h, w, 21, b, item) == b * 192 * 41 * (h * 2) * (w * 2) * item
+    assert lay.store_bytes(h, w, 21, b, item, split=0) == b * 384 * 21 * h * w * item
     assert lay.spatial_ratio == 8
 
 
