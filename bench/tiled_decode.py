@@ -84,17 +84,25 @@ def _pack_name() -> str:
     return mod.__name__.rsplit(".nodes.", 1)[0]
 
 
+def _image_decode() -> Any:
+    from importlib import import_module
+
+    return import_module(_pack_name() + ".memory.image_decode")
+
+
 def _budget_for_tile(mod: Any, vae: Any, z: torch.Tensor, tile: int) -> int:
     """Smallest ``budget_mb`` at which the planner can use ``tile``-px exact tiles (store on the device, with
     or without recomputation): planning only, no decode."""
+    idm = _image_decode()
+    env = mod.comfy_env()
     job = mod._validate(vae, {"samples": z}, 0, -1)
-    full = mod._full_cost_model(job)
+    full = idm.full_cost_model(job, env)
     need = 0
     for _ in range(3):  # the mid block's attention slices depend on the budget: iterate to a fixed point
-        attention = max(mod.ATTENTION_MIN, need // 4) if need else 1 << 62
-        planner = mod._ExactPlanner(job, float(full.overhead), attention)
-        extra = mod._buffer_bytes(job)
-        post = mod._item_image_bytes(job)
+        attention = max(idm.ATTENTION_MIN, need // 4) if need else 1 << 62
+        planner = idm.ExactPlanner(job, env, float(full.overhead), attention)
+        extra = idm.buffer_bytes(job)
+        post = idm.item_image_bytes(job)
         need = min(extra + max(planner.predict(rec, True, tile).with_overhead(float(full.overhead)), post)
                    for rec in (False, True))
     return math.ceil(need / MiB)
@@ -122,8 +130,9 @@ def bench_size(nodes: Any, mod: Any, vae: Any, px: int, default: bool) -> list[d
 
     core = _measure(lambda: nodes.VAEDecode().decode(vae, {"samples": z})[0])
     ref = core["out"]
-    full = mod._full_cost_model(mod._validate(vae, {"samples": z}, 0, -1))
-    g = mod.Geometry(px // 8, px // 8, spatial_ratio=8)
+    idm = _image_decode()
+    full = idm.full_cost_model(mod._validate(vae, {"samples": z}, 0, -1), mod.comfy_env())
+    g = idm.Geometry(px // 8, px // 8, spatial_ratio=8)
     rows.append({"decode": "core VAEDecode (untiled)", "px": px, **_public(core), "psnr": math.inf,
                  "tensor_peak": full.predict_tracked(g), "plan": "untiled"})
     log.info("core VAEDecode: %.1f s wall, %.1f s CPU, RSS +%.0f MiB", core["wall"], core["cpu"], core["rss"] / MiB)

@@ -93,6 +93,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .oom_resume import OomEvent, OomResume
+
 log = logging.getLogger("vramfit.memory.tiled_exact")
 
 __all__ = [
@@ -616,19 +618,27 @@ class _StatAcc:
         self.parts.append((b, *stats))
 
     def finalize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, rstd) float64 of shape (B, G)."""
-        n = [0.0] * self.batch
+        """(mean, rstd) float64 of shape (B, G): all tiles merged at once, in float64.
+
+        Per batch item, with tile counts ``n_i``, means ``m_i`` and ``M2_i``: ``n = sum n_i``,
+        ``mean = sum n_i m_i / n`` and ``M2 = sum M2_i + sum n_i (m_i - mean)^2``: the parallel-variance
+        (Chan) merge of all tiles in one step, its between-tile term taken about the final mean (the
+        two-pass form, at least as accurate as merging tile by tile). A few tensor ops whatever the
+        number of tiles."""
         mean = torch.zeros(self.batch, self.groups, dtype=torch.float64, device=self.device)
         m2 = torch.zeros_like(mean)
-        for b, cnt, t_mean, t_m2 in self.parts:
-            na = n[b]
-            tot = na + cnt
-            delta = t_mean - mean[b]
-            mean[b] += delta * (cnt / tot)
-            m2[b] += t_m2 + delta * delta * (na * cnt / tot)
-            n[b] = tot
-        count = torch.tensor(n, dtype=torch.float64, device=self.device).clamp_min(1.0).unsqueeze(1)
-        return mean, torch.rsqrt(m2 / count + self.eps)
+        n = torch.zeros(self.batch, 1, dtype=torch.float64, device=self.device)
+        if self.parts:
+            idx = torch.tensor([p[0] for p in self.parts], dtype=torch.long, device=self.device)
+            cnt = torch.tensor([p[1] for p in self.parts], dtype=torch.float64, device=self.device).unsqueeze(1)
+            t_mean = torch.stack([p[2] for p in self.parts])  # (P, G) float64
+            t_m2 = torch.stack([p[3] for p in self.parts])
+            n.index_add_(0, idx, cnt)
+            mean.index_add_(0, idx, t_mean * cnt)
+            mean /= n.clamp_min(1.0)
+            delta = t_mean - mean[idx]
+            m2.index_add_(0, idx, t_m2 + delta * delta * cnt)
+        return mean, torch.rsqrt(m2 / n.clamp_min(1.0) + self.eps)
 
 
 def _default_norm_params(norm: Any, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -672,10 +682,8 @@ class _ExactRun:
         self.out_device = out_device
         self.recompute = recompute
         self.progress = progress
-        self.should_stop = should_stop
         self.fault_hook = fault_hook
-        self.oom = oom_exceptions
-        self.on_oom = on_oom
+        self.driver = OomResume(oom_exceptions, should_stop=should_stop, on_oom=on_oom)
         self.min_tile = max(1, int(min_tile))
         self.norm_params = norm_params or _default_norm_params
         if pin_memory is None:
@@ -701,7 +709,6 @@ class _ExactRun:
         self.pending: collections.deque[_Rect] | None = None
         self.step = 0
         self.done_units = 0
-        self._in_stop = False
         self._in_tile = False
         self.shrinks = 0
 
@@ -733,10 +740,7 @@ class _ExactRun:
             self.progress(self.done_units, self.done_units + self._remaining_units())
 
     def _check_stop(self) -> None:
-        if self.should_stop is not None:
-            self._in_stop = True
-            self.should_stop()
-            self._in_stop = False
+        self.driver.check_stop()
 
     # -- store ---------------------------------------------------------------------------------
     def _alloc(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -995,32 +999,26 @@ class _ExactRun:
         th, tw = self.tile
         return self._in_tile and max(th, tw) > self.min_tile
 
+    def _attempt(self) -> None:
+        self._mid_phase()
+        self._segments_phase()
+
+    def _resume(self, event: OomEvent) -> None:
+        old = self.tile
+        self._shrink()
+        self._in_tile = False
+        log.warning(
+            "exact tiled decode: out of memory (%s) at tile %s in %s; resuming with tile %s",
+            event.type_name,
+            old,
+            self.segs[self.seg_index].info.name if self.seg_index < len(self.segs) else "?",
+            self.tile,
+        )
+        self._report()
+
     def run(self) -> torch.Tensor:
         self._report()
-        while True:
-            oom = False
-            try:
-                self._mid_phase()
-                self._segments_phase()
-                break
-            except self.oom:
-                if self._in_stop or not self._can_shrink():
-                    raise
-                oom = True
-            if oom:
-                # Out of the except block: the failed tile's frame and tensors are gone now.
-                if self.on_oom is not None:
-                    self.on_oom()
-                old = self.tile
-                self._shrink()
-                self._in_tile = False
-                log.warning(
-                    "exact tiled decode: out of memory at tile %s in %s; resuming with tile %s",
-                    old,
-                    self.segs[self.seg_index].info.name if self.seg_index < len(self.segs) else "?",
-                    self.tile,
-                )
-                self._report()
+        self.driver.run(self._attempt, can_recover=lambda e: self._can_shrink(), recover=self._resume)
         self._sync()
         last = self.segs[-1].info.output if self.segs else self.mid_name
         return self.stores.pop(last)

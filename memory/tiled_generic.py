@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .oom_resume import OomEvent, OomResume
 from .tiled_exact import default_oom_exceptions, split_even
 
 log = logging.getLogger("vramfit.memory.tiled_generic")
@@ -109,10 +110,8 @@ class _GenericRun:
         self.out_dtype = out_dtype
         self.feather = feather
         self.progress = progress
-        self.should_stop = should_stop
         self.fault_hook = fault_hook
-        self.oom = oom
-        self.on_oom = on_oom
+        self.driver = OomResume(oom, should_stop=should_stop, on_oom=on_oom)
         self.min_tile = max(1, int(min_tile))
         self.h, self.w = int(z.shape[-2]), int(z.shape[-1])
         self.pending: collections.deque[Rect] = collections.deque(
@@ -130,7 +129,6 @@ class _GenericRun:
         self.done = 0
         self.step = 0
         self.shrinks = 0
-        self._in_stop = False
 
     def _report(self) -> None:
         if self.progress is not None:
@@ -180,10 +178,7 @@ class _GenericRun:
 
     def _loop(self) -> None:
         while self.pending:
-            if self.should_stop is not None:
-                self._in_stop = True
-                self.should_stop()
-                self._in_stop = False
+            self.driver.check_stop()
             self._run_tile(self.pending[0])
             self.pending.popleft()
             self.done += 1
@@ -208,24 +203,16 @@ class _GenericRun:
         th, tw = self.tile
         return th > max(self.min_tile, 4 * self.band[0]) or tw > max(self.min_tile, 4 * self.band[1])
 
+    def _resume(self, event: OomEvent) -> None:
+        old = self.tile
+        self._shrink()
+        log.warning("tiled decode: out of memory (%s) at tile %s; resuming with tile %s", event.type_name, old,
+                    self.tile)
+        self._report()
+
     def run(self) -> torch.Tensor:
         self._report()
-        while True:
-            oom = False
-            try:
-                self._loop()
-                break
-            except self.oom:
-                if self._in_stop or not self._can_shrink():
-                    raise
-                oom = True
-            if oom:
-                if self.on_oom is not None:
-                    self.on_oom()
-                old = self.tile
-                self._shrink()
-                log.warning("tiled decode: out of memory at tile %s; resuming with tile %s", old, self.tile)
-                self._report()
+        self.driver.run(self._loop, can_recover=lambda e: self._can_shrink(), recover=self._resume)
         assert self.out is not None
         return self.out
 

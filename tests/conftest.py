@@ -77,3 +77,23 @@ def server(host_config, fixture_vaes, tmp_path_factory):
 @pytest.fixture(scope="session")
 def client(server):
     return server.client(timeout=60.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared by the decode tests (helpers: ``tests/helpers.py``)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a whole module (``pytestmark = pytest.mark.usefixtures("one_thread")``);
+    see ``tests.helpers.one_thread``."""
+    from tests.helpers import one_thread as ctx
+
+    with ctx():
+        yield
+
+
+@pytest.fixture(scope="session")
+def kl_vae(comfy, fixture_vaes):
+    """The random-weight fixture SD KL VAE loaded by ComfyUI's own ``VAELoader`` (one per session)."""
+    return comfy.VAELoader().load_vae(fixture_vaes["kl_f8"])[0]

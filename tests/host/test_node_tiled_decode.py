@@ -24,52 +24,15 @@ import pytest
 import torch
 
 from scripts.fixtures import structured_latent
+from tests.helpers import exact_tile_borders, psnr, seam_ratio
 
-pytestmark = pytest.mark.host
+pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
 log = logging.getLogger("vramfit.tests.node_tiled_decode")
 
 NODE_ID = "VRAMFit_TiledVAEDecode"
-FLOOR = 1e-5
 MiB = 2**20
 ODD = (2, 4, 21, 29)  # 168 x 232 px, batch 2: not a multiple of the tile
 SMALL = (2, 4, 13, 18)  # 104 x 144 px, batch 2
-
-
-def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    mse = (a.double() - b.double()).pow(2).mean().item()
-    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
-
-
-def seam_ratio(out: torch.Tensor, ref: torch.Tensor, ys, xs, band: int = 8) -> float:
-    err = (out.double() - ref.double()).abs().mean(dim=-1)  # (B, H, W)
-    mask = torch.zeros(err.shape[1:], dtype=torch.bool)
-    for y in ys:
-        mask[max(0, y - band // 2) : y + band // 2, :] = True
-    for x in xs:
-        mask[:, max(0, x - band // 2) : x + band // 2] = True
-    return (err[:, mask].mean().item() + FLOOR) / (err[:, ~mask].mean().item() + FLOOR)
-
-
-def exact_borders(te, model, latent_shape, tile: int, ratio: int = 8) -> tuple[set[int], set[int]]:
-    """Full-resolution positions of every tile border of every segment of an exact decode."""
-    plan = te.plan_exact(model, (1, *latent_shape[1:]), (tile, tile))
-    _, _, lh, lw = plan.latent_shape
-    ys: set[int] = set()
-    xs: set[int] = set()
-    for info in plan.segments:
-        s = info.level_scale
-        ys |= {a * (ratio // s) for a, _ in te.split_even(lh * s, tile)[1:]}
-        xs |= {a * (ratio // s) for a, _ in te.split_even(lw * s, tile)[1:]}
-    return ys, xs
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread (the 2-core machine is shared; see test_tiled_exact_host.py)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +54,6 @@ def pack(mod):
     """The pack's ``memory`` modules as ComfyUI's loader imported them."""
     base = mod.__name__.rsplit(".nodes.", 1)[0]
     return {name: sys.modules[f"{base}.memory.{name}"] for name in ("tiled_exact", "report", "decode_plan")}
-
-
-@pytest.fixture(scope="module")
-def kl_vae(comfy, fixture_vaes):
-    return comfy.VAELoader().load_vae(fixture_vaes["kl_f8"])[0]
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +115,7 @@ def test_exact_tiles_match_vae_decode_odd_size_batch2(mod, pack, kl_vae, odd_cas
     assert out.dtype == ref.dtype and out.device == ref.device
     assert 0.0 <= out.min().item() and out.max().item() <= 1.0
     value = psnr(out, ref)
-    ys, xs = exact_borders(pack["tiled_exact"], kl_vae.first_stage_model, ODD, 64)
+    ys, xs = exact_tile_borders(pack["tiled_exact"].plan_exact(kl_vae.first_stage_model, (1, *ODD[1:]), (64, 64)), 8)
     assert len(ys) >= 2 and len(xs) >= 3
     ratio = seam_ratio(out, ref, ys, xs)
     log.info("exact node vs VAEDecode: PSNR %.1f dB, max abs %.2e, seam ratio %.3f", value,

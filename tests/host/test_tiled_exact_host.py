@@ -13,64 +13,21 @@ Thresholds (images on [0, 1] after ComfyUI's ``process_output``):
 from __future__ import annotations
 
 import logging
-import math
 
 import pytest
 import torch
+from vramfit.memory import decode_plan as dp
 from vramfit.memory import reach as rc
 from vramfit.memory import tiled_exact as te
 
 from scripts.fixtures import structured_latent
+from tests.helpers import exact_tile_borders, psnr, seam_ratio
 
-pytestmark = pytest.mark.host
+pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
 log = logging.getLogger("vramfit.tests.tiled_exact")
 
 LATENT = (2, 4, 21, 29)  # 168 x 232 px, not a multiple of the tile
 TILE = (64, 64)  # px at each level's resolution: 3 x 4 tiles at full resolution
-FLOOR = 1e-5
-
-
-def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    mse = (a.double() - b.double()).pow(2).mean().item()
-    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
-
-
-def tile_borders(plan: te.ExactPlan, ratio: int) -> tuple[set[int], set[int]]:
-    """Full-resolution positions of every tile border of every segment."""
-    ys: set[int] = set()
-    xs: set[int] = set()
-    _, _, lh, lw = plan.latent_shape
-    for info in plan.segments:
-        s = info.level_scale
-        f = ratio // s
-        ys |= {a * f for a, _ in te.split_even(lh * s, plan.tile[0])[1:]}
-        xs |= {a * f for a, _ in te.split_even(lw * s, plan.tile[1])[1:]}
-    return ys, xs
-
-
-def seam_ratio(out: torch.Tensor, ref: torch.Tensor, ys, xs, band: int = 8) -> float:
-    err = (out.double() - ref.double()).abs().mean(dim=-1)  # (B, H, W)
-    mask = torch.zeros(err.shape[1:], dtype=torch.bool)
-    for y in ys:
-        mask[max(0, y - band // 2) : y + band // 2, :] = True
-    for x in xs:
-        mask[:, max(0, x - band // 2) : x + band // 2] = True
-    return (err[:, mask].mean().item() + FLOOR) / (err[:, ~mask].mean().item() + FLOOR)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread: on the shared 2-core machine, 2 OpenMP threads made this module ~2.3x slower
-    in wall time (147 s vs 64 s for both tiled host modules, measured under load)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def kl_vae(comfy, fixture_vaes):
-    return comfy.VAELoader().load_vae(fixture_vaes["kl_f8"])[0]
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +55,16 @@ def test_fixture_is_supported(kl_vae):
     assert te.supports_exact(kl_vae.first_stage_model), te.unsupported_reason(kl_vae.first_stage_model)
 
 
+def test_shipped_exact_cost_models_match_this_executor(kl_vae):
+    """The shipped models (memory/data/exact/kl_cpu.json) are keyed by a digest of tiled_exact.py: after
+    any change to it they must be regenerated (``bench/tiled_decode.py --write-defaults``), else every
+    first decode calibrates (seconds) and the default test run plans with fresh calibrations."""
+    shipped = dp.ExactCostStore(None)  # the shipped defaults only
+    for recompute in (False, True):
+        key = dp.exact_key(kl_vae.first_stage_model, torch.float32, "cpu", recompute, True)
+        assert shipped.get(key) is not None, f"no shipped exact cost model {key}: run --write-defaults"
+
+
 def test_exact_matches_core_vae_decode(kl_vae, reference, exact_clean):
     z, ref = reference
     out, calls = exact_clean
@@ -105,7 +72,7 @@ def test_exact_matches_core_vae_decode(kl_vae, reference, exact_clean):
     assert plan.tiles_per_segment[-1] == 12  # 3 x 4 tiles per image at full resolution
     assert out.shape == ref.shape == (2, 168, 232, 3)
     value = psnr(out, ref)
-    ys, xs = tile_borders(plan, 8)
+    ys, xs = exact_tile_borders(plan, 8)
     ratio = seam_ratio(out, ref, ys, xs)
     log.info("exact vs VAEDecode: PSNR %.1f dB, max abs %.2e, seam ratio %.3f", value,
              (out - ref).abs().max().item(), ratio)
@@ -148,7 +115,7 @@ def test_seam_metric_detects_a_faint_seam(kl_vae, reference, exact_clean):
     z, ref = reference
     out = exact_clean[0].clone()
     plan = te.plan_exact(kl_vae.first_stage_model, z.shape, TILE)
-    ys, xs = tile_borders(plan, 8)
+    ys, xs = exact_tile_borders(plan, 8)
     y = min(ys)
     out[:, y - 1 : y + 1, :, :] += 1.0 / 255.0
     assert seam_ratio(out, ref, ys, xs) > 1.2

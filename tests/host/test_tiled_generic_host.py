@@ -14,47 +14,16 @@ with the metric the exact path passes, so it shows the metric can fail:
 from __future__ import annotations
 
 import logging
-import math
 
 import pytest
 import torch
 from vramfit.memory import tiled_generic as tg
 
 from scripts.fixtures import structured_latent
+from tests.helpers import psnr, seam_ratio
 
-pytestmark = pytest.mark.host
+pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
 log = logging.getLogger("vramfit.tests.tiled_generic")
-FLOOR = 1e-5
-
-
-def psnr(a, b):
-    mse = (a.double() - b.double()).pow(2).mean().item()
-    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
-
-
-def seam_ratio(out, ref, ys, xs, band=8):
-    err = (out.double() - ref.double()).abs().mean(dim=-1)
-    mask = torch.zeros(err.shape[1:], dtype=torch.bool)
-    for y in ys:
-        mask[max(0, y - band // 2) : y + band // 2, :] = True
-    for x in xs:
-        mask[:, max(0, x - band // 2) : x + band // 2] = True
-    return (err[:, mask].mean().item() + FLOOR) / (err[:, ~mask].mean().item() + FLOOR)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread: on the shared 2-core machine, 2 OpenMP threads made this module ~2.3x slower
-    in wall time (147 s vs 64 s for both tiled host modules, measured under load)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def kl_vae(comfy, fixture_vaes):
-    return comfy.VAELoader().load_vae(fixture_vaes["kl_f8"])[0]
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,10 @@ from hypothesis import strategies as st
 from torch import nn
 from vramfit.memory import tiled_exact as te
 
+# Tiny tensors: one intra-op thread (with 2 on a loaded 2-core machine, OpenMP spinning made this module
+# ~10x slower: 55 s vs 6 s measured).
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 GROUPS = 4
 
 
@@ -158,16 +162,6 @@ def psnr01(a: torch.Tensor, b: torch.Tensor) -> float:
     b = ((b.double() + 1) / 2).clamp(0, 1)
     mse = (a - b).pow(2).mean().item()
     return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread. With 2 threads on a loaded 2-core machine OpenMP spinning made
-    this module ~10x slower (55 s vs 6 s measured)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -541,3 +535,98 @@ def test_up_path_impulse_response_matches_structural_reach(kl):
         handle.remove()
     delta = pert - base
     assert rc.impulse_extent(delta, pos, 4) == pytest.approx(rc.structural_reach(kl).up_path)
+
+
+# --------------------------------------------------------------------------------------------------
+# GroupNorm statistics merge (_StatAcc)
+
+
+def _sequential_chan(acc: te._StatAcc) -> tuple[torch.Tensor, torch.Tensor]:
+    """The previous finalize: Chan's pairwise update, one tile at a time (reference for accuracy)."""
+    n = [0.0] * acc.batch
+    mean = torch.zeros(acc.batch, acc.groups, dtype=torch.float64)
+    m2 = torch.zeros_like(mean)
+    for b, cnt, t_mean, t_m2 in acc.parts:
+        tot = n[b] + cnt
+        delta = t_mean - mean[b]
+        mean[b] += delta * (cnt / tot)
+        m2[b] += t_m2 + delta * delta * (n[b] * cnt / tot)
+        n[b] = tot
+    count = torch.tensor(n, dtype=torch.float64).clamp_min(1.0).unsqueeze(1)
+    return mean, torch.rsqrt(m2 / count + acc.eps)
+
+
+def _record_tiles(acc: te._StatAcc, x: torch.Tensor, tiles: list[tuple[int, int]], seed: int) -> None:
+    """Every batch item of ``x`` cut into a different irregular grid, recorded interleaved and shuffled."""
+    parts = []
+    for b in range(x.shape[0]):
+        th, tw = tiles[b % len(tiles)]
+        for y0, y1 in te.split_even(x.shape[2], th):
+            for x0, x1 in te.split_even(x.shape[3], tw):
+                parts.append((b, x[b : b + 1, :, y0:y1, x0:x1]))
+    order = torch.randperm(len(parts), generator=torch.Generator().manual_seed(seed)).tolist()
+    for i in order:
+        b, core = parts[i]
+        acc.record(b, acc.tile_stats(core))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_statistics_merge_equals_a_direct_computation(dtype):
+    """Per (item, group) mean and 1/std from many irregular tiles equal ``var_mean`` of the whole
+    activation in float64, also with a large mean over a small spread (cancellation-prone), and are at
+    least as accurate as the tile-by-tile Chan merge."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 8, 61, 47, generator=g, dtype=torch.float64)
+    x[0] = x[0] * 0.01 + 1000.0
+    x[1] = x[1] * 5.0 - 3.0
+    x[2, :, :20] += 50.0  # regions with different statistics
+    x = x.to(dtype)
+    norm = nn.GroupNorm(GROUPS, 8, eps=1e-6)
+    acc = te._StatAcc(4, norm, torch.device("cpu"))  # item 3 gets no tiles
+    _record_tiles(acc, x, [(3, 4), (7, 5), (13, 2)], seed=1)
+    assert len(acc.parts) > 300
+    mean, rstd = acc.finalize()
+    assert mean.shape == rstd.shape == (4, GROUPS) and mean.dtype == rstd.dtype == torch.float64
+
+    # Reference: two passes over the whole activation in float64, the mean refined once.
+    xd = x.double().view(3, GROUPS, -1)
+    ref_mean = xd.mean(2, keepdim=True)
+    ref_mean = ref_mean + (xd - ref_mean).mean(2, keepdim=True)
+    ref_rstd = torch.rsqrt((xd - ref_mean).pow(2).mean(2) + norm.eps)
+    ref_mean = ref_mean.squeeze(2)
+    # float32 tiles are reduced in float32 (then merged in float64): item 0 (1000 +- 0.01) loses ~2e-5.
+    tol = 1e-12 if dtype == torch.float64 else 1e-4
+    assert torch.allclose(mean[:3], ref_mean, rtol=tol, atol=0)
+    assert torch.allclose(rstd[:3], ref_rstd, rtol=tol, atol=0)
+    assert torch.equal(mean[3], torch.zeros(GROUPS))  # no tiles: zero mean, 1/sqrt(eps), as before
+    assert torch.allclose(rstd[3], torch.full((GROUPS,), norm.eps ** -0.5, dtype=torch.float64))
+
+    old_mean, old_rstd = _sequential_chan(acc)
+    new_err = ((rstd[:3] - ref_rstd).abs() / ref_rstd).max().item()
+    old_err = ((old_rstd[:3] - ref_rstd).abs() / ref_rstd).max().item()
+    assert new_err <= max(old_err * 1.5, 1e-15), (new_err, old_err)
+    assert torch.allclose(mean, old_mean, rtol=1e-12, atol=0)
+
+
+def test_statistics_merge_is_a_fixed_number_of_ops():
+    """The merge runs a few tensor ops whatever the number of tiles (no per-tile kernel launch on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for tile in (16, 2):
+        acc = te._StatAcc(2, nn.GroupNorm(GROUPS, 8), torch.device("cpu"))
+        _record_tiles(acc, torch.randn(2, 8, 32, 32), [(tile, tile)], seed=0)
+        with Count() as c:
+            acc.finalize()
+        counts.append((len(acc.parts), c.ops))
+    (few, ops_few), (many, ops_many) = counts
+    assert many >= 50 * few and ops_many == ops_few, counts

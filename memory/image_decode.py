@@ -1,0 +1,766 @@
+"""Image decode within a memory budget: path choice, planning, OOM re-plans, the per-image loop, output
+assembly and the plan report. The engine of the Tiled VAE Decode node (``nodes/tiled_vae_decode.py``
+validates the inputs and passes ComfyUI's callables in a :class:`DecodeEnv`).
+
+Paths (chosen per run, reported in the plan report):
+
+* **untiled**: the VAE's own decode (``first_stage_model.decode`` + ``process_output``, batched as the
+  budget allows) when its predicted peak fits: it is the reference result and the fastest.
+* **exact tiles** (GroupNorm KL decoders: SD1.x/SD2/SDXL/SD3/Flux and any decoder of that structure,
+  ComfyUI's own decode contract): :func:`.tiled_exact.decode_exact`: mid block on the whole latent,
+  exact shared GroupNorm statistics, 1-px halos per segment; equal to the untiled decode up to float
+  rounding. Tile size, recomputation and store placement come from :mod:`.decode_plan`.
+* **approximate tiles** (any other VAE, third-party ``comfy.sd.VAE`` subclasses included):
+  :func:`.tiled_generic.decode_generic`: latent tiles with a halo derived from the decoder's
+  convolutional reach, cropped (feathered inside the halo for decoders with global ops).
+
+Batch items are decoded within the budget and written into one output buffer on the output device
+(ComfyUI's intermediate device) as they finish. Cancel is checked between units; an out-of-memory
+error inside a tile shrinks the tile and resumes (executors); one outside a tile (mid block, store
+allocation, an untiled pass) re-plans smaller (:func:`fallback`) and retries the unfinished items,
+outside the ``except`` block (:class:`.oom_resume.OomResume`); finished items are kept.
+
+The VAE is duck-typed as ComfyUI's ``comfy.sd.VAE``: ``first_stage_model`` (with ``decode``),
+``vae_dtype``, ``device``, ``process_output`` (for the core contract), optionally ``decode`` (own
+contract), ``patcher`` (``model_size()``, ``loaded_size()``), ``latent_channels``, ``upscale_ratio`` /
+``latent_scale``. Nothing here imports ComfyUI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import decode_plan as dp
+from . import tiled_exact as te
+from . import tiled_generic as tg
+from .budget import Budget, compute_budget
+from .calibration import calibrate_vae, cost_model_for, fit_grid, real_grid, vae_key
+from .cost_model import CostModel, CostModelStore
+from .families import identify, model_name
+from .geometry import Geometry, VaeGeometry
+from .oom_resume import OomEvent, OomResume
+from .planner import ImpossibleBudgetError, Plan, plan_decode
+from .reach import ReachReport, default_halo, traced_reach
+from .report import Report, fmt_bytes, fmt_seconds
+from .sizing import MetaSizer, decode_run
+from .tracker import PeakTracker, rss_supported
+
+log = logging.getLogger("vramfit.memory.image_decode")
+
+__all__ = [
+    "DecodeEnv",
+    "DecodePlan",
+    "DecodeResult",
+    "ExactPlanner",
+    "ImageJob",
+    "decode_image",
+    "fallback",
+    "full_cost_model",
+    "make_job",
+    "spatial_ratio",
+]
+
+REPORT_NODE = "Tiled VAE Decode"
+ATTENTION_MIN = 16 * 2**20
+"""Smallest score-slice budget of the mid block's split attention."""
+MAX_RETRIES = 3
+"""Re-plans after an out-of-memory error outside a tile, per decode."""
+
+ProgressFn = Callable[[int, int], None]
+
+
+def _no_attention_bound(model: Any, max_bytes: int) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+def _default_budget(vae: Any, budget_mb: float) -> Budget:
+    return compute_budget(torch.device(vae.device), user_budget_mb=budget_mb if budget_mb > 0 else None)
+
+
+@dataclasses.dataclass
+class DecodeEnv:
+    """What the decode takes from its host (ComfyUI), as plain callables; the defaults run standalone.
+
+    The node passes ComfyUI's: ``should_stop`` = ``throw_exception_if_processing_interrupted``,
+    ``on_oom`` = ``soft_empty_cache``, ``oom_exceptions`` = ``(OOM_EXCEPTION,)``, ``progress_bar(total)``
+    = a ``comfy.utils.ProgressBar`` callback, ``budget(vae, budget_mb)`` from ComfyUI's free memory,
+    ``offload(vae, bytes)`` unloading upstream models (returns an object with ``describe()``),
+    ``load_weights(vae, bytes)`` = ``load_models_gpu``, the cost-model stores under ComfyUI's user folder,
+    ``attention(model, bytes)`` bounding the mid block's split attention, ``norm_params`` = ComfyUI's
+    weight casting for GroupNorm affines.
+    """
+
+    should_stop: Callable[[], None] | None = None
+    on_oom: Callable[[], None] | None = None
+    oom_exceptions: tuple[type[BaseException], ...] = dataclasses.field(default_factory=te.default_oom_exceptions)
+    progress_bar: Callable[[int], ProgressFn] | None = None
+    budget: Callable[[Any, float], Budget] = _default_budget
+    offload: Callable[[Any, int], Any] | None = None
+    load_weights: Callable[[Any, int], None] | None = None
+    cost_models: CostModelStore = dataclasses.field(default_factory=lambda: CostModelStore(None))
+    exact_cost_models: dp.ExactCostStore = dataclasses.field(default_factory=lambda: dp.ExactCostStore(None))
+    attention: Callable[[Any, int], contextlib.AbstractContextManager[Any]] = _no_attention_bound
+    norm_params: te.NormParamsFn | None = None
+    fault_hook: Callable[[str, int], None] | None = None
+    """Tests: called as ``("tile", k)`` inside every tile attempt of the executors (after the tile's
+    inputs are loaded) and ``("pass", i)`` before every pass (an untiled group or one item of a tiled
+    path); raise an out-of-memory exception there to exercise the recovery paths."""
+    measure_cpu_tensors: bool = False
+    """On CPU, count live tensor bytes with ``PeakTracker`` (dispatch mode, a Python hook on every op)
+    instead of the process RSS high-water mark."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The job
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageJob:
+    vae: Any
+    z: torch.Tensor
+    channels: int
+    ratio: int
+    out_hw: tuple[int, int]
+    core: bool
+    """The VAE's decode is ComfyUI's own contract (``first_stage_model.decode`` + ``process_output``)."""
+    exact_reason: str | None
+    """None when the exact executor supports the decoder (and the contract), else why not."""
+    family: str
+    dtype: torch.dtype
+    device: torch.device
+    out_device: torch.device
+
+
+def spatial_ratio(vae: Any, channels: int) -> int:
+    """Output px per latent px: ``upscale_ratio``, ``latent_scale`` (ComfyUI_ExtraModels' EXVAE), else
+    a meta-sized decode of an 8x8 latent. Raises ValueError when it cannot be inferred."""
+    up = getattr(vae, "upscale_ratio", None)
+    if isinstance(up, int) and up > 0:
+        return up
+    scale = getattr(vae, "latent_scale", None)
+    if isinstance(scale, (int, float)) and scale >= 1 and float(scale).is_integer():
+        return int(scale)
+    model = vae.first_stage_model
+    with MetaSizer([model], getattr(vae, "vae_dtype", torch.float32), getattr(vae, "device", "cpu")):
+        z = torch.empty((1, channels, 8, 8), dtype=getattr(vae, "vae_dtype", torch.float32), device=vae.device)
+        out = model.decode(z)
+        ratio = int(out.shape[-1]) // 8
+    if ratio < 1:
+        raise ValueError(f"cannot infer the VAE's spatial ratio (decode of an 8x8 latent gave {tuple(out.shape)})")
+    return ratio
+
+
+def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device | str) -> ImageJob:
+    """The job of decoding the 4-D latent ``z`` (inputs already validated). ``core``: ``vae`` keeps
+    ComfyUI's ``VAE.decode`` contract; ``out_device``: where the images are assembled."""
+    channels = int(z.shape[1])
+    reason = te.unsupported_reason(vae.first_stage_model)
+    if reason is None and not core:
+        reason = f"{type(vae).__name__} overrides VAE.decode (its own post-processing is kept)"
+    ratio = spatial_ratio(vae, channels)
+    return ImageJob(
+        vae=vae,
+        z=z,
+        channels=channels,
+        ratio=ratio,
+        out_hw=(int(z.shape[2]) * ratio, int(z.shape[3]) * ratio),
+        core=core,
+        exact_reason=reason,
+        family=identify(vae) or model_name(vae),
+        dtype=getattr(vae, "vae_dtype", torch.float32),
+        device=torch.device(vae.device),
+        out_device=torch.device(out_device),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Cost models and reach
+
+
+def full_cost_model(job: ImageJob, env: DecodeEnv) -> CostModel:
+    """Cost model of the untiled decode: shipped/cached for known families, else meta-calibrated once."""
+    vae = job.vae
+    store = env.cost_models
+    if identify(vae) is not None:
+        return cost_model_for(vae, store, executor="full", device=job.device, dtype=job.dtype)
+    geo = VaeGeometry(job.family, job.ratio)
+    model = vae.first_stage_model
+    run = decode_run(model.decode, job.channels, job.dtype, job.device)
+
+    def fit() -> CostModel:
+        try:
+            return calibrate_vae(vae, executor="full", run=run, mode="meta", geometries=fit_grid(geo),
+                                 device=job.device, dtype=job.dtype)
+        except Exception as e:  # noqa: BLE001 - an op without a fake kernel: calibrate with real decodes
+            log.warning("meta sizing failed for %s (%s: %s); calibrating with real decodes", job.family,
+                        type(e).__name__, e)
+        if hasattr(vae, "patcher") and env.load_weights is not None:
+            env.load_weights(vae, 0)
+        return calibrate_vae(vae, executor="full", run=run, mode="real", geometries=real_grid(geo),
+                             device=job.device, dtype=job.dtype)
+
+    return store.get_or_calibrate(vae_key(vae, "full", job.device, job.dtype), fit)
+
+
+_REACH: dict[str, tuple[ReachReport, bool]] = {}
+
+
+def _reach(job: ImageJob) -> tuple[ReachReport, bool]:
+    """Convolutional reach of the decoder (traced on fake tensors) and whether it has global ops."""
+    model = job.vae.first_stage_model
+    key = f"{job.family}/{type(model).__module__}.{type(model).__qualname__}/{job.channels}"
+    if key not in _REACH:
+        with MetaSizer([model], job.dtype, job.device):
+            z = torch.empty((1, job.channels, 8, 8), dtype=job.dtype, device=job.device)
+            report = traced_reach(model, lambda: model.decode(z), (8, 8))
+        norms = any(isinstance(m, (torch.nn.GroupNorm, torch.nn.LayerNorm)) for m in model.modules())
+        _REACH[key] = (report, report.has_global_ops or norms)
+    return _REACH[key]
+
+
+# --------------------------------------------------------------------------------------------------
+# Progress over all passes
+
+
+class _Progress:
+    """One progress bar for the whole decode: each pass's executor progress is offset by the units
+    already done, and the total is what is done + the current pass's total + the passes still planned."""
+
+    def __init__(self, bar: ProgressFn | None, total: int) -> None:
+        self.done = 0
+        self.total = max(1, int(total))
+        self.bar = bar
+        self._base = 0
+        self._rest = 0
+
+    def start_pass(self, rest: int) -> ProgressFn:
+        """Callback for the next pass; ``rest``: units planned after it."""
+        self._base, self._rest = self.done, int(rest)
+
+        def cb(done: int, total: int) -> None:
+            self.total = max(1, self._base + int(total) + self._rest)
+            self.done = self._base + int(done)
+            if self.bar is not None:
+                self.bar(self.done, self.total)
+
+        return cb
+
+
+# --------------------------------------------------------------------------------------------------
+# Plans
+
+
+@dataclasses.dataclass
+class DecodePlan:
+    path: str  # "untiled" | "exact" | "generic"
+    description: str
+    planned: int
+    tracked: int
+    full: Plan | None = None
+    exact: dp.ExactChoice | None = None
+    generic: Plan | None = None
+    halo: int = 0
+    feather: int = 0
+    over_budget: bool = False
+
+
+def buffer_bytes(job: ImageJob) -> int:
+    """The output buffer (B, H, W, C) float32 counts when it lives on the decode device's type."""
+    b = int(job.z.shape[0])
+    return b * job.out_hw[0] * job.out_hw[1] * 3 * 4 if job.out_device.type == job.device.type else 0
+
+
+def item_image_bytes(job: ImageJob) -> int:
+    """One decoded image (1, 3, H, W) plus ``process_output``'s temporaries (float32)."""
+    if job.out_device.type != job.device.type:
+        return 0
+    n = job.out_hw[0] * job.out_hw[1] * 3
+    return n * (torch.empty((), dtype=job.dtype).element_size() + 12)
+
+
+def plan_untiled(job: ImageJob, full: CostModel, budget: int) -> DecodePlan | None:
+    geo = VaeGeometry(job.family, job.ratio)
+    extra = buffer_bytes(job)
+    try:
+        p = plan_decode(tuple(job.z.shape), geo, budget - extra, full, allow_tiling=False)
+    except ImpossibleBudgetError:
+        return None
+    g = Geometry(int(job.z.shape[2]), int(job.z.shape[3]), batch=p.images_per_pass, spatial_ratio=job.ratio)
+    tracked = extra + full.predict_tracked(g)
+    return DecodePlan("untiled", p.describe(), extra + p.predicted_peak, tracked, full=p)
+
+
+class ExactPlanner:
+    """Lazily calibrated exact cost models + the mid phase of this latent, for ``choose_exact``."""
+
+    def __init__(self, job: ImageJob, env: DecodeEnv, overhead: float, attention_bytes: int) -> None:
+        self.job = job
+        self.env = env
+        self.overhead = overhead
+        self.attention_bytes = int(attention_bytes)
+        """Score slices of the mid block's split attention (CPU path): ``env.attention``."""
+        self.model = job.vae.first_stage_model
+        self.latent_hw = (int(job.z.shape[2]), int(job.z.shape[3]))
+        self._mid: dict[bool, int] = {}
+        self.calibrated: list[str] = []
+
+    def cost_model(self, recompute: bool, on_device: bool) -> dp.ExactCostModel:
+        job = self.job
+        key = dp.exact_key(self.model, job.dtype, job.device, recompute, on_device)
+
+        def fit() -> dp.ExactCostModel:
+            m = dp.calibrate_exact(self.model, job.channels, job.dtype, job.device, recompute=recompute,
+                                   store_on_device=on_device)
+            self.calibrated.append(f"{'recompute' if recompute else 'store'}/{'device' if on_device else 'host'} "
+                                   f"{m.calibration_seconds:.1f} s")
+            return m
+
+        return self.env.exact_cost_models.get_or_calibrate(key, fit)
+
+    def mid(self, on_device: bool) -> int:
+        if on_device not in self._mid:
+            job = self.job
+            try:
+                with self.env.attention(self.model, self.attention_bytes):
+                    self._mid[on_device] = dp.measure_mid_peak(self.model, self.latent_hw, job.channels,
+                                                               job.dtype, job.device, on_device)
+            except Exception as e:  # noqa: BLE001 - no fake kernel for some op: analytic, conservative
+                log.warning("meta sizing of the mid block failed (%s: %s); using the analytic estimate",
+                            type(e).__name__, e)
+                est = te.estimate_exact_peak(self.model, (1, job.channels, *self.latent_hw), (8, 8),
+                                             torch.empty((), dtype=job.dtype).element_size(), on_device)
+                self._mid[on_device] = int(est["mid"])
+        return self._mid[on_device]
+
+    def predict(self, recompute: bool, on_device: bool, tile: int) -> dp.ExactPeak:
+        return self.cost_model(recompute, on_device).predict(self.model, self.latent_hw, tile, self.mid(on_device))
+
+    def choose(self, budget: int, tile: int | None, exclude_whole: bool = False) -> dp.ExactChoice:
+        job = self.job
+        return dp.choose_exact(
+            self.predict,
+            max(job.out_hw),
+            budget,
+            allow_whole=not exclude_whole,
+            overhead=self.overhead,
+            extra_bytes=buffer_bytes(job),
+            post_bytes=item_image_bytes(job),
+            host_store=job.device.type != "cpu",
+            tile=tile,
+            what=f"latent {tuple(job.z.shape)}",
+        )
+
+
+def plan_exact(planner: ExactPlanner, budget: int, tile: int | None, exclude_whole: bool = False) -> DecodePlan:
+    c = planner.choose(budget, tile, exclude_whole)
+    return DecodePlan("exact", c.describe(), c.planned, c.tracked, exact=c, over_budget=not c.fits)
+
+
+def plan_generic(job: ImageJob, full: CostModel, budget: int, tile: int | None, halo: int,
+                 feather: int) -> DecodePlan:
+    geo = VaeGeometry(job.family, job.ratio, halo=halo)
+    extra = buffer_bytes(job) + item_image_bytes(job)
+    shape = (1, *job.z.shape[1:])
+    if tile is not None:
+        t = max(1, tile // job.ratio)
+        try:
+            p = plan_decode(shape, geo, max(0, budget - extra), full, halo=halo, min_tile=1, max_tile=t,
+                            split_batch=False)
+            over = False
+        except ImpossibleBudgetError as e:
+            p = e.smallest
+            over = True
+    else:
+        p = plan_decode(shape, geo, max(0, budget - extra), full, halo=halo, min_tile=8, split_batch=False)
+        over = False
+    g = Geometry(min(shape[2], p.tile_h + 2 * p.halo), min(shape[3], p.tile_w + 2 * p.halo), spatial_ratio=job.ratio)
+    desc = p.describe() + (f", feather {feather} latent px" if feather and p.tiled else "")
+    return DecodePlan("generic", desc, extra + p.predicted_peak, extra + full.predict_tracked(g), generic=p,
+                      halo=halo, feather=feather if p.tiled else 0, over_budget=over)
+
+
+def units_of(job: ImageJob, p: DecodePlan) -> int:
+    """Progress units of one batch item under plan ``p``."""
+    if p.path == "exact":
+        assert p.exact is not None
+        return te.count_exact_steps(job.vae.first_stage_model, (1, *job.z.shape[1:]), p.exact.tile, p.exact.recompute)
+    if p.path == "generic":
+        assert p.generic is not None
+        return tg.count_generic_steps((1, *job.z.shape[1:]), (p.generic.tile_h, p.generic.tile_w))
+    return 1
+
+
+def fallback(job: ImageJob, p: DecodePlan, planner: ExactPlanner | None, full: CostModel, budget: int,
+             reach: tuple[int, int]) -> DecodePlan:
+    """A smaller plan after an out-of-memory error outside a tile.
+
+    untiled -> exact tiles smaller than the image (half the planned bytes), or generic tiles;
+    exact -> recompute -> host store (accelerators) -> host store + recompute -> half the tile;
+    generic -> half the budget and the tile."""
+    if p.path == "untiled":
+        smaller = min(budget, p.planned // 2)
+        if planner is not None:
+            try:
+                return plan_exact(planner, smaller, None, exclude_whole=True)
+            except ImpossibleBudgetError:
+                return plan_exact(planner, smaller, dp.MIN_AUTO_TILE)
+        try:
+            return plan_generic(job, full, smaller, None, *reach)
+        except ImpossibleBudgetError:
+            return plan_generic(job, full, smaller, 8 * job.ratio, *reach)
+    if p.path == "exact":
+        assert p.exact is not None and planner is not None
+        c = p.exact
+        if not c.recompute:
+            nxt = (True, c.store_on_device, c.tile)
+        elif c.store_on_device and job.device.type != "cpu":
+            nxt = (False, False, c.tile)
+        else:
+            nxt = (c.recompute, c.store_on_device, max(te.MIN_TILE, c.tile // 2))
+        rec, on_dev, tile = nxt
+        pk = planner.predict(rec, on_dev, tile)
+        choice = dataclasses.replace(c, tile=tile, recompute=rec, store_on_device=on_dev, peak=pk,
+                                     whole=tile >= max(job.out_hw))
+        return DecodePlan("exact", choice.describe(), p.planned, p.tracked, exact=choice, over_budget=p.over_budget)
+    g = p.generic
+    assert g is not None
+    return plan_generic(job, full, budget // 2, max(8 * job.ratio, g.tile_h * job.ratio // 2), p.halo, p.feather)
+
+
+# --------------------------------------------------------------------------------------------------
+# Execution
+
+
+class _Run:
+    """The passes of one decode: every batch item into one output buffer."""
+
+    def __init__(self, job: ImageJob, env: DecodeEnv, progress: _Progress) -> None:
+        self.job = job
+        self.env = env
+        self.progress = progress
+        self.out: torch.Tensor | None = None
+        self.oom_events: list[str] = []
+        self.passes = 0
+        self.driver = OomResume(env.oom_exceptions, should_stop=env.should_stop, on_oom=env.on_oom,
+                                max_retries=MAX_RETRIES)
+        """Re-plans outside a tile; its ``check_stop`` is the executors' ``should_stop``, so a cancel
+        propagates through every level even where any ``Exception`` counts as out of memory."""
+
+    def _tile_hook(self) -> Callable[[int], None] | None:
+        hook = self.env.fault_hook
+        if hook is None:
+            return None
+
+        def fh(k: int) -> None:
+            hook("tile", k)
+
+        return fh
+
+    def _pass(self) -> None:
+        self.passes += 1
+        if self.env.fault_hook is not None:
+            self.env.fault_hook("pass", self.passes - 1)
+
+    def write(self, start: int, images: torch.Tensor) -> None:
+        """``images``: (n, H, W, C) on [0, 1]; the output buffer is allocated by the first pass."""
+        if self.out is None:
+            b = int(self.job.z.shape[0])
+            self.out = torch.empty((b, *images.shape[1:]), dtype=torch.float32, device=self.job.out_device)
+        self.out[start : start + images.shape[0]].copy_(images)
+
+    def latent(self, a: int, b: int) -> torch.Tensor:
+        """As ComfyUI's ``VAE.decode`` feeds the decoder: in the VAE's dtype, on its device."""
+        return self.job.z[a:b].to(self.job.dtype).to(self.job.device)
+
+    def untiled_pass(self, a: int, b: int) -> None:
+        job = self.job
+        self.driver.check_stop()
+        self._pass()
+        if job.core:
+            z = self.latent(a, b)
+            out = job.vae.first_stage_model.decode(z).to(job.out_device).float()
+            del z
+            images = job.vae.process_output(out).movedim(1, -1)
+        else:
+            images = job.vae.decode(job.z[a:b]).to(job.out_device).float()
+            if images.ndim == 5:
+                images = images.reshape(-1, *images.shape[-3:])
+        self.write(a, images)
+
+    def exact_item(self, b: int, c: dp.ExactChoice, cb: ProgressFn, attention_bytes: int) -> None:
+        job = self.job
+        self._pass()
+        store = job.device if c.store_on_device else torch.device("cpu")
+        with self.env.attention(job.vae.first_stage_model, attention_bytes):
+            img = te.decode_exact(
+                job.vae.first_stage_model,
+                self.latent(b, b + 1),
+                c.tile,
+                store_device=store,
+                compute_device=job.device,
+                out_device=job.out_device,
+                recompute=c.recompute,
+                progress=cb,
+                should_stop=self.driver.check_stop,
+                fault_hook=self._tile_hook(),
+                oom_exceptions=self.env.oom_exceptions,
+                on_oom=self._tile_oom,
+                norm_params=self.env.norm_params,
+            )
+        images = job.vae.process_output(img.float()).movedim(1, -1)
+        del img
+        self.write(b, images)
+
+    def generic_item(self, b: int, p: DecodePlan, cb: ProgressFn) -> None:
+        job = self.job
+        self._pass()
+        g = p.generic
+        assert g is not None
+        if job.core:
+            model = job.vae.first_stage_model
+
+            def fn(t: torch.Tensor) -> torch.Tensor:
+                return model.decode(t.to(job.dtype).to(job.device)).to(job.out_device).float()
+        else:
+
+            def fn(t: torch.Tensor) -> torch.Tensor:
+                return job.vae.decode(t).movedim(-1, 1).to(job.out_device).float()
+
+        img = tg.decode_generic(
+            fn,
+            job.z[b : b + 1],
+            (g.tile_h, g.tile_w),
+            p.halo,
+            scale=job.ratio,
+            out_device=job.out_device,
+            out_dtype=torch.float32,
+            feather=p.feather,
+            progress=cb,
+            should_stop=self.driver.check_stop,
+            fault_hook=self._tile_hook(),
+            oom_exceptions=self.env.oom_exceptions,
+            on_oom=self._tile_oom,
+        )
+        images = job.vae.process_output(img) if job.core else img
+        self.write(b, images.movedim(1, -1))
+
+    def _tile_oom(self) -> None:
+        self.oom_events.append("out of memory inside a tile: tile halved, decode resumed")
+        if self.env.on_oom is not None:
+            self.env.on_oom()
+
+
+def _execute(run: _Run, plan: DecodePlan, planner: ExactPlanner | None, full: CostModel, budget: int,
+             reach: tuple[int, int]) -> DecodePlan:
+    """Decode every batch item (untiled groups or tiled items) into the output buffer. Out of memory
+    outside a tile: re-plan smaller and retry the unfinished items, outside the ``except`` block (the
+    failed pass's frames and tensors are released first). Returns the plan that finished."""
+    job = run.job
+    b_total = int(job.z.shape[0])
+    state = {"plan": plan, "start": 0, "stop": 0}
+
+    def attempt() -> None:
+        p, start = state["plan"], state["start"]
+        if p.path == "untiled":
+            assert p.full is not None
+            stop = min(b_total, start + p.full.images_per_pass)
+            rest = b_total - stop
+        else:
+            stop = start + 1
+            rest = (b_total - stop) * units_of(job, p)
+        state["stop"] = stop
+        cb = run.progress.start_pass(rest)
+        if p.path == "untiled":
+            cb(0, stop - start)
+            run.untiled_pass(start, stop)
+            cb(stop - start, stop - start)
+        elif p.path == "exact":
+            assert p.exact is not None and planner is not None
+            run.exact_item(start, p.exact, cb, planner.attention_bytes)
+        else:
+            run.generic_item(start, p, cb)
+
+    def recover(event: OomEvent) -> None:
+        old: DecodePlan = state["plan"]
+        what = f"{event.type_name} in the {old.path} pass of item(s) {state['start']}..{state['stop'] - 1}"
+        state["plan"] = fallback(job, old, planner, full, budget, reach)
+        run.oom_events.append(f"{what}: re-planned ({old.description} -> {state['plan'].description}); retrying")
+        log.warning("Tiled VAE Decode: %s", run.oom_events[-1])
+
+    while state["start"] < b_total:
+        run.driver.run(attempt, recover=recover)
+        state["start"] = state["stop"]
+    return state["plan"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The decode
+
+
+@dataclasses.dataclass
+class DecodeResult:
+    images: torch.Tensor
+    report: Report
+    plan: DecodePlan
+    budget: Any
+    seconds: float
+    """Decode time (the passes), without planning."""
+    plan_seconds: float
+    """Validation, cost models (a first-use calibration included), offload, budget and plan."""
+    measured_peak: int | None
+    measure_method: str
+    oom_events: list[str]
+    calibrations: list[str]
+
+
+def _tracker(job: ImageJob, env: DecodeEnv) -> tuple[str, PeakTracker | None]:
+    if job.device.type == "cuda":
+        return "CUDA max_memory_allocated", PeakTracker(job.device, method="cuda")
+    if job.device.type == "cpu":
+        if env.measure_cpu_tensors:
+            return "live tensor bytes (PeakTracker dispatch)", PeakTracker(job.device, method="dispatch")
+        if rss_supported():
+            return "process RSS high-water mark", PeakTracker(job.device, method="rss")
+    return "not measured on this device", None
+
+
+def decode_image(
+    job: ImageJob,
+    env: DecodeEnv,
+    *,
+    tile_size: int = 0,
+    halo: int = -1,
+    budget_mb: float = 0,
+    unload_others: bool = True,
+    t_start: float | None = None,
+) -> DecodeResult:
+    """Decode ``job`` within the budget; returns the images (B, H, W, C) float32 on [0, 1] and the report.
+
+    ``tile_size``: output px per tile (0: auto, untiled when it fits); ``halo``: latent px of context of
+    the approximate path (-1: the decoder's reach); ``budget_mb``: 0 = free memory (``env.budget``);
+    ``unload_others``: offload upstream models first (``env.offload``, VAEs with a patcher only).
+    ``t_start``: ``time.perf_counter()`` when planning started (validation included). Raises
+    :class:`.planner.ImpossibleBudgetError` (message with the budget) when no plan fits.
+    """
+    t_plan = time.perf_counter() if t_start is None else t_start
+    vae = job.vae
+    full = full_cost_model(job, env)
+    overhead = float(full.overhead)
+    user_tile = int(tile_size) or None
+
+    # Generic path parameters: halo from the decoder's convolutional reach, feather for global decoders.
+    reach_text = ""
+    g_halo, g_feather = 0, 0
+    if job.exact_reason is not None:
+        report_reach, global_ops = _reach(job)
+        g_halo = default_halo(report_reach) if halo < 0 else int(halo)
+        g_feather = g_halo // 2 if global_ops else 0
+        reach_text = f"{report_reach.describe()}; halo {g_halo} latent px{' (auto)' if halo < 0 else ''}"
+
+    # Offload upstream models for the fastest plan's need (what ComfyUI's own decode would need).
+    patcher = getattr(vae, "patcher", None)
+    offload_text = "off (unload_others disabled)"
+    if unload_others and hasattr(vae, "patcher") and env.offload is not None:
+        ideal = buffer_bytes(job) + full.predict(
+            Geometry(int(job.z.shape[2]), int(job.z.shape[3]), batch=1, spatial_ratio=job.ratio)
+        )
+        need = ideal if not budget_mb else min(ideal, int(budget_mb * 2**20))
+        weights = 0
+        if patcher is not None:
+            weights = max(0, int(patcher.model_size()) - int(patcher.loaded_size()))
+        offload_text = env.offload(vae, need + weights).describe()
+    elif unload_others and not hasattr(vae, "patcher"):
+        offload_text = "skipped (this VAE has no ComfyUI model patcher)"
+    elif unload_others:
+        offload_text = "skipped (no offload callable given)"
+
+    budget = env.budget(vae, budget_mb)
+    avail = int(budget.available)
+    # The mid block's split attention (CPU) gets at most a quarter of the budget for its score slices.
+    planner = (ExactPlanner(job, env, overhead, max(ATTENTION_MIN, avail // 4))
+               if job.exact_reason is None else None)
+    reach_pair = (g_halo, g_feather)
+    try:
+        plan = None if user_tile else plan_untiled(job, full, avail)
+        if plan is None:
+            if planner is not None:
+                plan = plan_exact(planner, avail, user_tile)
+            else:
+                plan = plan_generic(job, full, avail, user_tile, g_halo, g_feather)
+    except ImpossibleBudgetError as e:
+        raise ImpossibleBudgetError(f"{e} (budget: {budget.describe()})", budget=e.budget, minimum=e.minimum,
+                                    smallest=e.smallest) from e
+
+    if hasattr(vae, "patcher") and env.load_weights is not None:
+        env.load_weights(vae, plan.planned)
+
+    plan_seconds = time.perf_counter() - t_plan
+    b_total = int(job.z.shape[0])
+    total = b_total * (units_of(job, plan) if plan.path != "untiled" else 1)
+    bar = env.progress_bar(max(1, total)) if env.progress_bar is not None else None
+    run = _Run(job, env, _Progress(bar, total))
+    method, tracker = _tracker(job, env)
+    t0 = time.perf_counter()
+    # ComfyUI runs nodes under inference_mode; direct callers (tests, scripts) may not: no autograd graph.
+    with torch.no_grad(), tracker if tracker is not None else contextlib.nullcontext():
+        plan = _execute(run, plan, planner, full, avail, reach_pair)
+    assert run.out is not None
+    seconds = time.perf_counter() - t0
+    measured = int(tracker.peak_bytes) if tracker is not None else None
+
+    calibrated = planner.calibrated if planner is not None else []
+    report = _report(job, plan, budget, offload_text, reach_text, seconds, plan_seconds, measured, method, run,
+                     calibrated)
+    return DecodeResult(run.out, report, plan, budget, seconds, plan_seconds, measured, method, run.oom_events,
+                        calibrated)
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+
+
+def _report(job: ImageJob, plan: DecodePlan, budget: Any, offload_text: str, reach_text: str, seconds: float,
+            plan_seconds: float, measured: int | None, method: str, run: _Run, calibrated: list[str]) -> Report:
+    b = int(job.z.shape[0])
+    h, w = job.out_hw
+    r = Report(REPORT_NODE, str(job.device))
+    r.add("vae", f"{job.family} ({str(job.dtype).removeprefix('torch.')}); latent {tuple(job.z.shape)} -> "
+                 f"{b} x {h}x{w} px")
+    if plan.path == "untiled":
+        whose = "ComfyUI's own decode" if job.core else f"{type(job.vae).__name__}'s own decode"
+        path = f"exact: untiled, {whose} (it fits the budget; identical to VAE Decode)"
+    elif plan.path == "exact":
+        path = ("exact: layer-synchronous tiles, shared GroupNorm statistics, mid block on the whole latent "
+                "(equal to the untiled decode up to float rounding)")
+    else:
+        path = f"approximate: generic tiles with halo and crop (not exact because: {job.exact_reason})"
+    r.add("path", path)
+    r.add("budget", budget.describe())
+    r.add("offload", offload_text)
+    plan_text = plan.description
+    if plan.path == "exact":
+        plan_text += f", {b} image{'s' if b != 1 else ''} one after another"
+    r.add("plan", plan_text)
+    if reach_text:
+        r.add("halo", reach_text)
+    pct = plan.planned / budget.available if budget.available else math.inf
+    over = " - OVER BUDGET (user tile)" if plan.over_budget else ""
+    where = f", at {plan.exact.peak.segment}" if plan.exact is not None else ""
+    r.add("predicted", f"peak {fmt_bytes(plan.planned)} ({pct:.0%} of budget){over}; tensor-level "
+                       f"{fmt_bytes(plan.tracked)}{where}")
+    r.add("measured", f"peak {fmt_bytes(measured)} ({method})" if measured is not None else method)
+    r.add("time", f"{fmt_seconds(seconds)} decoding ({run.passes} pass{'es' if run.passes != 1 else ''}), "
+                  f"{fmt_seconds(plan_seconds)} planning")
+    if calibrated:
+        r.add("calibrated", "exact cost model (meta sizing): " + ", ".join(calibrated))
+    if run.oom_events:
+        r.add("oom", "\n".join(run.oom_events))
+    return r

@@ -1,0 +1,69 @@
+"""Helpers shared by the decode tests (import as ``tests.helpers``; fixtures live in ``conftest.py``).
+
+* :func:`psnr`: images on [0, 1].
+* :func:`seam_ratio`: mean abs error in bands centred on tile borders / mean abs error elsewhere, each
+  plus a floor (``FLOOR`` = 1e-5, 1/400 of an 8-bit step) so that float noise of ~1e-7 cannot make a
+  ratio of two near-zeros meaningful.
+* :func:`exact_tile_borders`: full-resolution positions of every tile border of every segment of an
+  exact tiled decode.
+* :func:`one_thread`: one intra-op thread (the ``one_thread`` fixture): on the shared 2-core machine
+  2 OpenMP threads made the tiled host modules ~2.3x slower in wall time (147 s vs 64 s measured
+  under load) and the tiny-decoder unit modules ~10x.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+FLOOR = 1e-5
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """PSNR in dB of two images on [0, 1] (inf when equal)."""
+    mse = (a.double() - b.double()).pow(2).mean().item()
+    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def seam_ratio(out: torch.Tensor, ref: torch.Tensor, ys: Iterable[int], xs: Iterable[int], band: int = 8,
+               floor: float = FLOOR) -> float:
+    """``out``/``ref``: (B, H, W, C). Error in ``band``-px bands centred on rows ``ys`` and columns ``xs``
+    over the error elsewhere (each + ``floor``)."""
+    err = (out.double() - ref.double()).abs().mean(dim=-1)  # (B, H, W)
+    mask = torch.zeros(err.shape[1:], dtype=torch.bool)
+    for y in ys:
+        mask[max(0, y - band // 2) : y + band // 2, :] = True
+    for x in xs:
+        mask[:, max(0, x - band // 2) : x + band // 2] = True
+    return (err[:, mask].mean().item() + floor) / (err[:, ~mask].mean().item() + floor)
+
+
+def exact_tile_borders(plan: Any, ratio: int) -> tuple[set[int], set[int]]:
+    """Output-px rows and columns of every internal tile border of every segment of ``plan`` (an
+    ``ExactPlan`` of ``memory.tiled_exact``); ``ratio``: output px per latent px."""
+    from vramfit.memory.tiled_exact import split_even
+
+    ys: set[int] = set()
+    xs: set[int] = set()
+    _, _, lh, lw = plan.latent_shape
+    for info in plan.segments:
+        s = info.level_scale
+        f = ratio // s
+        ys |= {a * f for a, _ in split_even(lh * s, plan.tile[0])[1:]}
+        xs |= {a * f for a, _ in split_even(lw * s, plan.tile[1])[1:]}
+    return ys, xs
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """One intra-op torch thread inside the block; the previous count is restored."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
