@@ -190,7 +190,13 @@ class ComfyClient:
         return self.get("/system_stats")
 
     def queue(self, workflow: dict) -> str:
-        """POST an API-format workflow; returns the prompt id or raises WorkflowError."""
+        """POST an API-format workflow; returns the prompt id.
+
+        Raises WorkflowError when ComfyUI rejects the prompt *or any part of it*: ComfyUI answers 200
+        and runs the valid outputs when only some output nodes fail validation (the others are listed
+        in ``node_errors`` and silently skipped), which must not pass as success. The queued remainder
+        is removed from the queue (best effort; it may already be running).
+        """
         try:
             reply = self._request("POST", "/prompt", {"prompt": workflow, "client_id": self.client_id})
         except urllib.error.HTTPError as e:
@@ -200,6 +206,15 @@ class ComfyClient:
             except ValueError:
                 details = body
             raise WorkflowError(format_validation_error(details), details) from None
+        if reply.get("node_errors"):
+            with contextlib.suppress(OSError):
+                self._request("POST", "/queue", {"delete": [reply["prompt_id"]]})
+            message = format_validation_error(reply).replace(
+                "ComfyUI rejected the prompt:",
+                "ComfyUI rejected part of the prompt (those outputs would not run):",
+                1,
+            )
+            raise WorkflowError(message, reply)
         return reply["prompt_id"]
 
     def wait(self, prompt_id: str, timeout: float = 900.0, poll: float = 0.2) -> dict:

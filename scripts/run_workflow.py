@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import pathlib
@@ -23,7 +22,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-from scripts.host import ComfyClient, WorkflowError, format_execution_error, format_validation_error
+from scripts.host import ComfyClient, WorkflowError, format_execution_error
 
 log = logging.getLogger("vramfit.run")
 
@@ -61,32 +60,6 @@ def collect_outputs(entry: dict) -> list[dict]:
     return files
 
 
-def queue_checked(client: ComfyClient, workflow: dict) -> str:
-    """Queue a workflow; raise WorkflowError when ComfyUI rejects it *or any part of it*.
-
-    ComfyUI answers 200 and runs the valid outputs when only some output nodes fail validation (the
-    others are listed in ``node_errors`` and silently skipped): a headless run must fail on that. The
-    queued remainder is removed from the queue (best effort; it may already be running).
-    """
-    try:
-        reply = client._request("POST", "/prompt", {"prompt": workflow, "client_id": client.client_id})
-    except urllib.error.HTTPError as e:
-        body = e.read().decode(errors="replace")
-        try:
-            details = json.loads(body)
-        except ValueError:
-            details = body
-        raise WorkflowError(format_validation_error(details), details) from None
-    if reply.get("node_errors"):
-        with contextlib.suppress(OSError):
-            client._request("POST", "/queue", {"delete": [reply["prompt_id"]]})
-        message = format_validation_error(reply).replace(
-            "ComfyUI rejected the prompt:", "ComfyUI rejected part of the prompt (those outputs would not run):", 1
-        )
-        raise WorkflowError(message, reply)
-    return reply["prompt_id"]
-
-
 async def _follow(url: str, client: ComfyClient, workflow: dict, timeout: float) -> tuple[str, int]:
     """Queue the workflow with the websocket open; return (prompt_id, progress events seen)."""
     import aiohttp
@@ -96,7 +69,7 @@ async def _follow(url: str, client: ComfyClient, workflow: dict, timeout: float)
     ws_url = f"{scheme}://{parsed.netloc}/ws?clientId={client.client_id}"
     events = 0
     async with aiohttp.ClientSession() as session, session.ws_connect(ws_url, heartbeat=30) as ws:
-        prompt_id = await asyncio.to_thread(queue_checked, client, workflow)
+        prompt_id = await asyncio.to_thread(client.queue, workflow)
         log.info("queued prompt %s", prompt_id)
         deadline = time.monotonic() + timeout
         node_types = {k: v.get("class_type", "?") for k, v in workflow.items()}
