@@ -772,7 +772,8 @@ def render_thumbnail(ui: dict, path: pathlib.Path) -> None:
     draw = ImageDraw.Draw(img)
     meta = (ui.get("extra") or {}).get("vramfit") or {}
     draw.rectangle([0, 0, width, 62], fill=(24, 60, 78))
-    draw.text((16, 9), meta.get("title", ""), fill=(240, 240, 240), font=_font(21))
+    # the default font has no multiplication sign
+    draw.text((16, 9), meta.get("title", "").replace("×", "x"), fill=(240, 240, 240), font=_font(21))
     tag = "CPU variant · random-weight fixtures" if meta.get("cpu") else "VRAM Fit example workflow"
     packs = ", ".join(p["name"] for p in meta.get("custom_node_packs", []))
     draw.text((16, 38), tag + (f" · needs {packs}" if packs else ""), fill=(170, 205, 220), font=_font(12))
