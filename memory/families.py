@@ -9,6 +9,7 @@ the object ComfyUI passes (``vae.first_stage_model``, ``vae.upscale_ratio``, ``v
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 from .geometry import VaeGeometry
@@ -127,10 +128,24 @@ def identify(vae: Any) -> str | None:
 
 
 def model_name(vae: Any) -> str:
-    """The key for an unknown VAE: its ``first_stage_model`` class (module-qualified)."""
+    """The key for an unknown VAE: its ``first_stage_model`` class (module-qualified) and a digest of
+    its structure (parameter and buffer names and shapes), so two configurations of one class (e.g. a
+    DC-AE f32c32 and f64c128) never share a cost model."""
     model = getattr(vae, "first_stage_model", None)
     cls = type(model)
-    return f"{cls.__module__}.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}.{structure_digest(model)}"
+
+
+def structure_digest(model: Any) -> str:
+    """Short hash of a module's parameter and buffer names and shapes ("na" for a non-module)."""
+    named = []
+    for attr in ("named_parameters", "named_buffers"):
+        fn = getattr(model, attr, None)
+        if callable(fn):
+            named.extend(f"{name}:{tuple(t.shape)}" for name, t in fn())
+    if not named:
+        return "na"
+    return hashlib.sha256(";".join(named).encode()).hexdigest()[:10]
 
 
 def vae_geometry(vae: Any, halo: int | None = None) -> VaeGeometry:

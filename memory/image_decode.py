@@ -44,7 +44,7 @@ from . import tiled_generic as tg
 from .budget import Budget, compute_budget
 from .calibration import calibrate_vae, cost_model_for, fit_grid, real_grid, vae_key
 from .cost_model import CostModel, CostModelStore
-from .families import identify, model_name
+from .families import identify, model_name, structure_digest
 from .geometry import Geometry, VaeGeometry
 from .oom_resume import OomEvent, OomResume
 from .planner import ImpossibleBudgetError, Plan, plan_decode
@@ -216,7 +216,7 @@ _REACH: dict[str, tuple[ReachReport, bool]] = {}
 def _reach(job: ImageJob) -> tuple[ReachReport, bool]:
     """Convolutional reach of the decoder (traced on fake tensors) and whether it has global ops."""
     model = job.vae.first_stage_model
-    key = f"{job.family}/{type(model).__module__}.{type(model).__qualname__}/{job.channels}"
+    key = f"{job.family}/{type(model).__module__}.{type(model).__qualname__}/{structure_digest(model)}/{job.channels}"
     if key not in _REACH:
         with MetaSizer([model], job.dtype, job.device):
             z = torch.empty((1, job.channels, 8, 8), dtype=job.dtype, device=job.device)
