@@ -20,21 +20,23 @@ the output with ``torch.cat``. Here:
   tile's core plus a halo of at least its convolutional reach (walked from the modules:
   :func:`wan_layout`), and the core is cropped. Every norm is per position and nothing in the tiled
   part is global, so the cropped core equals the untiled decode (float noise).
-* **Cache layout.** The committed cache is one list with ComfyUI's indexing: each entry is the
-  *whole-frame* tensor ``(B, C, <=2, H s, W s)`` at its scale ``s`` (or ``'Rep'``/``None``).
-  Entries ``[0, n_global)`` belong to the global part; a tile gets its own full-length list in which
-  entries ``>= n_global`` are its halo-extended windows of the committed entries (``< n_global`` are
-  ``None`` and never read), runs with ``feat_idx = [n_global]``, and writes the cores of the entries
-  it produced into the next whole-frame entries. Cores partition the frame, so the next cache is
-  exactly the untiled one; tiles (and the tile size) can change between chunks.
-* **Snapshot / commit.** The committed list is never mutated: a chunk works on a shallow copy (the
-  global part) and on per-tile lists, and writes new whole-frame entries (ComfyUI's code only
-  *replaces* list entries, never writes into cache tensors). The chunk commits by swapping lists.
-  An OOM anywhere in a chunk discards the chunk's work and resumes from the committed cache with half
-  the chunk (then half the tile), after leaving the ``except`` block. Cost: during a chunk the
-  previous and the next cache coexist (2x the cache). ``cache_device="cpu"`` keeps the caches on the
-  host (every entry ComfyUI stores is moved there at once; the compute device holds no whole-frame
-  cache), ``rollback=False`` uses ComfyUI's in-place protocol (1x; an OOM restarts from frame 0).
+* **Tile-major order.** With tiles, phase 1 runs the global part over all latent frames (whole frames,
+  low resolution, its own whole-frame caches) into a *store* of its output for every frame
+  (``store_device``: the compute device, or pinned host memory on CUDA); phase 2 runs each tile over
+  all chunks of time with only that tile's own causal caches (ComfyUI's full-length list: entries
+  ``< n_global`` are ``None`` and never read, the others cover the tile's extended region) and writes
+  its cropped core frames. One tile's caches are alive at a time, so the cache memory scales with the
+  tile, not the frame. A tile's cache rim is wrong only as deep as each layer's partial reach, in every
+  frame alike (a cached conv reads earlier frames whose wrong rim is as deep as the current one's), so
+  a halo >= the reach keeps the core exact over time. With one tile (whole frames) the whole decoder
+  runs chunk by chunk without a store (ComfyUI's flow, batched in time).
+* **Snapshot / commit.** ComfyUI's code only *replaces* cache list entries, never writes into them, so
+  with ``rollback`` a tile-chunk works on a shallow copy of the tile's committed list and commits by
+  swapping lists (2x one tile's cache); ``rollback=False`` is ComfyUI's in-place protocol (1x; an OOM
+  starts that tile again). An OOM (acted on after leaving the ``except`` block) halves the chunk; at
+  one latent frame the tile splits into two halves that resume from windows of its committed cache
+  (a half's core + halo lies inside the tile's core + halo, where the tile's cache is exact except
+  where the half computes wrong values anyway). Finished tiles are never decoded again.
 
 Measured figures (fidelity, time, peaks at 480p/720p) are in ``docs/VIDEO_DECODE.md``.
 
