@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from .oom_resume import OomEvent, OomResume
 from .tiled_exact import default_oom_exceptions, split_even
 
 log = logging.getLogger("vramfit.memory.video_chunked")
@@ -101,11 +102,21 @@ def _oom_types(given: Sequence[type[BaseException]] | None) -> tuple[type[BaseEx
     return kept
 
 
+def _driver(
+    oom: tuple[type[BaseException], ...], should_stop: Callable[[], Any] | None, on_oom: Callable[[], None] | None
+) -> OomResume:
+    """The shared OOM-resume driver; ``should_stop``'s exception propagates, a truthy return raises
+    ``InterruptedError`` (through :meth:`.OomResume.check_stop`: never taken for an out-of-memory error)."""
+
+    def stop() -> None:
+        if should_stop is not None and should_stop():
+            raise InterruptedError("video decode stopped by should_stop()")
+
+    return OomResume(oom, should_stop=stop, on_oom=on_oom)
+
+
 # --------------------------------------------------------------------------------------------------
 # Geometry helpers (pure)
-
-
-
 
 def tile_spans(n: int, tile: int, halo: int) -> list[tuple[int, int, int, int]]:
     """Tiles of one axis of ``n`` latent px: ``(core0, core1, ext0, ext1)``, cores of at most ``tile``
@@ -512,6 +523,7 @@ class _WanRun:
         min_tile: int,
         pin: bool,
         split_hook: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+        sizing: bool = False,
     ) -> None:
         self.model = model
         self.dec = model.decoder
@@ -530,13 +542,12 @@ class _WanRun:
         self.store_device = store_device
         self.rollback = bool(rollback)
         self.progress = progress
-        self.should_stop = should_stop
         self.fault_hook = fault_hook
-        self.oom = oom_exceptions
-        self.on_oom = on_oom
+        self.driver = _driver(oom_exceptions, should_stop, on_oom)
         self.min_tile = max(1, int(min_tile))
         self.pin = pin
         self.split_hook = split_hook
+        self.sizing = bool(sizing)
         self.store: _Store | None = None
         self.queue: list[_Item] = []
         self.global_left = 0  # phase-1 chunks still to run (progress)
@@ -571,18 +582,10 @@ class _WanRun:
         """Store frame index of latent frame ``pos`` (frame 0 yields one frame, later ones ``f`` each)."""
         return 0 if pos <= 0 else 1 + self.si.frame_factor * (int(pos) - 1)
 
-    def _check_stop(self) -> None:
-        if self.should_stop is not None and self.should_stop():
-            raise InterruptedError("video decode stopped by should_stop()")
-
     def _report(self) -> None:
         if self.progress is not None:
             left = self.global_left + sum(len(self.chunks_from(it.pos)) for it in self.queue)
             self.progress(self.done, self.done + left)
-
-    def _oom(self) -> None:
-        if self.on_oom is not None:
-            self.on_oom()
 
     # -- decoder pieces (ComfyUI's modules, ComfyUI's cache protocol) --------------------------
     @staticmethod
@@ -645,41 +648,37 @@ class _WanRun:
         fresh = [None] * self.lay.n_cache
         cache = list(cache[: self.n_global]) + fresh[self.n_global :]
         in_place = not self.rollback and pos == 0
-        p = pos
+        p, n = pos, 1
         self.global_left = len(self.chunks_from(p))
         self._report()
-        while p < self.T:
+
+        def attempt() -> list:
+            nonlocal n
             n = 1 if p == 0 else min(self.k, self.T - p)
-            self._check_stop()
-            work: list | None = cache if in_place else list(cache)
-            x: torch.Tensor | None = None
-            failed = False
-            try:
-                zc = self.z[:, :, p : p + n].to(device=self.compute, dtype=self.dtype)
-                x = self.global_part(zc, work, p == 0)
-                del zc
-                if self.split_hook is not None:
-                    x = self.split_hook(x, p)
-                a = self._sframe(p) - f0
-                buf[:, :, a : a + x.shape[2]].copy_(x, non_blocking=self.pin)
-            except self.oom:
-                if n <= 1:
-                    raise
-                failed = True
-            x = None
-            if failed:
-                work = None
-                if in_place:
-                    cache, p = list(fresh), pos
-                    self.restarts += 1
-                self._oom()
-                self.k = max(1, n // 2)
-                self.shrinks += 1
-                log.warning("video decode: out of memory in the global part; resuming with k = %d", self.k)
-                self.global_left = len(self.chunks_from(p))
-                self._report()
-                continue
-            cache, work = work, None
+            self.driver.check_stop()
+            work = cache if in_place else list(cache)
+            zc = self.z[:, :, p : p + n].to(device=self.compute, dtype=self.dtype)
+            x = self.global_part(zc, work, p == 0)
+            del zc
+            if self.split_hook is not None:
+                x = self.split_hook(x, p)
+            a = self._sframe(p) - f0
+            buf[:, :, a : a + x.shape[2]].copy_(x, non_blocking=self.pin)
+            return work
+
+        def recover(event: OomEvent) -> None:
+            nonlocal cache, p
+            if in_place:
+                cache, p = list(fresh), pos
+                self.restarts += 1
+            self.k = max(1, n // 2)
+            self.shrinks += 1
+            log.warning("video decode: out of memory in the global part; resuming with k = %d", self.k)
+            self.global_left = len(self.chunks_from(p))
+            self._report()
+
+        while p < self.T:
+            cache = self.driver.run(attempt, can_recover=lambda e: n > 1, recover=recover)
             p += n
             self.global_chunks += 1
             self.global_left -= 1
@@ -735,34 +734,42 @@ class _WanRun:
         """Run one tile over all its remaining chunks. Returns ``[]`` when done, or the sub-tiles that
         replace it after an OOM at one latent frame per chunk."""
         item.cache = [self._to_compute(e) for e in item.cache]
-        while item.pos < self.T:
+        s0, n = item.pos, 1
+        split = False
+
+        def attempt() -> list | None:
+            nonlocal s0, n
+            if split:
+                return None
             s0 = item.pos
             n = 1 if s0 == 0 else min(self.k, self.T - s0)
-            self._check_stop()
+            self.driver.check_stop()
             self.step += 1
-            nxt: list | None = None
-            failed = False
-            try:
-                if self.fault_hook is not None:
-                    self.fault_hook(self.step - 1)
-                nxt = self.chunk(item, s0, s0 + n)
-            except self.oom:
-                if n <= 1 and max(item.tile.core) <= self.min_tile:
-                    raise
-                failed = True
-            if failed:
-                # Left the except block first: its traceback held the failed chunk's tensors.
-                if not self.rollback:  # the tile's cache was consumed in place: this tile starts again
-                    item.cache = [None] * self.lay.n_cache
-                    item.pos = 0
-                    self.restarts += int(s0 > 0)
-                self._oom()
-                if n > 1:
-                    self.k = max(1, n // 2)
-                    self.shrinks += 1
-                    log.warning("video decode: out of memory; resuming with %d latent frames per chunk", self.k)
-                    self._report()
-                    continue
+            if self.fault_hook is not None:
+                self.fault_hook(self.step - 1)
+            return self.chunk(item, s0, s0 + n)
+
+        def recover(event: OomEvent) -> None:
+            # Out of the except block (OomResume): its traceback held the failed chunk's tensors.
+            nonlocal split
+            if not self.rollback:  # the tile's cache was consumed in place: this tile starts again
+                item.cache = [None] * self.lay.n_cache
+                item.pos = 0
+                self.restarts += int(s0 > 0)
+            if n > 1:
+                self.k = max(1, n // 2)
+                self.shrinks += 1
+                log.warning("video decode: out of memory; resuming with %d latent frames per chunk", self.k)
+                self._report()
+            else:
+                split = True
+
+        def can_recover(e: BaseException) -> bool:
+            return n > 1 or max(item.tile.core) > self.min_tile
+
+        while item.pos < self.T:
+            nxt = self.driver.run(attempt, can_recover=can_recover, recover=recover)
+            if nxt is None:
                 return self.split_item(item)
             item.cache, nxt = nxt, None
             item.pos += n
@@ -816,6 +823,26 @@ class _WanRun:
             return w
         return w.to(self.store_device, copy=True)
 
+    def peak_tiles(self) -> list[_Tile]:
+        """The tiles that set the peak of phase 2: per axis, the spans whose (core, extended) lengths no other
+        span reaches in both (one tile's caches are alive at a time, and every tensor of a tile grows with its
+        extents), crossed."""
+        th, tw = self.tile if self.tile is not None else (self.H, self.W)
+
+        def maximal(spans: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+            lens = [(b - a, e1 - e0) for a, b, e0, e1 in spans]
+            keep, seen = [], set()
+            for sp, (c, e) in zip(spans, lens, strict=True):
+                if (c, e) in seen or any(c2 >= c and e2 >= e and (c2, e2) != (c, e) for c2, e2 in lens):
+                    continue
+                seen.add((c, e))
+                keep.append(sp)
+            return keep
+
+        ys = maximal(tile_spans(self.H, th, self.halo))
+        xs = maximal(tile_spans(self.W, tw, self.halo))
+        return [_Tile(*y, *x) for y in ys for x in xs]
+
     def run(self) -> torch.Tensor:
         tiles = self.tiles()
         fresh = [None] * self.lay.n_cache
@@ -823,6 +850,8 @@ class _WanRun:
             self.queue = [_Item(tiles[0], list(fresh), 0, True)]
             self._report()
         else:
+            if self.sizing:
+                tiles = self.peak_tiles()
             self.queue = [_Item(t, list(fresh), 0, False) for t in tiles]
             self.build_store(fresh, 0)
         while self.queue:
@@ -856,6 +885,7 @@ def decode_wan_chunked(
     pin_memory: bool | None = None,
     stats: dict | None = None,
     split_hook: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+    sizing: bool = False,
 ) -> torch.Tensor:
     """Decode a Wan 2.1/2.2 latent exactly, tile by tile, each tile over time in chunks; returns what
     ``model.decode(z)`` returns: ``(B, 3, 1 + 4 (T - 1), H, W)`` in [-1, 1] (``out_dtype``).
@@ -891,6 +921,9 @@ def decode_wan_chunked(
     attempts, tiles, global_chunks, shrinks, restarts, final frames_per_chunk and tile, halo, split,
     reach, store). ``split_hook(x, latent_start)``: sees (and may replace) the global part's whole-frame
     output of each chunk (impulse experiments, fault injection in phase 1).
+    ``sizing`` (meta sizing only, :class:`.sizing.MetaSizer`): with several tiles, phase 2 runs only the
+    tiles that set its peak (per axis the spans whose core and extended lengths are not both reached by
+    another span): the same peak as the full run, most tiles' work skipped; the output is incomplete.
     """
     lay = wan_layout(model)
     if z.ndim != 5:
@@ -949,6 +982,7 @@ def decode_wan_chunked(
         min_tile,
         pin,
         split_hook,
+        sizing,
     )
     with torch.no_grad():
         result = run.run()
@@ -1034,7 +1068,7 @@ def decode_overlap_blend(
         raise ValueError(f"expected a (B, C, T, h, w) latent, got shape {tuple(z.shape)}")
     up = _frame_fn(upscale_ratio)
     pos_fn = _frame_fn(index_formula if index_formula is not None else upscale_ratio)
-    oom = _oom_types(oom_exceptions)
+    driver = _driver(_oom_types(oom_exceptions), should_stop, on_oom)
     T = int(z.shape[2])
     k = max(2, int(frames_per_chunk))  # a chunk must reach past the overlap
     o = max(1, int(overlap))  # as ComfyUI's decode_tiled: with 0, frames between chunks stay uncovered
@@ -1051,33 +1085,28 @@ def decode_overlap_blend(
         return [(p + a, p + b) for a, b in rest]
 
     todo = plan_from(0)
+    a, b = 0, 0
+
+    def attempt() -> torch.Tensor:
+        nonlocal a, b, step
+        a, b = todo[0]
+        driver.check_stop()
+        step += 1
+        if fault_hook is not None:
+            fault_hook(step - 1)
+        return decode_fn(z[:, :, a:b])
+
+    def recover(event: OomEvent) -> None:
+        nonlocal k, shrinks, todo
+        k = max(2, k // 2)
+        shrinks += 1
+        log.warning("overlap-blend decode: out of memory; resuming with %d latent frames per chunk", k)
+        # Re-plan from this chunk's start (already-accumulated chunks end at or after it).
+        todo = plan_from(a)
+
     with torch.no_grad():
         while todo:
-            a, b = todo[0]
-            if should_stop is not None and should_stop():
-                raise InterruptedError("video decode stopped by should_stop()")
-            failed = False
-            try:
-                step += 1
-                if fault_hook is not None:
-                    fault_hook(step - 1)
-                frames = decode_fn(z[:, :, a:b])
-            except oom:
-                if k <= 2:
-                    raise
-                failed = True
-            if failed:
-                frames = None
-                if on_oom is not None:
-                    on_oom()
-                k = max(2, k // 2)
-                shrinks += 1
-                log.warning(
-                    "overlap-blend decode: out of memory; resuming with %d latent frames per chunk", k
-                )
-                # Re-plan from this chunk's start (already-accumulated chunks end at or after it).
-                todo = plan_from(a)
-                continue
+            frames = driver.run(attempt, can_recover=lambda e: k > 2, recover=recover)
             if out is None:
                 out = torch.zeros(
                     (frames.shape[0], frames.shape[1], t_out, *frames.shape[3:]),
