@@ -11,7 +11,9 @@ For each size (default 64^2 and 128^2 px, 17 frames = 5 latent frames), in this 
 4. Temporal-Chunk Video Decode with ``budget_mb`` = 40 % of core ``VAEDecode``'s measured peak (issue 5's
    memory target; the planner picks tile-major tiles).
 
-The node's plan (meta sizing, cached per shape) is made before each tracked decode and timed apart.
+The node's plan is made before each tracked decode and timed apart, twice: **cold** (an empty peak store:
+every candidate the planner needs is meta-sized) and **warm** (a new store read from the file the cold plan
+wrote: what a second ComfyUI run finds in its user folder; no sizing).
 
 Per decode: wall seconds, the live-tensor peak (``PeakTracker(method="dispatch")``: the same measure for
 all, the output included), and the max abs diff vs ``VAEDecode`` on [0, 1]. Ratios against ``VAEDecode``.
@@ -36,6 +38,7 @@ import os
 import pathlib
 import platform
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +53,8 @@ NODE_ID = "VRAMFit_TemporalChunkVideoDecode"
 
 
 def _host() -> tuple[Any, Any, Any]:
-    """ComfyUI's ``nodes`` module, the node module and the pack's tracker module (as ComfyUI imported them)."""
+    """ComfyUI's ``nodes`` module, the node module and the pack's tracker module (as ComfyUI imported them);
+    the node module's ``vd`` is the engine (``memory.video_decode``)."""
     if str(ROOT) not in sys.path:
         sys.path.append(str(ROOT))
     from scripts.host import load_comfy_in_process
@@ -70,7 +74,7 @@ def _measure(tracker_mod: Any, fn: Callable[[], Any]) -> dict:
     return {"out": out, "wall": wall, "peak": int(t.peak_bytes)}
 
 
-def bench_size(nodes: Any, mod: Any, tracker_mod: Any, vae: Any, px: int, frames: int,
+def bench_size(nodes: Any, mod: Any, tracker_mod: Any, vae: Any, px: int, frames: int, store_dir: pathlib.Path,
                tiled_max: int = 1 << 30) -> list[dict]:
     from scripts.fixtures import structured_latent
 
@@ -96,32 +100,46 @@ def bench_size(nodes: Any, mod: Any, tracker_mod: Any, vae: Any, px: int, frames
     if px <= tiled_max:
         tiled = _measure(tracker_mod, lambda: nodes.VAEDecodeTiled().decode(vae, {"samples": z}, 64, 32, 8, 4)[0])
         row("core VAEDecodeTiled 64/32, 8/4", tiled)
-    # Plan first (meta sizing on fake tensors, cached per shape) so the tracked decode below counts only
-    # the decode, as in the node (its tracker starts after planning); the planning time is reported.
-    t0 = time.perf_counter()
-    plan_auto = _plan_of(mod, vae, z, 0)
-    plan_s = time.perf_counter() - t0
+    # Plan first, cold then warm, so the tracked decode below counts only the decode, as in the node (its
+    # tracker starts after planning); the planning times are reported.
+    plan_auto, cold, warm, st = _plan_of(mod, vae, z, 0, store_dir)
     auto = _measure(tracker_mod, lambda: mod.decode(vae, {"samples": z}).images)
-    row("Temporal-Chunk, auto", auto, f"{plan_auto.describe()}; planned in {plan_s:.2f} s")
+    row("Temporal-Chunk, auto", auto, f"{plan_auto.describe()}; planned cold {cold:.2f} s ({st['sized']} sized), "
+        f"warm {warm:.3f} s")
     budget_mb = max(1, int(0.40 * core["peak"] / MiB))
     try:
-        t0 = time.perf_counter()
-        plan_tight = _plan_of(mod, vae, z, budget_mb)
-        plan_s = time.perf_counter() - t0
+        plan_tight, cold, warm, st = _plan_of(mod, vae, z, budget_mb, store_dir)
         tight = _measure(tracker_mod, lambda: mod.decode(vae, {"samples": z}, budget_mb=budget_mb).images)
         row(f"Temporal-Chunk, budget {budget_mb} MiB (40 % of VAEDecode)", tight,
             f"{plan_tight.describe()}, {'rollback' if plan_tight.rollback else 'in-place'} cache; predicted "
-            f"{plan_tight.planned / MiB:.1f} MiB; planned in {plan_s:.2f} s")
+            f"{plan_tight.planned / MiB:.1f} MiB; planned cold {cold:.2f} s ({st['sized']} sized, {st['bounded']} "
+            f"bounded), warm {warm:.3f} s")
     except ValueError as e:
         log.info("Temporal-Chunk at %d MiB: impossible (%s)", budget_mb, e)
     return rows
 
 
-def _plan_of(mod: Any, vae: Any, z: torch.Tensor, budget_mb: int) -> Any:
-    """The plan the node makes for this input (meta sizes are cached: no decode, no re-sizing)."""
+def _plan_of(mod: Any, vae: Any, z: torch.Tensor, budget_mb: int, store_dir: pathlib.Path) -> tuple:
+    """The plan the node makes for this input, cold (empty peak store) and warm (the store re-read from the
+    file the cold plan wrote): ``(plan, cold s, warm s, cold plan stats)``. Raises ValueError if impossible."""
+    vd = mod.vd
     job = mod._validate(vae, {"samples": z}, 0, 0)
-    budget = mod._comfy.vae_budget(vae, budget_mb)
-    return mod._plan_wan(job, int(budget.available), 0, None)
+    budget = int(mod._comfy.vae_budget(vae, budget_mb).available)
+    path = store_dir / f"peaks-{'x'.join(map(str, z.shape))}-{budget_mb}.json"
+    path.unlink(missing_ok=True)
+    st: dict = {}
+    t0 = time.perf_counter()
+    try:
+        plan = vd.plan_wan(job, budget, 0, None, vd.PeakStore(path), st)
+    finally:
+        cold = time.perf_counter() - t0
+        log.info("plan at %s MiB: cold %.2f s, %s", budget_mb or "free", cold, st)
+    t0 = time.perf_counter()
+    warm_store = vd.PeakStore(path)
+    vd.plan_wan(job, budget, 0, None, warm_store)
+    warm = time.perf_counter() - t0
+    mod._PEAKS = warm_store  # the node's decode below plans warm: the tracked run is the decode
+    return plan, cold, warm, st
 
 
 def meta_rows(nodes: Any, mod: Any, vae: Any, spec: str) -> list[dict]:
@@ -170,7 +188,7 @@ def meta_rows(nodes: Any, mod: Any, vae: Any, spec: str) -> list[dict]:
         for name, tile, rb, host in cfgs:
             p, secs = peak(lambda z, tile=tile, rb=rb, host=host: vc.decode_wan_chunked(
                 m, z, 1, tile, out_device="meta", store_device="meta" if host else None, rollback=rb))
-            area = mod._area_factor(h, w, tile, halo)
+            area = mod.vd.area_factor(h, w, tile, halo)
             rows.append({"size": spec, "decoder": f"Temporal-Chunk k = 1, {name}", "peak_gib": p,
                          "peak_vs_core": p / core, "area": area})
             log.info("  %-52s %6.2f GiB (%.2fx core), tiled-part area %.2fx (%.0f s)", name, p, p / core, area, secs)
@@ -209,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(rows, indent=1))
         return 0
     meta_n = len(rows)
-    for px in args.sizes:
-        rows += bench_size(nodes, mod, tracker_mod, vae, px, args.frames, args.no_tiled_above)
+    with tempfile.TemporaryDirectory() as store_dir:
+        for px in args.sizes:
+            rows += bench_size(nodes, mod, tracker_mod, vae, px, args.frames, pathlib.Path(store_dir),
+                               args.no_tiled_above)
     log.info("\n| size | decoder | time (s) | vs VAEDecode | peak (MiB) | vs VAEDecode | max abs diff | plan |")
     log.info("|---|---|---|---|---|---|---|---|")
     for r in rows[meta_n:]:

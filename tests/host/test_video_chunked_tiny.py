@@ -399,3 +399,85 @@ def test_blend_equals_comfy_tiled_scale_multidim_along_time(host_config):
         assert ours.shape == ref.shape
         assert _diff(ours, ref) <= 1e-6, (k, o)
         assert _diff(ours, base) > 0.01  # the artefacts are there (approximate by design)
+
+
+# --------------------------------------------------------------------------------------------------
+# Planner (memory.video_decode): sizing shortcuts are exact, peaks persist
+
+
+def _job(model, z):
+    import types
+
+    from vramfit.memory import video_decode as vd
+
+    vae = types.SimpleNamespace(first_stage_model=model, vae_dtype=torch.float32, device="cpu")
+    return vd.make_job(vae, z, "cpu")
+
+
+def _meta_peak(model, z, tile, **kw) -> int:
+    from vramfit.memory.sizing import MetaSizer
+
+    with MetaSizer([model], torch.float32, "cpu") as sz:
+        zf = torch.empty(z.shape)
+        vc.decode_wan_chunked(model, zf, 1, tile, **kw)
+        del zf
+    return sz.peak_bytes
+
+
+@pytest.mark.parametrize("tile,split", [((2, 2), None), ((3, 4), None), ((2, 3), 3)])
+def test_sizing_on_the_peak_tiles_gives_the_full_peak(tiny, tile, split):
+    """``sizing=True`` runs phase 2 only on the tiles whose extents no other tile reaches: the same peak
+    (live tensor bytes on fake tensors) to the byte."""
+    _, model = tiny
+    z = _z((1, 4, 3, 7, 9))
+    for rollback in (True, False):
+        full = _meta_peak(model, z, tile, split=split, rollback=rollback)
+        assert _meta_peak(model, z, tile, split=split, rollback=rollback, sizing=True) == full
+
+
+def test_lower_bound_is_below_every_sized_peak(case21):
+    from vramfit.memory import video_decode as vd
+
+    _, model, _, _ = case21
+    job = _job(model, _z((1, 4, 4, 8, 8)))
+    lay = vc.wan_layout(model)
+    store = vd.PeakStore()
+    cands = vd.candidates(job, 0, None)
+    picked = cands[:: max(1, len(cands) // 12)]
+    assert any(c.tile is None for c in picked) and any(c.tile is not None for c in picked)
+    for cd in picked:
+        low, peak = vd.lower_bound(job, lay, cd), vd.decode_peak(job, lay, cd, store, "s")
+        assert 0 < low <= peak, (cd, low, peak)
+
+
+def test_planner_persists_sized_peaks_and_a_new_key_resizes(case21, tmp_path, monkeypatch):
+    """A second plan (a new store read from the file the first wrote) sizes nothing and gives the same plan;
+    another executor digest (the key) sizes again. The tight budget makes the planner tile."""
+    from vramfit.memory import video_decode as vd
+
+    _, model, _, _ = case21
+    job = _job(model, _z((1, 4, 3, 8, 8)))
+    calls: list[object] = []
+    real = vd.size_candidate
+
+    def counting(j, cd):
+        calls.append(cd)
+        return real(j, cd)
+
+    monkeypatch.setattr(vd, "size_candidate", counting)
+    path = tmp_path / "peaks.json"
+    free = vd.plan_wan(job, 1 << 40, 0, None, vd.PeakStore(path))
+    budget = int(0.6 * free.planned)
+    st: dict = {}
+    first = vd.plan_wan(job, budget, 0, None, vd.PeakStore(path), st)
+    assert first.tile is not None and first.planned <= budget
+    assert st["sized"] == len(calls) - 1 > 0 and path.is_file()
+    n = len(calls)
+    st2: dict = {}
+    second = vd.plan_wan(job, budget, 0, None, vd.PeakStore(path), st2)
+    assert len(calls) == n and st2["sized"] == 0
+    assert (second.k, second.tile, second.split, second.rollback, second.planned) == (
+        first.k, first.tile, first.split, first.rollback, first.planned)
+    monkeypatch.setattr(vd, "_EXECUTOR_DIGEST", "changed000")
+    third = vd.plan_wan(job, budget, 0, None, vd.PeakStore(path))
+    assert len(calls) > n and third.planned == first.planned

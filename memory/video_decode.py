@@ -1,0 +1,617 @@
+"""Video decode within a memory budget: planning (Wan), offload, the decode, the plan report. The engine of
+the Temporal-Chunk Video Decode node (``nodes/video_decode.py`` validates the inputs and passes ComfyUI's
+callables in a :class:`VideoEnv`).
+
+* **Wan 2.1 / 2.2** (exact): :func:`.video_chunked.decode_wan_chunked`: frame 0 alone, then chunks of ``k``
+  latent frames with the causal caches carried, optional spatial tiles (tile-major); equal to ComfyUI's
+  ``VAEDecode`` up to float rounding. ``k``, the tile grid, the split, the store placement and the cache
+  mode are planned by :func:`plan_wan` from meta-sized peaks of the executor itself.
+* **Other video VAEs** (approximate): :func:`.video_chunked.decode_overlap_blend`: overlapping temporal
+  chunks decoded independently and cross-faded; reported as approximate.
+
+Planning (Wan). Candidates (whole frames or a tile grid x split x store placement x ``k`` x cache mode) are
+sorted by an estimated speed; the first whose predicted peak fits the budget wins. A candidate's peak is
+the executor's own peak on fake tensors (:class:`.sizing.MetaSizer`: exact live-tensor bytes) with the
+fewest latent frames that show it (``min(T, 1 + 2 k)``: frame 0 and two chunks reach the steady state of
+the caches), phase 2 run only on the tiles that set its peak (``decode_wan_chunked(sizing=True)``), plus
+the analytic growth of a device store with ``T``. Before sizing, a candidate is skipped when
+
+* it needs at least the memory of one that already failed (same kind, no smaller ``k`` / tile / cache /
+  store), or
+* a lower bound of its peak already exceeds the budget: the latent, a device store of every frame and one
+  tile's committed causal caches (two frames per cached conv, whole frames: every cache) are alive together
+  at the end of each tile (:func:`lower_bound`).
+
+Sized peaks are kept in a :class:`PeakStore` (the node's is a JSON file under ComfyUI's user folder, so a
+second run plans without sizing) keyed by the model class and parameter structure, a digest of
+``video_chunked.py``'s source (a change of the executor invalidates every entry), dtype, device type, shape
+and candidate (:func:`peak_key`).
+
+The output is one buffer on the output device in VAEDecode's layout ``(B*T, H, W, 3)``; the executor writes
+into a ``(B, 3, T, H, W)`` view of it and ``vae.process_output`` runs frame by frame in place.
+
+Nothing here imports ComfyUI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import pathlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import video_chunked as vc
+from .budget import Budget, compute_budget
+from .cost_model import dtype_name
+from .families import identify, model_name, structure_digest
+from .planner import ImpossibleBudgetError
+from .report import Report, fmt_bytes, fmt_seconds
+from .sizing import MetaSizer
+from .tracker import PeakTracker, rss_supported
+
+log = logging.getLogger("vramfit.memory.video_decode")
+
+__all__ = [
+    "MAX_AUTO_K",
+    "PeakStore",
+    "VideoDecodeResult",
+    "VideoEnv",
+    "VideoJob",
+    "VideoPlan",
+    "decode_video",
+    "lower_bound",
+    "make_job",
+    "peak_key",
+    "plan_wan",
+]
+
+REPORT_NODE = "Temporal-Chunk Video Decode"
+MAX_AUTO_K = 8
+"""Largest chunk the auto plan considers (latent frames)."""
+CALL_OVERHEAD = {"cuda": 0.3, "cpu": 0.0}
+"""Relative cost of one executor call vs one latent frame of work, for the speed order of candidates
+(GPU: fewer, larger calls pay; CPU: measured k = 1 fastest, see docs/VIDEO_DECODE.md)."""
+SCHEMA = 1
+
+ProgressFn = Callable[[int, int], None]
+
+
+def _default_budget(vae: Any, budget_mb: float) -> Budget:
+    return compute_budget(torch.device(vae.device), user_budget_mb=budget_mb if budget_mb > 0 else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Persisted peaks
+
+
+class PeakStore:
+    """Meta-sized peaks by key (:func:`peak_key`): in memory, and in a JSON file when ``path`` is given (the
+    node passes one under ComfyUI's user folder). :meth:`flush` writes the file (once per plan)."""
+
+    def __init__(self, path: str | pathlib.Path | None = None) -> None:
+        self.path = pathlib.Path(path) if path is not None else None
+        self._lock = threading.Lock()
+        self._peaks: dict[str, int] = {}
+        self._dirty = False
+        if self.path is not None and self.path.is_file():
+            try:
+                data = json.loads(self.path.read_text())
+                if data.get("schema") == SCHEMA:
+                    self._peaks.update((str(k), int(v)) for k, v in data.get("peaks", {}).items())
+            except (ValueError, TypeError, AttributeError, OSError) as e:  # a broken cache is ignored, not fatal
+                log.warning("ignoring unreadable video peak cache %s: %s", self.path, e)
+
+    def __len__(self) -> int:
+        return len(self._peaks)
+
+    def get(self, key: str) -> int | None:
+        with self._lock:
+            return self._peaks.get(key)
+
+    def put(self, key: str, peak: int) -> None:
+        with self._lock:
+            self._peaks[key] = int(peak)
+            self._dirty = True
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._dirty or self.path is None:
+                return
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+                tmp.write_text(json.dumps({"schema": SCHEMA, "peaks": dict(sorted(self._peaks.items()))}, indent=0))
+                tmp.replace(self.path)
+                self._dirty = False
+            except OSError as e:
+                log.warning("could not write the video peak cache %s: %s", self.path, e)
+
+
+_EXECUTOR_DIGEST: str | None = None
+
+
+def executor_digest() -> str:
+    """Short hash of ``video_chunked.py``'s source: a persisted peak is re-sized when the executor changes."""
+    global _EXECUTOR_DIGEST
+    if _EXECUTOR_DIGEST is None:
+        _EXECUTOR_DIGEST = hashlib.sha256(pathlib.Path(vc.__file__).read_bytes()).hexdigest()[:10]
+    return _EXECUTOR_DIGEST
+
+
+# --------------------------------------------------------------------------------------------------
+# Environment and job
+
+
+@dataclasses.dataclass
+class VideoEnv:
+    """What the decode takes from its host (ComfyUI), as plain callables; the defaults run standalone.
+
+    The node passes ComfyUI's: ``should_stop`` = ``throw_exception_if_processing_interrupted``, ``on_oom`` =
+    ``soft_empty_cache``, ``oom_exceptions`` = ``(OOM_EXCEPTION,)``, ``progress_bar(total)`` = a
+    ``comfy.utils.ProgressBar`` callback, ``budget(vae, budget_mb)`` from ComfyUI's free memory,
+    ``offload(vae, bytes | None)`` unloading upstream models (None: all; returns an object with
+    ``describe()``), ``load_weights(vae, bytes)`` = ``load_models_gpu``, ``peaks`` persisted under ComfyUI's
+    user folder.
+    """
+
+    should_stop: Callable[[], Any] | None = None
+    on_oom: Callable[[], None] | None = None
+    oom_exceptions: tuple[type[BaseException], ...] | None = None
+    progress_bar: Callable[[int], ProgressFn] | None = None
+    budget: Callable[[Any, float], Budget] = _default_budget
+    offload: Callable[[Any, int | None], Any] | None = None
+    load_weights: Callable[[Any, int], None] | None = None
+    peaks: PeakStore = dataclasses.field(default_factory=PeakStore)
+    fault_hook: Callable[[int], None] | None = None
+    """Tests: the executor's ``fault_hook(step)`` (raise an OOM there to test resumes)."""
+    measure_cpu_tensors: bool = False
+    """On CPU count live tensor bytes (PeakTracker dispatch) instead of the RSS high-water mark."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoJob:
+    vae: Any
+    z: torch.Tensor
+    wan: bool
+    family: str
+    dtype: torch.dtype
+    device: torch.device
+    out_device: torch.device
+
+
+def make_job(vae: Any, z: torch.Tensor, out_device: torch.device | str) -> VideoJob:
+    """A validated video latent ``z`` (5-D) and its VAE (duck-typed ``comfy.sd.VAE``)."""
+    return VideoJob(
+        vae=vae,
+        z=z,
+        wan=vc.is_wan_vae(vae.first_stage_model),
+        family=identify(vae) or model_name(vae),
+        dtype=getattr(vae, "vae_dtype", torch.float32),
+        device=torch.device(vae.device),
+        out_device=torch.device(out_device),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Planning (Wan)
+
+
+@dataclasses.dataclass
+class VideoPlan:
+    k: int
+    tile: tuple[int, int] | None
+    """Tile core in latent px (None: whole frames)."""
+    grid: tuple[int, int]
+    rollback: bool
+    """Keep a tile's committed cache during a chunk (OOM resumes from its last chunk; 2x one tile's cache);
+    False: ComfyUI's in-place protocol (1x; an OOM decodes that tile again from frame 0)."""
+    halo: int
+    split: int
+    store: str | None
+    """Where the global part's output of every frame lives with tiles: "device" or "host" (None: whole
+    frames, no store)."""
+    planned: int
+    """Predicted peak bytes on the compute device (decode + output buffer when it lives there)."""
+    exact: bool = True
+    over_budget: bool = False
+
+    def describe(self) -> str:
+        if self.tile is None:
+            tiles = "whole frames"
+        else:
+            tiles = (f"tile-major: {self.grid[0]}x{self.grid[1]} tiles of {self.tile[0]}x{self.tile[1]} latent px "
+                     f"(halo {self.halo}, split {self.split}, store on {self.store})")
+        return f"k = {self.k} latent frames/chunk (frame 0 alone), {tiles}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    speed: float
+    k: int
+    tile: tuple[int, int] | None
+    grid: tuple[int, int]
+    split: int
+    rollback: bool
+    host: bool
+
+    def order(self) -> tuple:
+        return (self.speed, not self.rollback, self.host, self.k)
+
+    def needs_more_than(self, f: Candidate) -> bool:
+        """Surely needs at least the failed ``f``'s memory: same kind, no smaller in k, tile, cache, store."""
+        if (self.tile is None) != (f.tile is None) or self.split != f.split:
+            return False
+        tile_ok = self.tile is None or (self.tile[0] >= f.tile[0] and self.tile[1] >= f.tile[1])  # type: ignore[index]
+        return (tile_ok and self.k >= f.k and self.rollback >= f.rollback and (not self.host or f.host))
+
+
+def out_bytes(job: VideoJob, frames: int, h: int, w: int) -> int:
+    """The float32 output buffer, when it lives on the compute device's type."""
+    if job.out_device.type != job.device.type:
+        return 0
+    return int(job.z.shape[0]) * frames * h * w * 3 * 4
+
+
+def _t_meta(t: int, k: int) -> int:
+    return min(t, 1 + 2 * k)
+
+
+def peak_key(job: VideoJob, cd: Candidate, structure: str | None = None) -> str:
+    """Key of a sized peak: model class and parameter structure, executor source digest, dtype, device type,
+    latent shape (frames as sized) and candidate."""
+    model = job.vae.first_stage_model
+    b, c, t, h, w = (int(v) for v in job.z.shape)
+    cls = type(model)
+    tile = "whole" if cd.tile is None else f"{cd.tile[0]}x{cd.tile[1]}"
+    return (f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__qualname__}/{structure or structure_digest(model)}"
+            f"/video-{executor_digest()}/{dtype_name(job.dtype)}/{job.device.type}/{b}x{c}x{_t_meta(t, cd.k)}x{h}x{w}"
+            f"/k{cd.k}/{tile}/split{cd.split}/{'rollback' if cd.rollback else 'inplace'}"
+            f"/{'host' if cd.host else 'device'}")
+
+
+def size_candidate(job: VideoJob, cd: Candidate) -> int:
+    """Meta-sized peak bytes of ``decode_wan_chunked`` for this candidate at ``min(T, 1 + 2 k)`` latent
+    frames, without the output buffer (the store's growth with ``T`` is added by :func:`decode_peak`)."""
+    model = job.vae.first_stage_model
+    lay = vc.wan_layout(model)
+    b, c, t, h, w = (int(v) for v in job.z.shape)
+    t_meta = _t_meta(t, cd.k)
+    with MetaSizer([model], job.dtype, job.device) as sizer:
+        zf = torch.empty((b, c, t_meta, h, w), dtype=job.dtype, device=job.device)
+        out = vc.decode_wan_chunked(model, zf, cd.k, cd.tile, halo=None, split=cd.split, compute_device=job.device,
+                                    dtype=job.dtype, store_device="cpu" if cd.host else None,
+                                    out_device=job.device, rollback=cd.rollback, sizing=True)
+        del out, zf
+    out_b = b * 3 * lay.out_frames(t_meta) * h * w * lay.spatial_ratio**2 * 4
+    return max(0, int(sizer.peak_bytes) - out_b)
+
+
+def _store_growth(job: VideoJob, lay: vc.WanLayout, cd: Candidate) -> int:
+    if cd.tile is None or cd.host:
+        return 0
+    b, _, t, h, w = (int(v) for v in job.z.shape)
+    item = torch.empty((), dtype=job.dtype).element_size()
+    return lay.store_bytes(h, w, t, b, item, cd.split) - lay.store_bytes(h, w, _t_meta(t, cd.k), b, item, cd.split)
+
+
+def lower_bound(job: VideoJob, lay: vc.WanLayout, cd: Candidate) -> int:
+    """A lower bound of :func:`decode_peak` without sizing: the latent (as sized), a device store of every
+    frame and one tile's committed caches (the largest tile's extended region; whole frames: every cache),
+    ``min(2, T)`` frames per cached conv (temporal upsample states left out), all alive together at the end
+    of each tile's last chunk."""
+    b, c, t, h, w = (int(v) for v in job.z.shape)
+    item = torch.empty((), dtype=job.dtype).element_size()
+    t_meta = _t_meta(t, cd.k)
+    if cd.tile is None:
+        first, eh, ew = 0, h, w
+    else:
+        si = lay.split_info(cd.split)
+        first = si.first_slot
+        eh = max(e1 - e0 for _, _, e0, e1 in vc.tile_spans(h, cd.tile[0], si.halo))
+        ew = max(e1 - e0 for _, _, e0, e1 in vc.tile_spans(w, cd.tile[1], si.halo))
+    frames = min(2, t_meta)
+    cache = sum(s.channels * frames * eh * s.scale * ew * s.scale for s in lay.slots
+                if s.index >= first and s.kind == "conv")
+    store = 0 if cd.tile is None or cd.host else lay.store_bytes(h, w, t, b, item, cd.split)
+    return int(b * c * t_meta * h * w * item + cache * b * item + store)
+
+
+def decode_peak(job: VideoJob, lay: vc.WanLayout, cd: Candidate, peaks: PeakStore, structure: str,
+                sized: list[int] | None = None) -> int:
+    """Peak bytes of the decode (without the output buffer) for the whole clip: the stored or sized peak
+    plus the store's growth with ``T``."""
+    key = peak_key(job, cd, structure)
+    peak = peaks.get(key)
+    if peak is None:
+        peak = size_candidate(job, cd)
+        peaks.put(key, peak)
+        if sized is not None:
+            sized.append(1)
+    return peak + _store_growth(job, lay, cd)
+
+
+def _grids(h: int, w: int, tile: tuple[int, int] | None) -> list[tuple[tuple[int, int] | None, tuple[int, int]]]:
+    if tile is not None:
+        th, tw = min(h, tile[0]), min(w, tile[1])
+        if (th, tw) == (h, w):
+            return [(None, (1, 1))]
+        return [((th, tw), (math.ceil(h / th), math.ceil(w / tw)))]
+    out: list[tuple[tuple[int, int] | None, tuple[int, int]]] = [(None, (1, 1))]
+    seen = set()
+    for n in range(2, max(h, w) + 1):
+        th, tw = math.ceil(h / min(n, h)), math.ceil(w / min(n, w))
+        if (th, tw) in seen or (th, tw) == (h, w):
+            continue
+        seen.add((th, tw))
+        out.append(((th, tw), (math.ceil(h / th), math.ceil(w / tw))))
+    return out
+
+
+def area_factor(h: int, w: int, tile: tuple[int, int] | None, halo: int) -> float:
+    """Latent px the tiled part computes (cores + halos, clipped at the frame) per frame px."""
+    if tile is None:
+        return 1.0
+    ys = sum(e1 - e0 for _, _, e0, e1 in vc.tile_spans(h, tile[0], halo))
+    xs = sum(e1 - e0 for _, _, e0, e1 in vc.tile_spans(w, tile[1], halo))
+    return ys * xs / (h * w)
+
+
+def _split_options(lay: vc.WanLayout) -> list[int]:
+    """Split points for tiles: the default (scale 2, small halo) and the last one at latent scale (a store
+    of 1/8 the size, larger halo); none whose tiled part holds a global op."""
+    at_latent = max(s.split for s in lay.splits if s.scale == 1)
+    opts = [lay.default_split] + ([at_latent] if at_latent != lay.default_split else [])
+    return [s for s in opts if not (lay.tiled_global_ops and s == 0)]
+
+
+def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None) -> list[Candidate]:
+    """Every candidate in the speed order the planner tries them."""
+    lay = vc.wan_layout(job.vae.first_stage_model)
+    _, _, t, h, w = (int(v) for v in job.z.shape)
+    rest = max(1, t - 1)
+    ks = [min(k_user, rest)] if k_user else list(range(1, min(rest, MAX_AUTO_K) + 1))
+    c = CALL_OVERHEAD.get(job.device.type, 0.3)
+    hosts = (False, True) if job.device.type != "cpu" else (False,)
+    cands = []
+    for tile, grid in _grids(h, w, tile_user):
+        for split in [lay.default_split] if tile is None else _split_options(lay):
+            area = area_factor(h, w, tile, lay.split_info(split).halo)
+            for host in (False,) if tile is None else hosts:
+                for k in ks:
+                    speed = area * (1 + c / k) * (1 + 1e-3 * k) * (1.02 if host else 1.0)
+                    for rollback in (True, False):
+                        cands.append(Candidate(speed, k, tile, grid, split, rollback, host))
+    cands.sort(key=Candidate.order)
+    return cands
+
+
+def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int] | None,
+             peaks: PeakStore | None = None, stats: dict | None = None) -> VideoPlan:
+    """The fastest plan whose predicted peak fits ``budget`` (module docstring). With a user ``k`` or tile
+    and nothing fitting: the smallest plan, marked over budget; otherwise :class:`ImpossibleBudgetError`.
+    ``stats``: filled with ``sized`` (candidates meta-sized now), ``bounded`` (skipped by the lower bound)."""
+    peaks = PeakStore() if peaks is None else peaks
+    model = job.vae.first_stage_model
+    lay = vc.wan_layout(model)
+    structure = structure_digest(model)
+    _, _, t, h, w = (int(v) for v in job.z.shape)
+    out_b = out_bytes(job, lay.out_frames(t), h * lay.spatial_ratio, w * lay.spatial_ratio)
+    # process_output per output frame: two float32 temporaries of one frame
+    post = 2 * int(job.z.shape[0]) * 3 * h * w * lay.spatial_ratio**2 * 4
+    sized: list[int] = []
+    bounded = 0
+
+    def make(cd: Candidate, dec: int) -> VideoPlan:
+        store = None if cd.tile is None else ("host" if cd.host else "device")
+        return VideoPlan(cd.k, cd.tile, cd.grid, cd.rollback, lay.split_info(cd.split).halo, cd.split, store,
+                         out_b + max(dec, post))
+
+    found: VideoPlan | None = None
+    failed: list[Candidate] = []
+    known: list[tuple[int, bool, Candidate]] = []  # (planned or its lower bound, exact, candidate)
+    try:
+        for cd in candidates(job, k_user, tile_user):
+            if any(cd.needs_more_than(f) for f in failed):
+                continue
+            low = out_b + max(lower_bound(job, lay, cd), post)
+            if low > budget:
+                bounded += 1
+                failed.append(cd)
+                known.append((low, False, cd))
+                continue
+            p = make(cd, decode_peak(job, lay, cd, peaks, structure, sized))
+            if p.planned <= budget:
+                found = p
+                break
+            failed.append(cd)
+            known.append((p.planned, True, cd))
+        if found is None:
+            # The smallest plan: size lower-bounded candidates until a sized one is below every bound.
+            while True:
+                known.sort(key=lambda e: e[0])
+                planned, exact, cd = known[0]
+                if exact:
+                    break
+                known[0] = (make(cd, decode_peak(job, lay, cd, peaks, structure, sized)).planned, True, cd)
+            found = make(cd, decode_peak(job, lay, cd, peaks, structure, sized))
+            found.over_budget = True
+    finally:
+        peaks.flush()
+        if stats is not None:
+            stats.update(sized=len(sized), bounded=bounded)
+    if found.over_budget and tile_user is None and not k_user:
+        raise ImpossibleBudgetError(
+            f"no plan fits the budget of {fmt_bytes(budget)}: the smallest ({found.describe()}) needs "
+            f"{fmt_bytes(found.planned)}; raise budget_mb or free memory", budget, found.planned)
+    return found
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode
+
+
+@dataclasses.dataclass
+class VideoDecodeResult:
+    images: torch.Tensor
+    report: Report
+    plan: VideoPlan
+    budget: Any
+    seconds: float
+    measured_peak: int | None
+    measure_method: str
+    stats: dict
+    plan_seconds: float
+    plan_stats: dict = dataclasses.field(default_factory=dict)
+
+
+def _tracker(job: VideoJob, env: VideoEnv) -> tuple[str, PeakTracker | None]:
+    if job.device.type == "cuda":
+        return "CUDA max_memory_allocated", PeakTracker(job.device, method="cuda")
+    if job.device.type == "cpu":
+        if env.measure_cpu_tensors:
+            return "live tensor bytes (PeakTracker dispatch)", PeakTracker(job.device, method="dispatch")
+        if rss_supported():
+            return "process RSS high-water mark", PeakTracker(job.device, method="rss")
+    return "not measured on this device", None
+
+
+def _post(vae: Any, view: torch.Tensor) -> None:
+    """``vae.process_output`` frame by frame, in place in the output buffer (same values as on the whole)."""
+    for f in range(view.shape[2]):
+        sl = view[:, :, f : f + 1]
+        sl.copy_(vae.process_output(sl))
+
+
+def decode_video(
+    job: VideoJob,
+    env: VideoEnv,
+    *,
+    frames_per_chunk: int = 0,
+    tile_size: int = 0,
+    budget_mb: float = 0,
+    unload_others: bool = True,
+    t_start: float | None = None,
+) -> VideoDecodeResult:
+    """Decode ``job`` within the budget; returns frames ``(B*T, H, W, 3)`` on [0, 1] (as VAEDecode) and the
+    report. ``frames_per_chunk`` / ``tile_size`` (output px): 0 = auto; ``budget_mb``: 0 = free memory
+    (``env.budget``); ``unload_others``: offload upstream models first (``env.offload``, VAEs with a
+    patcher). ``t_start``: ``time.perf_counter()`` when planning started. Raises
+    :class:`.planner.ImpossibleBudgetError` when no plan fits."""
+    vae, z = job.vae, job.z
+    b, _, t, h, w = (int(v) for v in z.shape)
+    model = vae.first_stage_model
+    k_user = int(frames_per_chunk)
+
+    t0 = time.perf_counter() if t_start is None else t_start  # planning time, offload included
+    lay = vc.wan_layout(model) if job.wan else None
+    tile_user = None
+    if lay is not None and tile_size:
+        lt = max(1, int(tile_size) // lay.spatial_ratio)
+        tile_user = (lt, lt)
+    plan_stats: dict = {}
+
+    offload_text = "off (unload_others disabled)"
+    if unload_others and hasattr(vae, "patcher") and env.offload is not None:
+        if budget_mb:
+            need: int | None = int(budget_mb * 2**20)
+        elif job.wan:  # the fastest plan's peak (sized once, kept for the plan below)
+            need = plan_wan(job, 1 << 62, k_user, tile_user, env.peaks).planned
+        else:
+            need = None
+        if need is not None:
+            patcher = vae.patcher
+            need += max(0, int(patcher.model_size()) - int(patcher.loaded_size()))
+        offload_text = env.offload(vae, need).describe()
+    elif unload_others and hasattr(vae, "patcher"):
+        offload_text = "skipped (no offload callable)"
+    elif unload_others:
+        offload_text = "skipped (this VAE has no ComfyUI model patcher)"
+    budget = env.budget(vae, budget_mb)
+
+    stats: dict = {}
+    if lay is not None:
+        r = lay.spatial_ratio
+        plan = plan_wan(job, int(budget.available), k_user, tile_user, env.peaks, plan_stats)
+        frames, oh, ow = lay.out_frames(t), h * r, w * r
+    else:
+        ratio_t = vae.upscale_ratio[0] if isinstance(getattr(vae, "upscale_ratio", None), tuple) else 4
+        frames = int(round(ratio_t(t))) if callable(ratio_t) else int(ratio_t * t)
+        r = int(vae.upscale_ratio[1]) if isinstance(vae.upscale_ratio, tuple) else 8
+        oh, ow = h * r, w * r
+        k = max(2, k_user or min(t, 4))
+        plan = VideoPlan(k, None, (1, 1), True, 0, 0, None, 0, exact=False)
+    plan_seconds = time.perf_counter() - t0
+
+    if hasattr(vae, "patcher") and env.load_weights is not None:
+        env.load_weights(vae, plan.planned)
+
+    buf = torch.empty((b * frames, oh, ow, 3), dtype=torch.float32, device=job.out_device)
+    view = buf.view(b, frames, oh, ow, 3).permute(0, 4, 1, 2, 3)  # (B, 3, T, H, W) view
+    bar = env.progress_bar(1) if env.progress_bar is not None else None
+    method, tracker = _tracker(job, env)
+    t1 = time.perf_counter()
+    with torch.no_grad(), tracker if tracker is not None else contextlib.nullcontext():
+        if job.wan:
+            vc.decode_wan_chunked(
+                model, z, plan.k, plan.tile, halo=plan.halo, split=plan.split, out=view,
+                compute_device=job.device, dtype=job.dtype, store_device="cpu" if plan.store == "host" else None,
+                rollback=plan.rollback, progress=bar, should_stop=env.should_stop, fault_hook=env.fault_hook,
+                oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
+        else:
+            def fn(a: torch.Tensor) -> torch.Tensor:
+                return model.decode(a.to(job.dtype).to(job.device)).float()
+
+            res = vc.decode_overlap_blend(
+                fn, z, plan.k, 1, upscale_ratio=vae.upscale_ratio[0], index_formula=vae.upscale_index_formula[0],
+                out_device=job.out_device, progress=bar, should_stop=env.should_stop,
+                oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
+            view.copy_(res)
+            del res
+        _post(vae, view)
+    seconds = time.perf_counter() - t1
+    measured = int(tracker.peak_bytes) if tracker is not None else None
+    report = _report(job, plan, budget, offload_text, stats, seconds, plan_seconds, measured, method)
+    return VideoDecodeResult(buf, report, plan, budget, seconds, measured, method, stats, plan_seconds, plan_stats)
+
+
+def _report(job: VideoJob, plan: VideoPlan, budget: Any, offload_text: str, stats: dict, seconds: float,
+            plan_seconds: float, measured: int | None, method: str) -> Report:
+    r = Report(REPORT_NODE, str(job.device))
+    r.add("vae", f"{job.family} ({str(job.dtype).removeprefix('torch.')}); latent {tuple(job.z.shape)}")
+    if plan.exact:
+        r.add("path", "exact: causal caches carried across chunks (same frames as VAE Decode)")
+    else:
+        r.add("path", "APPROXIMATE: overlapping temporal chunks decoded independently and cross-faded "
+                      "(not a causal Wan VAE)")
+    r.add("budget", budget.describe())
+    r.add("offload", offload_text)
+    r.add("plan", plan.describe() if plan.exact else f"k = {plan.k} latent frames/chunk, overlap 1")
+    if plan.exact:
+        scope = "whole frame" if plan.tile is None else "one tile at a time (tile-major)"
+        if plan.rollback:
+            cache = f"{job.device}, {scope}, committed + next (an OOM resumes from the last chunk)"
+        else:
+            cache = f"{job.device}, {scope}, in place as ComfyUI (1x; an OOM decodes that tile again from frame 0)"
+        if plan.store is not None:
+            cache += f"; global part of every frame stored on the {plan.store}"
+        r.add("cache", cache)
+        avail = budget.available
+        pct = plan.planned / avail if avail else math.inf
+        over = " - OVER BUDGET (user setting)" if plan.over_budget else ""
+        r.add("predicted", f"peak {fmt_bytes(plan.planned)} ({pct:.0%} of budget, meta sizing){over}; "
+                           f"planned in {fmt_seconds(plan_seconds)} (offload included)")
+    r.add("measured", f"peak {fmt_bytes(measured)} ({method})" if measured is not None else method)
+    r.add("time", f"{fmt_seconds(seconds)} ({stats.get('chunks', '?')} chunks)")
+    if stats.get("shrinks") or stats.get("restarts"):
+        r.add("oom", f"{stats.get('shrinks', 0)} re-plan(s), {stats.get('restarts', 0)} restart(s): finished with "
+                     f"k = {stats.get('frames_per_chunk')}, tile {stats.get('tile')}")
+    return r
