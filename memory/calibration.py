@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 
 from .cost_model import CostModel, CostModelStore, ModelKey, calibrate
-from .families import FAMILIES, identify, model_name, vae_geometry
+from .families import FAMILIES, identify, model_key_name, model_name, vae_geometry
 from .geometry import Geometry, VaeGeometry
 from .sizing import decode_run, meta_sizer_factory
 from .tracker import tracker_factory
@@ -101,7 +101,7 @@ def vae_key(
     vae: Any, executor: str = "full", device: torch.device | str | None = None, dtype: Any = None
 ) -> ModelKey:
     """The cost-model key of a ComfyUI VAE: known family name, else its model class."""
-    fam = identify(vae) or model_name(vae)
+    fam = identify(vae) or model_key_name(vae)
     dev = torch.device(device) if device is not None else torch.device(getattr(vae, "device", "cpu"))
     dt = dtype if dtype is not None else getattr(vae, "vae_dtype", torch.float32)
     return ModelKey.make(fam, executor, dt, dev)

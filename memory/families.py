@@ -128,12 +128,17 @@ def identify(vae: Any) -> str | None:
 
 
 def model_name(vae: Any) -> str:
-    """The key for an unknown VAE: its ``first_stage_model`` class (module-qualified) and a digest of
-    its structure (parameter and buffer names and shapes), so two configurations of one class (e.g. a
-    DC-AE f32c32 and f64c128) never share a cost model."""
+    """The name of an unknown VAE: its ``first_stage_model`` class (module-qualified)."""
     model = getattr(vae, "first_stage_model", None)
     cls = type(model)
-    return f"{cls.__module__}.{cls.__qualname__}.{structure_digest(model)}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def model_key_name(vae: Any) -> str:
+    """The cost-model key of an unknown VAE: :func:`model_name` plus a digest of its structure
+    (parameter and buffer names and shapes), so two configurations of one class (e.g. a DC-AE
+    f32c32 and f64c128) never share a cost model."""
+    return f"{model_name(vae)}.{structure_digest(getattr(vae, 'first_stage_model', None))}"
 
 
 def structure_digest(model: Any) -> str:

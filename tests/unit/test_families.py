@@ -6,7 +6,7 @@ import types
 
 import torch
 from vramfit.memory.calibration import vae_key
-from vramfit.memory.families import identify, model_name
+from vramfit.memory.families import identify, model_key_name, model_name
 
 
 class _Decoder(torch.nn.Module):
@@ -24,8 +24,9 @@ def _vae(width: int) -> types.SimpleNamespace:
 def test_unknown_vae_key_separates_structures_of_one_class():
     a, b, a2 = _vae(8), _vae(16), _vae(8)
     assert identify(a) is None
-    assert model_name(a) == model_name(a2)  # same structure, other weights: one model
-    assert model_name(a) != model_name(b)
-    assert model_name(a).startswith(f"{_Decoder.__module__}.{_Decoder.__qualname__}.")
+    assert model_name(a) == model_name(b) == f"{_Decoder.__module__}.{_Decoder.__qualname__}"
+    assert model_key_name(a) == model_key_name(a2)  # same structure, other weights: one model
+    assert model_key_name(a) != model_key_name(b)
+    assert model_key_name(a).startswith(model_name(a) + ".")
     assert vae_key(a) == vae_key(a2)
     assert vae_key(a) != vae_key(b)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from vramfit.memory.calibration import calibrate_vae, cost_model_for, fit_grid, real_grid, vae_key
 from vramfit.memory.cost_model import CostModelStore
-from vramfit.memory.families import FAMILIES, identify, vae_geometry
+from vramfit.memory.families import FAMILIES, identify, model_name, vae_geometry
 from vramfit.memory.geometry import Geometry, VaeGeometry
 from vramfit.memory.sizing import MetaSizer, decode_run, latent_shape
 from vramfit.memory.tracker import PeakTracker
@@ -84,7 +84,8 @@ def test_first_use_calibration_is_cached_and_predicts_real_peaks(tmp_path) -> No
     store = CostModelStore(cache, defaults_dir=None)
     model = cost_model_for(vae, store)
     assert model.key == vae_key(vae)
-    assert model.key.family.endswith("ToyDecoder") and model.key.device_type == "cpu"
+    assert model.key.family.startswith(model_name(vae) + ".") and model.key.device_type == "cpu"
+    assert model_name(vae).endswith("ToyDecoder")
     assert len(model.points) == len(fit_grid(vae_geometry(vae)))
     # a real decode at a size not in the grid
     g = Geometry(40, 24, spatial_ratio=4)
