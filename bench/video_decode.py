@@ -22,6 +22,10 @@ Nothing is asserted (tests check correctness; numbers go to docs/BENCHMARKS.md).
     .cache/venv/bin/python bench/video_decode.py [--sizes 64 128] [--frames 17] [--threads 2] [--json out.json]
         [--no-tiled-above 128] [--meta 832x480x81 1280x720x81 --meta-only]
 
+``--plan-only [--budgets MiB ...]``: no decode; per size, the node's plan for free memory and for the given
+budget (default: the 40 % budgets of the last full run, 27 / 108 / 434 MiB for 64 / 128 / 256 px), cold and
+warm, with the number of candidates sized and skipped by the lower bound.
+
 ``--meta WxHxF ...``: no decode; meta-sized (``MetaSizer``: fake tensors, exact live-tensor bytes) peaks of
 the real-size fixture Wan 2.1 VAE in bfloat16 for core ``first_stage_model.decode`` (what ``VAEDecode``
 runs on the device) and for the executor's plans (whole frames; tile-major grids with the store on the
@@ -142,6 +146,25 @@ def _plan_of(mod: Any, vae: Any, z: torch.Tensor, budget_mb: int, store_dir: pat
     return plan, cold, warm, st
 
 
+def plan_rows(mod: Any, vae: Any, px: int, frames: int, budget_mb: int, store_dir: pathlib.Path) -> list[dict]:
+    """Planning only: the auto plan (free memory) and the plan at ``budget_mb``, cold and warm."""
+    from scripts.fixtures import structured_latent
+
+    z = structured_latent((1, 16, (frames - 1) // 4 + 1, px // 8, px // 8), seed=0)
+    rows = []
+    for mb in (0, budget_mb):
+        name = f"{px}x{px}x{frames} " + (f"budget {mb} MiB" if mb else "free memory")
+        try:
+            plan, cold, warm, st = _plan_of(mod, vae, z, mb, store_dir)
+            text = f"{plan.describe()}, {'rollback' if plan.rollback else 'in place'}; {plan.planned / MiB:.1f} MiB"
+        except ValueError as e:
+            cold, warm, st, text = float("nan"), float("nan"), {}, f"impossible: {e}"
+        rows.append({"case": name, "cold_s": cold, "warm_s": warm, **st, "plan": text})
+        log.info("| %s | %.2f | %.3f | %s | %s | %s |", name, cold, warm, st.get("sized", "?"), st.get("bounded", "?"),
+                 text)
+    return rows
+
+
 def meta_rows(nodes: Any, mod: Any, vae: Any, spec: str) -> list[dict]:
     """Meta-sized bf16 peaks (GiB) for one ``WxHxF`` size: core decode and the executor's plans."""
     from comfy.ldm.modules.diffusionmodules.model import pytorch_attention
@@ -207,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-tiled-above", type=int, default=1 << 30, help="skip VAEDecodeTiled above this size")
     parser.add_argument("--meta", nargs="*", default=[], help="WxHxF sizes to meta-size in bf16 (no decode)")
     parser.add_argument("--meta-only", action="store_true", help="only the --meta rows")
+    parser.add_argument("--plan-only", action="store_true", help="only plan (cold and warm), no decode")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[], help="--plan-only budgets (MiB) per size")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     torch.set_num_threads(args.threads)
@@ -223,6 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.meta:
         rows += meta_rows(nodes, mod, vae, spec)
     if args.meta_only:
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return 0
+    if args.plan_only:
+        budgets = args.budgets or [{64: 27, 128: 108, 256: 434}.get(px, 0) for px in args.sizes]
+        log.info("| case | cold (s) | warm (s) | sized | bounded | plan |\n|---|---|---|---|---|---|")
+        with tempfile.TemporaryDirectory() as store_dir:
+            for px, mb in zip(args.sizes, budgets, strict=True):
+                rows += plan_rows(mod, vae, px, args.frames, mb, pathlib.Path(store_dir))
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
         return 0

@@ -435,13 +435,19 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
             failed.append(cd)
             known.append((p.planned, True, cd))
         if found is None:
-            # The smallest plan: size lower-bounded candidates until a sized one is below every bound.
-            while True:
-                known.sort(key=lambda e: e[0])
-                planned, exact, cd = known[0]
-                if exact:
-                    break
-                known[0] = (make(cd, decode_peak(job, lay, cd, peaks, structure, sized)).planned, True, cd)
+            known.sort(key=lambda e: e[0])
+            floor = known[0][0]
+            if tile_user is None and not k_user:
+                # Impossible: size only the candidate with the smallest bound, for the message.
+                cd = known[0][2]
+            else:
+                # The plan to run over budget (few candidates): size lower-bounded ones until a sized one is
+                # below every bound.
+                while not known[0][1]:
+                    cd = known[0][2]
+                    known[0] = (make(cd, decode_peak(job, lay, cd, peaks, structure, sized)).planned, True, cd)
+                    known.sort(key=lambda e: e[0])
+                cd = known[0][2]
             found = make(cd, decode_peak(job, lay, cd, peaks, structure, sized))
             found.over_budget = True
     finally:
@@ -450,8 +456,9 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
             stats.update(sized=len(sized), bounded=bounded)
     if found.over_budget and tile_user is None and not k_user:
         raise ImpossibleBudgetError(
-            f"no plan fits the budget of {fmt_bytes(budget)}: the smallest ({found.describe()}) needs "
-            f"{fmt_bytes(found.planned)}; raise budget_mb or free memory", budget, found.planned)
+            f"no plan fits the budget of {fmt_bytes(budget)}: every plan needs at least {fmt_bytes(floor)}; the "
+            f"smallest by that bound ({found.describe()}) needs {fmt_bytes(found.planned)}; raise budget_mb or "
+            "free memory", budget, floor)
     return found
 
 

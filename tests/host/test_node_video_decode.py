@@ -7,9 +7,15 @@ ComfyUI imported. Thresholds (frames on [0, 1]):
   (Wan 2.1; Wan 2.2: 9 frames, k in {1, 2}), whole frames and spatial tiles (Wan 2.2 k = 1 tiles and
   Wan 2.1 k = 1 / 3 tiles are ``slow``), odd latent sizes;
 * budget sweep: tracked peak (live tensor bytes) <= the budget and the plan's meta-sized prediction
-  within +-15 % of the tracked peak; tighter budgets give other plans;
+  within +-15 % of the tracked peak; tighter budgets give other plans; a second plan of the same input
+  sizes nothing (the persisted peaks);
 * OOM injected mid-video (inside a later chunk): the run re-plans, resumes and equals the clean run;
 * HunyuanVideo: approximate path, said in the report, VAEDecode's shape.
+
+The latents and their ``VAEDecode`` references are shared with ``test_video_chunked_host.py``
+(``tests/video_refs.py``: decoded once per process); decodes of the node that two tests check alike
+(k = 2 whole frames: fidelity and the OOM tests' clean run; the auto plan: report rows and progress) run
+once per module.
 """
 
 from __future__ import annotations
@@ -21,24 +27,14 @@ import pytest
 import torch
 
 from scripts.fixtures import structured_latent
+from tests.video_refs import HUNYUAN, WAN21, WAN22, reference
 
-pytestmark = pytest.mark.host
+pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
 log = logging.getLogger("vramfit.tests.node_video_decode")
 
 NODE_ID = "VRAMFit_TemporalChunkVideoDecode"
 TOL = 1e-3
 MiB = 2**20
-WAN21 = (1, 16, 4, 5, 7)  # 13 frames of 40x56 px, odd latent
-WAN22 = (1, 48, 3, 2, 2)  # 9 frames of 32x32 px
-SWEEP = (1, 16, 3, 4, 6)  # 9 frames of 32x48 px
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -60,21 +56,20 @@ def hook(mod):
     mod._FAULT_HOOK = None
 
 
-def _case(comfy, fixture_vaes, kind, shape, seed):
-    vae = comfy.VAELoader().load_vae(fixture_vaes[kind])[0]
-    z = structured_latent(shape, seed=seed)
-    (ref,) = comfy.VAEDecode().decode(vae, {"samples": z})
-    return vae, z, ref
-
-
 @pytest.fixture(scope="module")
 def wan21(comfy, fixture_vaes):
-    return _case(comfy, fixture_vaes, "wan21", WAN21, 5)
+    return reference(comfy, fixture_vaes, "wan21", WAN21)
 
 
 @pytest.fixture(scope="module")
 def wan22(comfy, fixture_vaes):
-    return _case(comfy, fixture_vaes, "wan22", WAN22, 6)
+    return reference(comfy, fixture_vaes, "wan22", WAN22)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Node results by (k, tile px) of the Wan 2.1 latent, shared by tests that check the same decode."""
+    return {}
 
 
 def _diff(a, b) -> float:
@@ -101,9 +96,10 @@ def test_schema_ids_and_tooltips(node):
     [(1, 0), (2, 0), (3, 0), (2, 24), pytest.param(1, 24, marks=pytest.mark.slow),
      pytest.param(3, 24, marks=pytest.mark.slow)],
 )
-def test_wan21_matches_core_vaedecode(mod, wan21, k, tile_px):
+def test_wan21_matches_core_vaedecode(mod, wan21, runs, k, tile_px):
     vae, z, ref = wan21
     r = mod.decode(vae, {"samples": z}, frames_per_chunk=k, tile_size=tile_px)
+    runs[(k, tile_px)] = r
     assert r.images.shape == ref.shape and r.images.dtype == ref.dtype
     d = _diff(r.images, ref)
     log.info("wan21 k=%d tile=%d px: %s, max abs diff %.2e, %.2f s (plan %.2f s)", k, tile_px, r.plan.describe(), d,
@@ -116,7 +112,7 @@ def test_wan21_matches_core_vaedecode(mod, wan21, k, tile_px):
 
 @pytest.mark.parametrize(
     "k,tile_px",
-    [(1, 0), (2, 0), (2, 16), pytest.param(1, 16, marks=pytest.mark.slow)],
+    [(1, 0), (2, 0), (2, 32), pytest.param(1, 32, marks=pytest.mark.slow)],
 )
 def test_wan22_matches_core_vaedecode(mod, wan22, k, tile_px):
     vae, z, ref = wan22
@@ -125,12 +121,33 @@ def test_wan22_matches_core_vaedecode(mod, wan22, k, tile_px):
     d = _diff(r.images, ref)
     log.info("wan22 k=%d tile=%d px: %s, max abs diff %.2e, %.2f s", k, tile_px, r.plan.describe(), d, r.seconds)
     assert r.plan.halo == 6  # the walked reach at the default split, not families.py's 4
+    if tile_px:
+        assert r.plan.grid[0] * r.plan.grid[1] > 1
     assert d <= TOL
 
 
-def test_auto_plan_report_rows(mod, wan21):
-    vae, z, ref = wan21
-    r = mod.decode(vae, {"samples": z})
+@pytest.fixture(scope="module")
+def auto_run(mod, wan21):
+    """The auto plan's decode, with ComfyUI's progress bar updates recorded: ``(result, [(value, total)])``."""
+    import comfy.utils
+
+    vae, z, _ = wan21
+    events: list[tuple[int, int | None]] = []
+    orig = comfy.utils.ProgressBar.update_absolute
+
+    def spy(self, value, total=None, preview=None):
+        events.append((value, total))
+        return orig(self, value, total, preview)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(comfy.utils.ProgressBar, "update_absolute", spy)
+        r = mod.decode(vae, {"samples": z})
+    return r, events
+
+
+def test_auto_plan_report_rows(auto_run, wan21):
+    _, _, ref = wan21
+    r, _ = auto_run
     rows = dict(r.report.rows)
     for key in ("vae", "path", "budget", "offload", "plan", "cache", "predicted", "measured", "time"):
         assert key in rows, key
@@ -142,18 +159,17 @@ def test_auto_plan_report_rows(mod, wan21):
 # ------------------------------------------------------------------------------------------ budget
 
 
-def test_budget_sweep_tracked_within_budget_and_prediction(comfy, mod, wan21):
+def test_budget_sweep_tracked_within_budget_and_prediction(mod, wan21):
     """Budgets from the unconstrained plan's prediction downwards: every run stays within its budget,
     the meta-sized prediction is within +-15 % of the tracked peak, and tighter budgets change the plan
-    (in-place cache, tiles)."""
-    vae = wan21[0]
-    z = structured_latent(SWEEP, seed=7)
-    (ref,) = comfy.VAEDecode().decode(vae, {"samples": z})
+    (in-place cache, tiles). Planning the same input again sizes nothing (persisted peaks)."""
+    vae, z, ref = wan21
+    job = mod._validate(vae, {"samples": z}, 0, 0)
     mod.MEASURE_CPU_TENSORS = True
     seen = []
     try:
-        free = mod.decode(vae, {"samples": z}, budget_mb=4096)
-        top = free.plan.planned
+        free = mod.vd.plan_wan(job, 4096 * MiB, 0, None, mod.peak_store())
+        top = free.planned
         for frac in (1.0, 0.75):
             budget_mb = max(1, int(top * frac / MiB) + 1)
             r = mod.decode(vae, {"samples": z}, budget_mb=budget_mb)
@@ -166,16 +182,19 @@ def test_budget_sweep_tracked_within_budget_and_prediction(comfy, mod, wan21):
             assert abs(err) <= 0.15, (budget_mb, r.plan.planned, tracked)
             assert _diff(r.images, ref) <= TOL
             seen.append((r.plan.k, r.plan.tile, r.plan.rollback))
+            again: dict = {}
+            mod.vd.plan_wan(job, int(r.budget.available), 0, None, mod.peak_store(), again)
+            assert again["sized"] == 0, again
     finally:
         mod.MEASURE_CPU_TENSORS = False
-    assert seen[0] == (free.plan.k, free.plan.tile, free.plan.rollback)
+    assert seen[0] == (free.k, free.tile, free.rollback)
     assert len(set(seen)) == len(seen), f"every budget should give another plan: {seen}"
 
 
 def test_impossible_budget_is_a_clear_error(mod, wan21):
     vae = wan21[0]
     z = structured_latent((1, 16, 2, 3, 3), seed=1)
-    with pytest.raises(ValueError, match=r"no plan fits the budget of 1.0 MiB: the smallest .* needs"):
+    with pytest.raises(ValueError, match=r"no plan fits the budget of 1.0 MiB: .*the smallest .* needs"):
         mod.decode(vae, {"samples": z}, budget_mb=1)
 
 
@@ -183,9 +202,9 @@ def test_impossible_budget_is_a_clear_error(mod, wan21):
 
 
 @pytest.fixture(scope="module")
-def clean_k2(mod, wan21):
+def clean_k2(mod, wan21, runs):
     vae, z, _ = wan21
-    return mod.decode(vae, {"samples": z}, frames_per_chunk=2)
+    return runs.get((2, 0)) or mod.decode(vae, {"samples": z}, frames_per_chunk=2)
 
 
 @pytest.mark.parametrize("fail_step", [1, 2])
@@ -234,19 +253,9 @@ def test_cancel_between_chunks(mod, wan21, hook):
     assert steps == [0, 1]
 
 
-def test_progress_reaches_total(mod, wan21, monkeypatch):
-    import comfy.utils
-
-    vae, z, _ = wan21
-    events: list[tuple[int, int | None]] = []
-    orig = comfy.utils.ProgressBar.update_absolute
-
-    def spy(self, value, total=None, preview=None):
-        events.append((value, total))
-        return orig(self, value, total, preview)
-
-    monkeypatch.setattr(comfy.utils.ProgressBar, "update_absolute", spy)
-    mod.decode(vae, {"samples": z}, frames_per_chunk=1)
+def test_progress_reaches_total(auto_run):
+    r, events = auto_run
+    assert r.plan.k == 1 and r.plan.tile is None  # CPU, free memory: one latent frame per chunk
     values = [v for v, _ in events]
     assert values == sorted(values) and events[-1] == (4, 4)  # frame 0 + 3 chunks of one latent frame
 
@@ -272,9 +281,7 @@ def test_input_errors_name_node_and_shape(comfy, fixture_vaes, mod, kind, shape,
 
 
 def test_hunyuan_is_approximate_with_core_shape(comfy, fixture_vaes, mod, node):
-    vae = comfy.VAELoader().load_vae(fixture_vaes["hunyuan_video"])[0]
-    z = structured_latent((1, 16, 5, 4, 4), seed=2)
-    (ref,) = comfy.VAEDecode().decode(vae, {"samples": z})
+    vae, z, ref = reference(comfy, fixture_vaes, "hunyuan_video", HUNYUAN)
     out = node.execute(samples={"samples": z}, vae=vae, frames_per_chunk=3, tile_size=0, budget_mb=0,
                        unload_others=True)
     images, text = out.args

@@ -18,7 +18,8 @@
   (measured 6e-8).
 
 Heavier variants (batch of 2 with tiles, Wan 2.2 with k=3, Hunyuan vs VAEDecodeTiled) are marked
-``slow``.
+``slow``. The latents and their ``VAEDecode`` references are shared with the node tests
+(``tests/video_refs.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ import pytest
 import torch
 from vramfit.memory import video_chunked as vc
 
-pytestmark = pytest.mark.host
+from tests.video_refs import HUNYUAN, WAN21, WAN22, reference
+
+pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
 log = logging.getLogger("vramfit.tests.video_chunked")
 
 TOL = 1e-3
@@ -66,12 +69,8 @@ def _diff(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def wan21(comfy, fixture_vaes):
-    vae = comfy.VAELoader().load_vae(fixture_vaes["wan21"])[0]
-    z = _z((1, 16, 4, 3, 5))  # odd latent, 13 frames of 24x40
-    ref, secs = _core(comfy, vae, z)
-    log.info("wan21 core VAEDecode %s: %.1f s", tuple(ref.shape), secs)
-    yield vae, z, ref, {}
-    del vae
+    vae, z, ref = reference(comfy, fixture_vaes, "wan21", WAN21)  # odd latent, 13 frames of 24x40
+    return vae, z, ref, {}
 
 
 @pytest.mark.parametrize("k,tile", [(1, None), (3, None), (2, (3, 3))])
@@ -146,12 +145,7 @@ def test_wan21_no_temporal_seam_unlike_core_vaedecodetiled(comfy, wan21):
 
 @pytest.fixture(scope="module")
 def wan22(comfy, fixture_vaes):
-    vae = comfy.VAELoader().load_vae(fixture_vaes["wan22"])[0]
-    z = _z((1, 48, 3, 1, 3), seed=1)  # odd latent, 9 frames of 16x48
-    ref, secs = _core(comfy, vae, z)
-    log.info("wan22 core VAEDecode %s: %.1f s", tuple(ref.shape), secs)
-    yield vae, z, ref
-    del vae
+    return reference(comfy, fixture_vaes, "wan22", WAN22)  # odd latent, 9 frames of 16x48
 
 
 @pytest.mark.parametrize("k,tile", [(1, None), (2, (1, 2))])
@@ -186,12 +180,8 @@ def test_wan21_batch_of_two_tiled_matches_core_vaedecode(comfy, wan21):
 
 @pytest.fixture(scope="module")
 def hunyuan(comfy, fixture_vaes):
-    vae = comfy.VAELoader().load_vae(fixture_vaes["hunyuan_video"])[0]
-    z = _z((1, 16, 5, 4, 4), seed=5)
-    ref, secs = _core(comfy, vae, z)
-    log.info("hunyuan core VAEDecode %s: %.1f s", tuple(ref.shape), secs)
-    yield vae, z, ref, {}
-    del vae
+    vae, z, ref = reference(comfy, fixture_vaes, "hunyuan_video", HUNYUAN)
+    return vae, z, ref, {}
 
 
 def _blend(vae, z, k, o):
