@@ -81,6 +81,8 @@ CALL_OVERHEAD = {"cuda": 0.3, "cpu": 0.0}
 """Relative cost of one executor call vs one latent frame of work, for the speed order of candidates
 (GPU: fewer, larger calls pay; CPU: measured k = 1 fastest, see docs/VIDEO_DECODE.md)."""
 SCHEMA = 1
+IMPOSSIBLE_SIZINGS = 4
+"""Candidates sized (beyond those the plan sized) for the message when no plan fits."""
 
 ProgressFn = Callable[[int, int], None]
 
@@ -435,19 +437,18 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
             failed.append(cd)
             known.append((p.planned, True, cd))
         if found is None:
+            # Size lower-bounded candidates, smallest bound first, until a sized one is below every bound: the
+            # smallest plan (run over budget with a user k / tile: few candidates); for the message of an
+            # impossible budget at most IMPOSSIBLE_SIZINGS more.
+            cap = None if (tile_user is not None or k_user) else IMPOSSIBLE_SIZINGS
             known.sort(key=lambda e: e[0])
+            while not known[0][1] and (cap is None or cap > 0):
+                cd = known[0][2]
+                known[0] = (make(cd, decode_peak(job, lay, cd, peaks, structure, sized)).planned, True, cd)
+                known.sort(key=lambda e: e[0])
+                cap = None if cap is None else cap - 1
             floor = known[0][0]
-            if tile_user is None and not k_user:
-                # Impossible: size only the candidate with the smallest bound, for the message.
-                cd = known[0][2]
-            else:
-                # The plan to run over budget (few candidates): size lower-bounded ones until a sized one is
-                # below every bound.
-                while not known[0][1]:
-                    cd = known[0][2]
-                    known[0] = (make(cd, decode_peak(job, lay, cd, peaks, structure, sized)).planned, True, cd)
-                    known.sort(key=lambda e: e[0])
-                cd = known[0][2]
+            cd = min((e for e in known if e[1]), key=lambda e: e[0], default=known[0])[2]
             found = make(cd, decode_peak(job, lay, cd, peaks, structure, sized))
             found.over_budget = True
     finally:
@@ -457,8 +458,8 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
     if found.over_budget and tile_user is None and not k_user:
         raise ImpossibleBudgetError(
             f"no plan fits the budget of {fmt_bytes(budget)}: every plan needs at least {fmt_bytes(floor)}; the "
-            f"smallest by that bound ({found.describe()}) needs {fmt_bytes(found.planned)}; raise budget_mb or "
-            "free memory", budget, floor)
+            f"smallest found ({found.describe()}) needs {fmt_bytes(found.planned)}; raise budget_mb or free memory",
+            budget, floor)
     return found
 
 

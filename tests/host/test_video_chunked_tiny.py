@@ -471,3 +471,26 @@ def test_planner_persists_sized_peaks_and_a_new_key_resizes(case21, tmp_path, mo
     monkeypatch.setattr(vd, "_EXECUTOR_DIGEST", "changed000")
     third = vd.plan_wan(job, budget, 0, None, vd.PeakStore(path))
     assert len(calls) > n and third.planned == first.planned
+
+
+@pytest.mark.parametrize("rollback", [True, False])
+def test_planner_prediction_equals_the_tracked_tile_major_peak(case21, rollback):
+    """The planner's sized peak of a tile-major candidate (peak tiles only, fake tensors) equals the live
+    tensor bytes a real run of every tile counts (latent and output allocated inside, as when sized), to
+    the byte."""
+    from vramfit.memory import video_decode as vd
+    from vramfit.memory.tracker import PeakTracker
+
+    _, model, _, _ = case21
+    z = _z((1, 4, 3, 7, 9), seed=3)
+    job = _job(model, z)
+    lay = vc.wan_layout(model)
+    cd = vd.Candidate(1.0, 1, (2, 3), (4, 3), lay.default_split, rollback, False)
+    with PeakTracker("cpu", method="dispatch") as t:
+        zz = z.clone()
+        out = vc.decode_wan_chunked(model, zz, 1, cd.tile, split=cd.split, rollback=rollback)
+        del zz, out
+    out_b = 3 * lay.out_frames(3) * 7 * 9 * lay.spatial_ratio**2 * 4
+    predicted = vd.decode_peak(job, lay, cd, vd.PeakStore(), "s")
+    log.info("tiny 7x9, 4x3 tiles, rollback=%s: predicted %d, tracked %d B", rollback, predicted, t.peak_bytes - out_b)
+    assert predicted == t.peak_bytes - out_b  # measured: equal to the byte
