@@ -42,6 +42,7 @@ import json
 import logging
 import math
 import pathlib
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -147,6 +148,24 @@ def executor_digest() -> str:
     if _EXECUTOR_DIGEST is None:
         _EXECUTOR_DIGEST = hashlib.sha256(pathlib.Path(vc.__file__).read_bytes()).hexdigest()[:10]
     return _EXECUTOR_DIGEST
+
+
+_CODE_DIGESTS: dict[str, str] = {}
+
+
+def model_code_digest(model: Any) -> str:
+    """Short hash of the source file of the model's class (ComfyUI's ``comfy/ldm/wan/vae.py``) and the torch
+    version: an update of either may change the decoder's allocations ("na" when the source is not found)."""
+    mod = sys.modules.get(type(model).__module__)
+    path = getattr(mod, "__file__", None)
+    key = f"{path}|{torch.__version__}"
+    if key not in _CODE_DIGESTS:
+        try:
+            data = pathlib.Path(path).read_bytes() if path else b""
+        except OSError:
+            data = b""
+        _CODE_DIGESTS[key] = hashlib.sha256(data + torch.__version__.encode()).hexdigest()[:8] if data else "na"
+    return _CODE_DIGESTS[key]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,14 +287,14 @@ def _t_meta(t: int, k: int) -> int:
 
 
 def peak_key(job: VideoJob, cd: Candidate, structure: str | None = None) -> str:
-    """Key of a sized peak: model class and parameter structure, executor source digest, dtype, device type,
-    latent shape (frames as sized) and candidate."""
+    """Key of a sized peak: model class, its parameter structure and code (+ torch version) digests, executor
+    source digest, dtype, device type, latent shape (frames as sized) and candidate."""
     model = job.vae.first_stage_model
     b, c, t, h, w = (int(v) for v in job.z.shape)
     cls = type(model)
     tile = "whole" if cd.tile is None else f"{cd.tile[0]}x{cd.tile[1]}"
     return (f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__qualname__}/{structure or structure_digest(model)}"
-            f"/video-{executor_digest()}/{dtype_name(job.dtype)}/{job.device.type}/{b}x{c}x{_t_meta(t, cd.k)}x{h}x{w}"
+            f"-{model_code_digest(model)}/video-{executor_digest()}/{dtype_name(job.dtype)}/{job.device.type}/{b}x{c}x{_t_meta(t, cd.k)}x{h}x{w}"
             f"/k{cd.k}/{tile}/split{cd.split}/{'rollback' if cd.rollback else 'inplace'}"
             f"/{'host' if cd.host else 'device'}")
 
