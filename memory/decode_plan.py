@@ -14,14 +14,19 @@ per unit of work*: ``should_stop`` (called before every unit) opens a nested ``P
 * ``W_j``: the unit's own peak above that (input tile with halo, normalised copy, convolution
   outputs, shortcut, statistics).
 
-The executor's peak is ``max_j S_j + W_j``. Store sizes are exactly proportional to the latent area
-(every activation is ``c x (h s) x (w s)``), so per segment ``S = a x latent_px + b`` is fitted from
-two calibration runs of different latent sizes. A tile's working set is a sum of tensors over its
+The executor's peak is ``max_j S_j + W_j``. The store is kept in row bands that a segment allocates
+and releases as its rows of tiles pass, so ``S`` varies within a segment; its live elements at every
+row of tiles are known exactly from the geometry (``tiled_exact.store_schedule`` mirrors the
+executor's band allocation and release), so per segment ``S = d x live + b`` (``d``: the dtype's
+bytes with the store on the device, 0 elsewhere; ``b``: the largest residual seen, i.e. statistics
+partials and GroupNorm affine caches, a few KiB). A tile's working set is a sum of tensors over its
 input region (with halo) and its core, so per *segment signature* (kind, channels, halo, scale: the
 same code path on the same channel counts, shared by e.g. every 512->512 block of the SD decoder)
-``W = c_in x in_px + c_core x core_px + c_0`` is fitted by non-negative least squares on every unit
-observed. Prediction for any size and tile evaluates the same geometry the executor uses (balanced
-tiles of ``split_even``, halos clipped at the borders) and takes the worst tile of every segment.
+and number of reads that span store bands (each is assembled into a new tensor; a read inside one
+band is a view of the store) ``W = c_in x in_px + c_core x core_px + c_0`` is fitted by non-negative
+least squares on every unit observed. Prediction for any size and tile evaluates the same geometry
+the executor uses (balanced tiles of ``split_even``, halos clipped at the borders, band rows) and
+takes the worst tile of every row of tiles of every segment.
 
 The mid block (``conv_in`` + ``block_1`` + the global ``attn_1`` + ``block_2``) runs once on the
 whole latent. Its memory depends on the attention kernel (on CPU ComfyUI's split attention
@@ -29,7 +34,7 @@ materialises ``N^2`` scores, sliced by the free RAM of the moment), so it is met
 on the actual latent (``measure_mid_peak``: the executor run on fake tensors and stopped at its
 first tile, ~0.1-0.5 s) rather than extrapolated.
 
-Two calibration runs (two small latents, ~1-3 s of meta sizing on a CPU) per (decoder structure,
+Three calibration runs (two small tiled latents and one untiled, ~2-5 s of meta sizing on a CPU) per (decoder structure,
 dtype, device type, recompute, store placement); models are cached in memory and, when the node
 passes a path, in a JSON file.
 
@@ -37,7 +42,7 @@ Choosing a plan (``choose_plan``)
 ---------------------------------
 Fastest first: (1) untiled (ComfyUI's own ``first_stage_model.decode``, batched) when it fits: it is
 the reference result itself; (2) exact tiles with the store on the compute device, the largest tile
-that fits; (3) the same with ``recompute`` (-25 % store, ~+15 % compute) when it allows a clearly
+that fits; (3) the same with ``recompute`` (a smaller store for channel-changing blocks, ~+15 % compute) when it allows a clearly
 larger tile; (4) on an accelerator, the store in host memory (only a tile + the mid block on the
 device; any size fits, at the cost of transfers). Decoders the exact executor does not support use
 (1) or generic tiles planned by ``planner.plan_decode`` with the untiled decode's cost model.
@@ -63,7 +68,15 @@ import torch
 from .cost_model import dtype_name, nnls
 from .planner import ImpossibleBudgetError
 from .sizing import MetaSizer
-from .tiled_exact import SegmentInfo, decode_exact, find_decoder, plan_exact, split_even, unsupported_reason
+from .tiled_exact import (
+    SegmentInfo,
+    decode_exact,
+    find_decoder,
+    plan_exact,
+    split_even,
+    store_schedule,
+    unsupported_reason,
+)
 from .tracker import PeakTracker
 
 log = logging.getLogger("vramfit.memory.decode_plan")
@@ -81,7 +94,7 @@ __all__ = [
     "tile_candidates",
 ]
 
-SCHEMA = 1
+SCHEMA = 2
 TILE_CANDIDATES = (2048, 1536, 1024, 768, 512, 384, 256, 192, 128, 96, 64, 48, 32, 24, 16)
 """Tile sides (px at each activation's resolution) the auto plan tries, largest first."""
 MIN_AUTO_TILE = 16
@@ -124,10 +137,17 @@ def _axis_extents(info: SegmentInfo, n_out: int, tile: int) -> list[tuple[int, i
 def signature(info: SegmentInfo) -> str:
     """Segments with the same signature run the same code on the same channel counts."""
     inplace = "i" if info.inplace_of is not None else ""
+    shortcut = "+s" if info.shortcut_output is not None else ""
     return (
         f"{info.kind}:{info.in_channels}>{info.out_channels}:r{info.residual_channels}"
-        f":h{info.halo}:s{info.scale}{inplace}"
+        f":h{info.halo}:s{info.scale}{inplace}{shortcut}"
     )
+
+
+def _cls(sig: str, copies: int) -> str:
+    """Tile-cost class: how many of a tile's reads span two or more store bands (each is assembled into a
+    new tensor; a read inside one band is a view of the store)."""
+    return f"{sig}|c{int(copies)}"
 
 
 def _segment_dims(model: Any, latent_hw: tuple[int, int], info: SegmentInfo) -> tuple[int, int]:
@@ -135,16 +155,22 @@ def _segment_dims(model: Any, latent_hw: tuple[int, int], info: SegmentInfo) -> 
     return latent_hw[0] * p * info.level_scale, latent_hw[1] * p * info.level_scale
 
 
+def _schedule(model: Any, latent_hw: tuple[int, int], tile: tuple[int, int], recompute: bool):
+    p = _pre_scale(model)
+    return store_schedule(model, (latent_hw[0] * p, latent_hw[1] * p), tile, recompute)
+
+
 def _units(model: Any, latent_hw: tuple[int, int], tile: tuple[int, int], recompute: bool):
-    """``(segment index, in_px, core_px)`` of every tile unit of one batch item, in execution order."""
+    """``(segment index, in_px, core_px, copies, live store elements)`` of every tile unit of one batch
+    item, in execution order (rows of tiles, left to right)."""
     plan = plan_exact(model, (1, 1, *latent_hw), tile, recompute)
-    for k, info in enumerate(plan.segments):
-        h, w = _segment_dims(model, latent_hw, info)
-        rows = _axis_extents(info, h, tile[0])
+    schedule = _schedule(model, latent_hw, tile, recompute)
+    for k, (info, steps) in enumerate(zip(plan.segments, schedule, strict=True)):
+        _, w = _segment_dims(model, latent_hw, info)
         cols = _axis_extents(info, w, tile[1])
-        for _, ch, ih in rows:
+        for st in steps:
             for _, cw, iw in cols:
-                yield k, ih * iw, ch * cw
+                yield k, st.in_rows * iw, st.core_rows * cw, st.copies, st.live
 
 
 # --------------------------------------------------------------------------------------------------
@@ -168,11 +194,13 @@ class TileCost:
 
 @dataclasses.dataclass(frozen=True)
 class SegmentCost:
-    """Store bytes alive while segment ``name``'s tiles run: ``per_latent_px x latent px + const``."""
+    """Store bytes alive while a row of segment ``name``'s tiles runs: ``per_element x live + const``, where
+    ``live`` is the store's live elements of that row (:func:`.tiled_exact.store_schedule`: row bands,
+    released as the tiles pass): the dtype's bytes with the store on the device, 0 elsewhere."""
 
     name: str
     signature: str
-    per_latent_px: float
+    per_element: float
     const: float
 
 
@@ -206,6 +234,7 @@ class ExactCostModel:
     store_on_device: bool
     segments: tuple[SegmentCost, ...]
     tiles: tuple[TileCost, ...]
+    dtype_bytes: int = 0
     margin: float = 0.0
     """At least ``MIN_MARGIN``; raised so that no calibration run's peak is under-predicted."""
     calibration_seconds: float = 0.0
@@ -217,6 +246,23 @@ class ExactCostModel:
                 return t
         raise KeyError(f"no tile cost for segment signature {sig} in {self.key}")
 
+    def work(self, info: SegmentInfo, copies: int, in_px: float, core_px: float,
+             costs: Mapping[str, TileCost] | None = None) -> float:
+        """Working set of one tile. A class never seen in calibration falls back conservatively to the
+        nearest one seen: with fewer assembled reads, plus one input region's bytes per missing copy."""
+        if costs is None:
+            costs = {t.signature: t for t in self.tiles}
+        sig = signature(info)
+        cost = costs.get(_cls(sig, copies))
+        if cost is not None:
+            return cost.predict(in_px, core_px)
+        seen = [c for c in range(4) if _cls(sig, c) in costs]
+        if not seen:
+            raise KeyError(f"no tile cost for segment signature {sig} in {self.key}")
+        near = min(seen, key=lambda c: (abs(c - copies), -c))
+        extra = max(0, copies - near) * info.in_channels * in_px * max(1, self.dtype_bytes)
+        return costs[_cls(sig, near)].predict(in_px, core_px) + extra
+
     def predict(
         self,
         model: Any,
@@ -225,24 +271,26 @@ class ExactCostModel:
         mid_bytes: int,
     ) -> ExactPeak:
         """Predicted tracked peak of ``decode_exact`` of one ``latent_hw`` item with ``tile``; ``mid_bytes``:
-        the whole-latent phase (:func:`measure_mid_peak`), which does not depend on the tile."""
+        the whole-latent phase (:func:`measure_mid_peak`), which does not depend on the tile. Every row of
+        tiles of every segment: its store (live elements, :func:`.tiled_exact.store_schedule`) + the worst
+        tile of the row."""
         t = _tile_pair(tile)
         lh, lw = int(latent_hw[0]), int(latent_hw[1])
         plan = plan_exact(model, (1, 1, lh, lw), t, self.recompute)
         if len(plan.segments) != len(self.segments):
             raise ValueError(f"{self.key}: model has {len(plan.segments)} segments, cost model {len(self.segments)}")
-        lat_px = lh * lw
+        schedule = _schedule(model, (lh, lw), t, self.recompute)
+        costs = {c.signature: c for c in self.tiles}
         best = (0.0, 0.0, 0.0, "mid")
-        for info, seg in zip(plan.segments, self.segments, strict=True):
-            store = seg.per_latent_px * lat_px + seg.const
-            h, w = _segment_dims(model, (lh, lw), info)
-            rows = {(c, i) for _, c, i in _axis_extents(info, h, t[0])}
+        for info, seg, steps in zip(plan.segments, self.segments, schedule, strict=True):
+            _, w = _segment_dims(model, (lh, lw), info)
             cols = {(c, i) for _, c, i in _axis_extents(info, w, t[1])}
-            cost = self.tile_cost(seg.signature)
-            work = max(cost.predict(ih * iw, ch * cw) for ch, ih in rows for cw, iw in cols)
-            total = (store + work) * (1.0 + self.margin)
-            if total > best[0]:
-                best = (total, store * (1.0 + self.margin), work * (1.0 + self.margin), info.name)
+            for st in steps:
+                store = seg.per_element * st.live + seg.const
+                work = max(self.work(info, st.copies, st.in_rows * iw, st.core_rows * cw, costs) for cw, iw in cols)
+                total = (store + work) * (1.0 + self.margin)
+                if total > best[0]:
+                    best = (total, store * (1.0 + self.margin), work * (1.0 + self.margin), info.name)
         mid = int(mid_bytes)
         tiles = sum(plan.tiles_per_segment)
         if mid >= best[0]:
@@ -275,6 +323,7 @@ class ExactCostModel:
             store_on_device=bool(d["store_on_device"]),
             segments=tuple(SegmentCost(**s) for s in d["segments"]),
             tiles=tuple(TileCost(**t) for t in d["tiles"]),
+            dtype_bytes=int(d.get("dtype_bytes", 0)),
             margin=float(d.get("margin", 0.0)),
             calibration_seconds=float(d.get("calibration_seconds", 0.0)),
             inputs=dict(d.get("inputs", {})),
@@ -397,14 +446,14 @@ def _meta_units(
 
 
 def _calibration_runs(model: Any) -> list[tuple[int, int, int]]:
-    """``(latent h, latent w, tile)`` of the two calibration runs: two different latent areas and tiles
+    """``(latent h, latent w, tile)`` of the calibration runs: two different latent areas and tiles
     relative to the top resolution, so the upper levels are cut into a few tiles (edge and interior
-    tiles: the input region varies independently of the core) while the runs stay small (~200 units;
-    ~3 s of meta sizing for the SD decoder on a busy 2-core CPU). Measured on the fixture KL decoder:
-    predictions within 0.3 % of meta-sized peaks for 168x232 to 512^2 px, tiles 32-512 px."""
+    tiles: the input region varies independently of the core; reads spanning store bands) while the
+    runs stay small (~200 units; ~3 s of meta sizing for the SD decoder on a busy 2-core CPU), and one
+    run with every activation in one tile (reads that are views of one band, as large tiles make)."""
     levels = len(find_decoder(model).up)
     top = (2 ** (levels - 1)) * _pre_scale(model)
-    return [(7, 5, 2 * top), (5, 9, 3 * top)]
+    return [(7, 5, 2 * top), (5, 9, 3 * top), (6, 6, 1 << 16)]
 
 
 class _StopSizing(Exception):
@@ -461,7 +510,9 @@ def calibrate_exact(
     runs = list(runs) if runs is not None else _calibration_runs(model)
     if len({h * w for h, w, _ in runs}) < 2:
         raise ValueError("calibration needs two runs with different latent areas")
-    store_obs: dict[int, list[tuple[float, float]]] = {}
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    per_element = float(dtype_bytes) if store_on_device else 0.0
+    store_const: dict[int, float] = {}
     tile_obs: dict[str, list[tuple[float, float, float]]] = {}
     mid_obs: list[int] = []
     infos: tuple[SegmentInfo, ...] = ()
@@ -478,19 +529,13 @@ def calibrate_exact(
         run_peaks.append(run_peak)
         mid_s, mid_w = units[0]
         mid_obs.append(int(mid_s + mid_w))
-        per_seg: dict[int, float] = {}
-        for (k, in_px, core_px), (s, wk) in zip(geo, units[plan.mid_steps :], strict=True):
-            per_seg[k] = max(per_seg.get(k, 0.0), float(s))
-            tile_obs.setdefault(signature(infos[k]), []).append((float(in_px), float(core_px), float(wk)))
-        for k, s in per_seg.items():
-            store_obs.setdefault(k, []).append((float(h * w), s))
-    segments = []
-    for k, info in enumerate(infos):
-        obs = store_obs[k]
-        (x1, y1), (x2, y2) = obs[0], obs[-1]
-        slope = max(0.0, (y2 - y1) / (x2 - x1)) if x2 != x1 else 0.0
-        const = max(0.0, y1 - slope * x1)
-        segments.append(SegmentCost(info.name, signature(info), slope, const))
+        for (k, in_px, core_px, copies, live), (s, wk) in zip(geo, units[plan.mid_steps :], strict=True):
+            # The store is simulated exactly; what the simulation does not hold (statistics, caches) is a
+            # per-segment constant: the largest residual seen.
+            resid = float(s) - per_element * live
+            store_const[k] = max(store_const.get(k, resid), resid)
+            tile_obs.setdefault(_cls(signature(infos[k]), copies), []).append((float(in_px), float(core_px), float(wk)))
+    segments = [SegmentCost(info.name, signature(info), per_element, store_const[k]) for k, info in enumerate(infos)]
     tiles = []
     for sig, obs in tile_obs.items():
         targets = [y for *_, y in obs]
@@ -513,6 +558,7 @@ def calibrate_exact(
         store_on_device=store_on_device,
         segments=tuple(segments),
         tiles=tuple(tiles),
+        dtype_bytes=dtype_bytes,
     )
     # Margin: at least MIN_MARGIN, and no calibration run's peak under-predicted (its mid phase included).
     margin = MIN_MARGIN
@@ -628,7 +674,7 @@ class ExactChoice:
     def describe(self) -> str:
         tiling = "every activation in one tile" if self.whole else f"tiles of {self.tile} px at every level"
         store = "store on the compute device" if self.store_on_device else "store in host memory"
-        rec = ", recompute conv1 (-25 % store)" if self.recompute else ""
+        rec = ", recompute conv1" if self.recompute else ""
         return f"{tiling}, {self.peak.tiles} tile steps per image, {store}{rec}"
 
 

@@ -19,9 +19,10 @@ The scheme here (layer-synchronous tiling)
    ============ ============================================ =========================== ========
    kind         computes                                     reads (halo, input px)       writes
    ============ ============================================ =========================== ========
-   ``conv1``    ``conv1(silu(norm1(x)))``                    ``x`` (1)                    ``h``
-   ``conv2``    ``shortcut(x) + conv2(silu(norm2(h)))``      ``h`` (1), ``x`` (0; 1 for   ``y`` [#]_
-                                                             a 3x3 ``conv_shortcut``)
+   ``conv1``    ``conv1(silu(norm1(x)))``; channel-changing  ``x`` (1)                    ``h`` (+ ``s``)
+                blocks also ``s = shortcut(x)`` at the core
+   ``conv2``    ``s + conv2(silu(norm2(h)))`` (``s = x``     ``h`` (1), ``s`` (core)      ``y`` [#]_
+                for an identity shortcut)
    ``conv12``   both halves (``recompute=True``, channel-    ``x`` (2)                    ``y``
                 changing blocks: ``h`` is never stored,
                 ``conv1`` runs twice)
@@ -29,8 +30,9 @@ The scheme here (layer-synchronous tiling)
    ``out``      ``conv_out(silu(norm_out(y)))`` [tanh]       ``y`` (1)                    image
    ============ ============================================ =========================== ========
 
-   .. [#] over ``x`` itself when the shortcut is the identity: each tile reads ``x`` only at its own
-      core, so no other tile needs the overwritten values (in-place residual).
+   .. [#] over ``s`` (``x`` itself when the shortcut is the identity): each tile reads it only at its
+      own core, so no other tile needs the overwritten values (in-place residual). Computing
+      ``shortcut(x)`` in ``conv1`` (from the same loaded values, same module) lets ``x`` die there.
 
    A segment runs tile by tile. Each tile reads its region of the input store plus only the halo its
    own convolutions need, computes, and writes its *core* into the output store. The GroupNorm at the
@@ -55,12 +57,21 @@ balanced (``ceil(n / t)`` near-equal pieces). A decode is ``B`` mid steps plus, 
 
 Memory
 ------
-* Store (``store_device``): three full activations for channel-changing blocks (``x``, ``h``,
-  ``y``; two with ``recompute=True``), two for identity blocks (in-place residual). With the SD
-  decoder at output ``H x W`` the worst point is the first block at full resolution:
-  ``(256 + 128 + 128) * H * W`` elements (``recompute``: ``(256 + 128) * H * W``).
+* Store (``store_device``): every activation is kept in *row bands* (the writing segment's tile
+  rows, each with its bottom ``BAND_TAIL`` rows as a band of their own). Tiles run in raster order; an
+  output band is allocated when its row of tiles starts, and after each row an input's bands that no
+  remaining tile of the segment reads (core + halo) are released, unless a later segment still reads
+  that activation (liveness per activation: ``x`` of a resnet block lives until the block's last read
+  of it; the in-place residual is never released). A segment therefore holds about max(in, out) + one
+  row of tiles instead of in + out. With the SD decoder at output ``H x W`` and ``n`` rows of tiles
+  the worst point is the first full-resolution block's ``conv1`` (``x`` 256 ch -> ``h`` + ``s``
+  128 + 128 ch) or the upsample before it: ``~256 (n + 1) / n * H * W`` elements (one row of tiles:
+  ``(256 + 128 + 128) * H * W``, nothing can be released). :func:`store_schedule` gives the live
+  elements of every row of tiles; ``recompute=True`` saves little more (``x`` -> ``y`` 128 ch).
 * Compute device: the model, the whole-latent mid block for one batch item, and one tile's
-  intermediates (input tile with halo, its normalised float32 copy, the conv outputs).
+  intermediates (input tile with halo, its normalised float32 copy, the conv outputs). A tile read
+  inside one band is a view of the store when the store is on the compute device; a read spanning
+  bands (any tile with a halo once a segment has several rows of tiles) is assembled into a new tensor.
 * Transfers when the store is on the host: every segment reads its inputs once (+ halo) and writes
   its output once.
 
@@ -77,13 +88,16 @@ done once its core is written (the last step that can fail), so a tile written o
 rounding: the same values enter every statistic, only the grouping of the float64 merge and the
 convolution algorithm chosen for the new tile shape can differ. Tests assert max abs diff <= 1e-5 on
 [-1, 1] float32 outputs; measured < 1e-6. An OOM outside a tile (whole-latent mid block, allocation
-of a full-size store) is not helped by smaller tiles and propagates.
+of a store or of a store band, done before its tile starts) is not helped by smaller tiles and
+propagates. After an OOM shrink the pending tiles are no longer in strict raster order; band release
+only ever uses what the pending tiles still read, so it stays correct (it may release a little later).
 
 ``memory/`` never imports ComfyUI: the model is duck-typed (:func:`supports_exact`).
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import logging
@@ -99,6 +113,7 @@ log = logging.getLogger("vramfit.memory.tiled_exact")
 
 __all__ = [
     "ExactPlan",
+    "RowStep",
     "SegmentInfo",
     "count_exact_steps",
     "decode_exact",
@@ -107,6 +122,7 @@ __all__ = [
     "find_decoder",
     "plan_exact",
     "split_even",
+    "store_schedule",
     "supports_exact",
     "tile_bytes",
     "unsupported_reason",
@@ -314,6 +330,12 @@ class SegmentInfo:
     inplace_of: str | None = None
     """``conv2`` of a block with an identity shortcut writes ``x + conv2(...)`` over ``x`` itself: each
     tile reads ``x`` only at its own core, so no other tile needs the overwritten values."""
+    residual_halo: int = 0
+    """Halo of the shortcut's read of ``x`` in a ``conv12`` tile (1 for a 3x3 ``conv_shortcut``, else 0)."""
+    shortcut_output: str | None = None
+    """``conv1`` of a channel-changing block (without ``recompute``) also writes ``shortcut(x)`` at its
+    cores under this name, so ``x`` dies with this segment; the block's ``conv2`` then adds ``conv2(...)``
+    over it in place."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,7 +351,8 @@ class ExactPlan:
     mid_steps: int
     total_steps: int
     store_peak_elements: int
-    """Largest sum of full activations alive in the store at once (whole batch)."""
+    """Largest sum of store elements alive at once (row bands, see :func:`store_schedule`), per batch item
+    times the batch: an upper bound for the whole batch."""
     store_peak_segment: str
     mid_elements: int
     """Largest activation of the whole-latent mid block for one batch item (latent res x channels)."""
@@ -377,8 +400,9 @@ def _build_segments(dec: Any, recompute: bool) -> tuple[list[_Seg], dict[str, An
 
     def add(name: str, kind: str, inputs: tuple[str, ...], output: str, stored: bool, cin: int, cout: int,
             halo: int, *, block: Any = None, module: Any = None, up: int = 1, residual: int = 0,
-            inplace_of: str | None = None) -> None:
-        info = SegmentInfo(name, kind, inputs, output, stored, cin, cout, up, scale, halo, residual, inplace_of)
+            inplace_of: str | None = None, shortcut_output: str | None = None, residual_halo: int = 0) -> None:
+        info = SegmentInfo(name, kind, inputs, output, stored, cin, cout, up, scale, halo, residual, inplace_of,
+                           residual_halo, shortcut_output)
         segs.append(_Seg(info, block=block, module=module))
 
     for i in reversed(range(len(dec.up))):
@@ -401,12 +425,16 @@ def _build_segments(dec: Any, recompute: bool) -> tuple[list[_Seg], dict[str, An
                 # conv1 runs once for norm2's statistics only; conv12 recomputes it with a 2-px halo.
                 # Stores: x + y.
                 add(f"{prefix}.conv1", "conv1", (cur,), h_name, False, cin, cout, 1, block=blk)
-                add(f"{prefix}.conv12", "conv12", (cur,), y_name, True, cin, cout, 2, block=blk, residual=cin)
+                add(f"{prefix}.conv12", "conv12", (cur,), y_name, True, cin, cout, 2, block=blk, residual=cin,
+                    residual_halo=_shortcut(blk)[1])
             else:
-                # Stores: x + h + y.
-                add(f"{prefix}.conv1", "conv1", (cur,), h_name, True, cin, cout, 1, block=blk)
-                add(f"{prefix}.conv2", "conv2", (h_name, cur), y_name, True, cout, cout, 1, block=blk,
-                    residual=cin)
+                # conv1 also writes s = shortcut(x) at its cores, so x dies with it (its rows are freed
+                # as conv1's tiles pass); conv2 writes y = s + conv2(...) over s. Stores: x -> h + s -> y.
+                s_name = f"s{n}"
+                add(f"{prefix}.conv1", "conv1", (cur,), h_name, True, cin, cout, 1, block=blk, residual=cin,
+                    shortcut_output=s_name)
+                add(f"{prefix}.conv2", "conv2", (h_name, s_name), y_name, True, cout, cout, 1, block=blk,
+                    residual=cout, inplace_of=s_name)
             cur = y_name
         if i > 0:
             upsample = dec.up[i].upsample
@@ -422,41 +450,187 @@ def _build_segments(dec: Any, recompute: bool) -> tuple[list[_Seg], dict[str, An
     return segs, consumer, "mid"
 
 
-def _plan(dec: Any, latent_shape: Sequence[int], tile: tuple[int, int], recompute: bool) -> ExactPlan:
-    b, _, lh, lw = (int(s) for s in latent_shape)
+def _read_rows(info: SegmentInfo, name: str, y0: int, y1: int, n_in: int) -> tuple[int, int]:
+    """Rows ``[a, b)`` of input ``name`` (``n_in`` rows) that a tile of segment ``info`` with core rows
+    ``[y0, y1)`` reads: core + halo, clipped (for ``upsample``: the low-resolution rows). An input the
+    segment writes over in place is read at the core only."""
+    halo = 0 if name == info.inplace_of else info.halo
+    if info.kind == "upsample":
+        return max(0, (y0 - halo) // 2), min(n_in, (y1 - 1 + halo) // 2 + 1)
+    return max(0, y0 - halo), min(n_in, y1 + halo)
+
+
+def _bands_in(rows: Sequence[tuple[int, int]], a: int, b: int, starts: Sequence[int] | None = None) -> range:
+    """Indices of the bands ``rows`` (sorted, contiguous; ``starts``: their first rows) that intersect
+    rows ``[a, b)``."""
+    if starts is None:
+        starts = [r[0] for r in rows]
+    return range(max(0, bisect.bisect_right(starts, a) - 1), bisect.bisect_left(starts, b))
+
+
+BAND_TAIL = 2
+"""Rows at the bottom of each band kept as a band of their own: the halo the next row of tiles reads
+(at most 2 px at the same resolution, 1 low-resolution row for an upsample), so the rest of a band is
+released as soon as its own row of tiles is done."""
+
+
+def _band_rows(h: int, tile_h: int) -> list[tuple[int, int]]:
+    """Bands of an activation of ``h`` rows written by tiles ``tile_h`` px high: every tile row, its
+    bottom ``BAND_TAIL`` rows split off (except the last row's)."""
+    rows = split_even(h, tile_h)
+    out: list[tuple[int, int]] = []
+    for i, (a, b) in enumerate(rows):
+        if i + 1 < len(rows) and b - a > BAND_TAIL:
+            out += [(a, b - BAND_TAIL), (b - BAND_TAIL, b)]
+        else:
+            out.append((a, b))
+    return out
+
+
+def _dying(info: SegmentInfo, k: int, last_use: dict[str, int]) -> tuple[str, ...]:
+    """Inputs whose rows segment ``k`` releases as its tiles pass (last read here, not written over)."""
+    return tuple(n for n in info.inputs if last_use.get(n) == k and n != info.inplace_of)
+
+
+def _whole_output(info: SegmentInfo, k: int, n_segments: int) -> bool:
+    """The returned activation (the image, or the last one with ``give_pre_end``) is one tensor."""
+    return info.output == "image" or k == n_segments - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RowStep:
+    """One row of tiles of one segment, one batch item, as the executor runs it (no OOM shrink)."""
+
+    live: int
+    """Store elements alive while the row runs: its output bands allocated, the input bands that rows
+    above released already gone."""
+    core_rows: int
+    in_rows: int
+    """Rows of the segment's first input read (core + halo, clipped; low-resolution rows for ``upsample``)."""
+    copies: int
+    """How many of a tile's reads (halo input, in-place residual, ``conv12``'s shortcut) span two or more
+    bands, so are assembled into a new tensor (a read inside one band is a view of the store when the
+    store is on the compute device)."""
+
+
+def _reads(info: SegmentInfo, y0: int, y1: int, n_in: int) -> list[tuple[str, int, int]]:
+    """``(input, first row, end row)`` of every read of a tile of ``info`` with core rows ``[y0, y1)``."""
+    x = info.inputs[0]
+    reads = [(x, *_read_rows(info, x, y0, y1, n_in))]
+    if info.kind == "conv2":
+        reads.append((info.inputs[1], y0, y1))
+    elif info.kind == "conv12":
+        reads.append((x, max(0, y0 - info.residual_halo), min(n_in, y1 + info.residual_halo)))
+    return reads
+
+
+class _SimEntry:
+    """Bands of one simulated activation; ``live[0]`` is the running total of all live elements."""
+
+    def __init__(self, c: int, w: int, rows: list[tuple[int, int]], alive: bool, live: list[int]) -> None:
+        self.c, self.w, self.rows, self.live = c, w, rows, live
+        self.starts = [r[0] for r in rows]
+        self.released = 0  # bands below this index are released (the simulation runs in raster order)
+        self.alive = [alive] * len(rows)
+        if alive:
+            live[0] += c * w * sum(r1 - r0 for r0, r1 in rows)
+
+    def set(self, j: int, alive: bool) -> None:
+        if self.alive[j] != alive:
+            self.alive[j] = alive
+            r0, r1 = self.rows[j]
+            self.live[0] += (1 if alive else -1) * self.c * (r1 - r0) * self.w
+
+
+def store_schedule(
+    model: Any, mid_hw: Sequence[int], tile: tuple[int, int], recompute: bool = False
+) -> list[list[RowStep]]:
+    """Per segment, per row of tiles: the store's live elements and the reads of one batch item of
+    ``decode_exact`` (``mid_hw``: resolution of the mid block's output), mirroring the executor's band
+    allocation and release (output bands are the segment's tile rows, allocated when a row starts; an
+    input's bands are released once no remaining tile of the segment reads them and no later segment
+    needs the activation)."""
+    dec = find_decoder(model)
+    tile = _norm_tile(tile)
     segs, _, _ = _build_segments(dec, recompute)
-    mid_c = int(dec.conv_in.out_channels)
-    sizes: dict[str, int] = {"mid": mid_c * lh * lw}
-    shapes: dict[str, tuple[int, int, int]] = {"mid": (mid_c, lh, lw)}
+    mh, mw = int(mid_hw[0]), int(mid_hw[1])
+    live = [0]
+    entries: dict[str, _SimEntry] = {"mid": _SimEntry(int(dec.conv_in.out_channels), mw, [(0, mh)], True, live)}
+    hw: dict[str, tuple[int, int]] = {"mid": (mh, mw)}
     last_use: dict[str, int] = {}
     for k, s in enumerate(segs):
         for name in s.info.inputs:
             last_use[name] = k
-    tiles: list[int] = []
-    store_peak = sizes["mid"]
-    store_peak_seg = "mid"
-    live = {"mid"}
-    cores: list[tuple[int, int]] = []
+    out: list[list[RowStep]] = []
     for k, s in enumerate(segs):
+        info = s.info
+        hi, wi = hw[info.inputs[0]]
+        ho, wo = hi * info.scale, wi * info.scale
+        hw[info.output] = (ho, wo)
+        tile_rows = split_even(ho, tile[0])
+        bands = _band_rows(ho, tile[0])
+        fresh: list[_SimEntry] = []
+        if info.inplace_of is not None:
+            entries[info.output] = entries[info.inplace_of]
+        elif info.store_output:
+            e = _SimEntry(info.out_channels, wo, bands, _whole_output(info, k, len(segs)), live)
+            entries[info.output] = e
+            fresh.append(e)
+        if info.shortcut_output is not None:
+            hw[info.shortcut_output] = (ho, wo)
+            e = _SimEntry(info.out_channels, wo, bands, False, live)
+            entries[info.shortcut_output] = e
+            fresh.append(e)
+        dying = _dying(info, k, last_use)
+        steps = []
+        for i, (y0, y1) in enumerate(tile_rows):
+            for e in fresh:
+                for j in _bands_in(e.rows, y0, y1, e.starts):
+                    e.set(j, True)
+            a, b = _read_rows(info, info.inputs[0], y0, y1, hi)
+            copies = sum(len(_bands_in(entries[n].rows, ra, rb, entries[n].starts)) > 1
+                         for n, ra, rb in _reads(info, y0, y1, hi))
+            steps.append(RowStep(live[0], y1 - y0, b - a, copies))
+            for name in dying:
+                e = entries[name]
+                low = _read_rows(info, name, *tile_rows[i + 1], hi)[0] if i + 1 < len(tile_rows) else 1 << 62
+                while e.released < len(e.rows) and e.rows[e.released][1] <= low:
+                    e.set(e.released, False)
+                    e.released += 1
+        for name in info.inputs:
+            if last_use.get(name) == k:
+                e = entries.pop(name)
+                if all(other is not e for other in entries.values()):  # not aliased by an in-place output
+                    for j in range(len(e.rows)):
+                        e.set(j, False)
+        out.append(steps)
+    return out
+
+
+def _plan(dec: Any, latent_shape: Sequence[int], tile: tuple[int, int], recompute: bool) -> ExactPlan:
+    b, _, lh, lw = (int(s) for s in latent_shape)
+    segs, _, _ = _build_segments(dec, recompute)
+    mid_c = int(dec.conv_in.out_channels)
+    shapes: dict[str, tuple[int, int, int]] = {"mid": (mid_c, lh, lw)}
+    tiles: list[int] = []
+    store_peak = mid_c * lh * lw
+    store_peak_seg = "mid"
+    cores: list[tuple[int, int]] = []
+    schedule = store_schedule(dec, (lh, lw), tile, recompute)
+    for s, steps in zip(segs, schedule, strict=True):
         info = s.info
         c_in, h_in, w_in = shapes[info.inputs[0]]
         h_out, w_out = h_in * info.scale, w_in * info.scale
         shapes[info.output] = (info.out_channels, h_out, w_out)
-        sizes[info.output] = info.out_channels * h_out * w_out
         tiles.append(_tiles_of(h_out, w_out, tile))
-        if info.inplace_of is not None:
-            live.discard(info.inplace_of)  # same memory, now holding the output
-        if info.store_output:
-            live.add(info.output)
-        total = sum(sizes[n] for n in live)
+        total = max(st.live for st in steps)
         if total > store_peak:
             store_peak, store_peak_seg = total, info.name
-        live -= {n for n in info.inputs if last_use.get(n) == k}
         cores.append((max(p[1] - p[0] for p in split_even(h_out, tile[0])),
                       max(p[1] - p[0] for p in split_even(w_out, tile[1]))))
     last = segs[-1].info if segs else None
     out_c, out_h, out_w = shapes[last.output] if last else shapes["mid"]
-    steps = b + b * sum(tiles)
+    steps_total = b + b * sum(tiles)
     return ExactPlan(
         latent_shape=(b, int(latent_shape[1]), lh, lw),
         tile=(int(tile[0]), int(tile[1])),
@@ -464,7 +638,7 @@ def _plan(dec: Any, latent_shape: Sequence[int], tile: tuple[int, int], recomput
         segments=tuple(s.info for s in segs),
         tiles_per_segment=tuple(tiles),
         mid_steps=b,
-        total_steps=steps,
+        total_steps=steps_total,
         store_peak_elements=b * store_peak,
         store_peak_segment=store_peak_seg,
         mid_elements=mid_c * lh * lw,
@@ -504,7 +678,9 @@ def tile_bytes(info: SegmentInfo, core: tuple[int, int], dtype_bytes: int, input
     p1 = (th + 2) * (tw + 2)
     core_px = th * tw
     if info.kind in ("conv1", "out"):
-        return max(gn(cin, px), cin * px * d + cout * px * d, cout * px * d + stats)
+        # conv1 of a channel-changing block also keeps shortcut(x) (core; a 3x3 conv_shortcut: the region).
+        sc = 0 if info.shortcut_output is None else cout * px * d
+        return max(gn(cin, px), cin * px * d + cout * px * d, cout * px * d + stats) + sc
     cres = info.residual_channels or cin
     shortcut_in = cres * core_px * load if info.kind == "conv2" else 0
     shortcut = shortcut_in + cout * core_px * d * 2  # shortcut output and the sum
@@ -654,6 +830,75 @@ def _default_norm_params(norm: Any, x: torch.Tensor) -> tuple[torch.Tensor | Non
 # The executor
 
 
+class _Bands:
+    """One activation in the store: per batch item, row bands (``rows``: the tile rows of the segment that
+    writes it), each allocated when a row of tiles first writes it and released once no remaining tile
+    reads it. ``whole``: one ``(B, C, H, W)`` tensor allocated at once and never released (the returned
+    image)."""
+
+    def __init__(self, run: _ExactRun, c: int, h: int, w: int, rows: list[tuple[int, int]],
+                 device: torch.device, whole: bool) -> None:
+        self.run = run
+        self.c, self.h, self.w = c, h, w
+        self.rows = rows
+        self.starts = [r[0] for r in rows]
+        self.device = device
+        self.base = run._alloc((run.batch, c, h, w), device) if whole else None
+        self.bands: list[list[torch.Tensor | None]] = [[None] * len(rows) for _ in range(run.batch)]
+
+    def ensure(self, b: int, y0: int, y1: int) -> None:
+        if self.base is not None:
+            return
+        for i in _bands_in(self.rows, y0, y1, self.starts):
+            if self.bands[b][i] is None:
+                r0, r1 = self.rows[i]
+                self.bands[b][i] = self.run._alloc((1, self.c, r1 - r0, self.w), self.device)
+
+    def _band(self, b: int, i: int) -> torch.Tensor:
+        t = self.bands[b][i]
+        if t is None:
+            raise RuntimeError(f"exact tiled decode: band {self.rows[i]} of item {b} read after its release")
+        return t
+
+    def read(self, b: int, y0: int, y1: int, x0: int, x1: int, device: torch.device) -> torch.Tensor:
+        if self.base is not None:
+            return self.base[b : b + 1, :, y0:y1, x0:x1].to(device, non_blocking=True)
+        idx = _bands_in(self.rows, y0, y1, self.starts)
+        if len(idx) == 1:
+            r0 = self.rows[idx[0]][0]
+            return self._band(b, idx[0])[:, :, y0 - r0 : y1 - r0, x0:x1].to(device, non_blocking=True)
+        out = torch.empty((1, self.c, y1 - y0, x1 - x0), dtype=self.run.dtype, device=device)
+        for i in idx:
+            r0, r1 = self.rows[i]
+            a, e = max(y0, r0), min(y1, r1)
+            out[:, :, a - y0 : e - y0].copy_(self._band(b, i)[:, :, a - r0 : e - r0, x0:x1], non_blocking=True)
+        return out
+
+    def write(self, r: _Rect, core: torch.Tensor) -> None:
+        if self.base is not None:
+            self.base[r.b : r.b + 1, :, r.y0 : r.y1, r.x0 : r.x1].copy_(core, non_blocking=True)
+            return
+        for i in _bands_in(self.rows, r.y0, r.y1, self.starts):
+            r0, r1 = self.rows[i]
+            a, e = max(r.y0, r0), min(r.y1, r1)
+            self._band(r.b, i)[:, :, a - r0 : e - r0, r.x0 : r.x1].copy_(core[:, :, a - r.y0 : e - r.y0],
+                                                                         non_blocking=True)
+
+    def release_below(self, b: int, row: int) -> None:
+        """Release item ``b``'s bands that end at or above ``row``."""
+        if self.base is not None:
+            return
+        for i, (_, r1) in enumerate(self.rows):
+            if r1 <= row:
+                self.bands[b][i] = None
+
+    def tensor(self) -> torch.Tensor:
+        if self.base is not None:
+            return self.base
+        return torch.cat([torch.cat([self._band(b, i) for i in range(len(self.rows))], dim=2)
+                          for b in range(len(self.bands))])
+
+
 class _ExactRun:
     def __init__(
         self,
@@ -698,7 +943,7 @@ class _ExactRun:
         for k, s in enumerate(self.segs):
             for name in s.info.inputs:
                 self.last_use[name] = k
-        self.stores: dict[str, torch.Tensor] = {}
+        self.stores: dict[str, _Bands] = {}
         self.acc: dict[str, _StatAcc] = {}
         self.stats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.affine_cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -716,7 +961,7 @@ class _ExactRun:
     def _shape(self, name: str) -> tuple[int, int, int]:
         t = self.stores.get(name)
         if t is not None:
-            return int(t.shape[1]), int(t.shape[2]), int(t.shape[3])
+            return t.c, t.h, t.w
         raise KeyError(name)
 
     def _out_hw(self, seg: _Seg) -> tuple[int, int]:
@@ -753,11 +998,10 @@ class _ExactRun:
         return torch.empty(shape, dtype=self.dtype, device=device)
 
     def _load(self, name: str, b: int, y0: int, y1: int, x0: int, x1: int) -> torch.Tensor:
-        t = self.stores[name][b : b + 1, :, y0:y1, x0:x1]
-        return t.to(self.compute, non_blocking=True)
+        return self.stores[name].read(b, y0, y1, x0, x1, self.compute)
 
     def _write(self, name: str, r: _Rect, core: torch.Tensor) -> None:
-        self.stores[name][r.b : r.b + 1, :, r.y0 : r.y1, r.x0 : r.x1].copy_(core, non_blocking=True)
+        self.stores[name].write(r, core)
 
     def _sync(self) -> None:
         if self.compute.type == "cuda" and self.store_device.type != "cuda":
@@ -819,12 +1063,15 @@ class _ExactRun:
             self._check_stop()
             b = self.mid_done
             h = self._run_mid_item(b)
+            c, mh, mw = (int(v) for v in h.shape[1:])
             if self.mid_name not in self.stores:
-                self.stores[self.mid_name] = self._alloc((self.batch, *h.shape[1:]), self.store_device)
+                self.stores[self.mid_name] = _Bands(self, c, mh, mw, [(0, mh)], self.store_device, not self.segs)
                 self.acc[self.mid_name] = _StatAcc(self.batch, self.consumer[self.mid_name], self.stat_device)
             acc = self.acc[self.mid_name]
             stats = acc.tile_stats(h)
-            self.stores[self.mid_name][b : b + 1].copy_(h, non_blocking=True)
+            store = self.stores[self.mid_name]
+            store.ensure(b, 0, mh)
+            store.write(_Rect(b, 0, mh, 0, mw), h)
             del h
             acc.record(b, stats)
             self.mid_done += 1
@@ -838,11 +1085,16 @@ class _ExactRun:
     def _start_segment(self, seg: _Seg) -> None:
         info = seg.info
         h, w = self._out_hw(seg)
+        k = self.segs.index(seg)
+        rows = _band_rows(h, self.tile[0])
         if info.inplace_of is not None:
             self.stores[info.output] = self.stores[info.inplace_of]
         elif info.store_output and info.output not in self.stores:
             dev = self.out_device if info.output == "image" else self.store_device
-            self.stores[info.output] = self._alloc((self.batch, info.out_channels, h, w), dev)
+            self.stores[info.output] = _Bands(self, info.out_channels, h, w, rows, dev,
+                                              _whole_output(info, k, len(self.segs)))
+        if info.shortcut_output is not None and info.shortcut_output not in self.stores:
+            self.stores[info.shortcut_output] = _Bands(self, info.out_channels, h, w, rows, self.store_device, False)
         norm = self.consumer.get(info.output)
         if norm is not None and info.output not in self.acc:
             self.acc[info.output] = _StatAcc(self.batch, norm, self.stat_device)
@@ -869,25 +1121,51 @@ class _ExactRun:
             if self.pending is None:
                 self._start_segment(seg)
             assert self.pending is not None
+            info = seg.info
+            dying = _dying(info, k, self.last_use)
             while self.pending:
-                self._check_stop()
                 r = self.pending[0]
+                # The output bands this tile writes are allocated before the unit starts (an OOM here is
+                # a store allocation, not a tile OOM: it propagates).
+                if info.store_output:
+                    self.stores[info.output].ensure(r.b, r.y0, r.y1)
+                if info.shortcut_output is not None:
+                    self.stores[info.shortcut_output].ensure(r.b, r.y0, r.y1)
+                self._check_stop()
                 self._in_tile = True  # an OOM from here to the write is a tile OOM: shrink and resume
-                core = self._run_tile(seg, r)
-                acc = self.acc.get(seg.info.output)
+                core, extra = self._run_tile(seg, r)
+                acc = self.acc.get(info.output)
                 stats = acc.tile_stats(core) if acc is not None else None
                 # Nothing below allocates: once the core is written (possibly over its own input, for
                 # an in-place residual), the tile is recorded as done.
-                if seg.info.store_output:
-                    self._write(seg.info.output, r, core)
-                del core
+                if info.store_output:
+                    self._write(info.output, r, core)
+                if extra is not None:
+                    self._write(info.shortcut_output, r, extra)  # type: ignore[arg-type]
+                del core, extra
                 self._in_tile = False
                 if acc is not None and stats is not None:
                     acc.record(r.b, stats)
                 self.pending.popleft()
+                if dying:
+                    self._release(info, dying, r)
                 self.done_units += 1
                 self._report()
             self._finish_segment(k, seg)
+
+    def _release(self, info: SegmentInfo, dying: tuple[str, ...], done: _Rect) -> None:
+        """After a tile: when the next pending tile starts another row (or item), release the bands of the
+        dying inputs that no pending tile of this item reads any more."""
+        assert self.pending is not None
+        nxt = self.pending[0] if self.pending else None
+        if nxt is not None and nxt.b == done.b and nxt.y0 == done.y0:
+            return
+        b = done.b
+        for name in dying:
+            store = self.stores[name]
+            low = min((_read_rows(info, name, p.y0, p.y1, store.h)[0] for p in self.pending if p.b == b),
+                      default=1 << 62)
+            store.release_below(b, low)
 
     def _region(self, name: str, r: _Rect, halo: int) -> tuple[int, int, int, int]:
         _, h, w = self._shape(name)
@@ -897,7 +1175,7 @@ class _ExactRun:
     def _crop(t: torch.Tensor, oy: int, ox: int, r: _Rect) -> torch.Tensor:
         return t[:, :, r.y0 - oy : r.y1 - oy, r.x0 - ox : r.x1 - ox]
 
-    def _run_tile(self, seg: _Seg, r: _Rect) -> torch.Tensor:
+    def _run_tile(self, seg: _Seg, r: _Rect) -> tuple[torch.Tensor, torch.Tensor | None]:
         step = self.step
         self.step += 1
         info = seg.info
@@ -910,8 +1188,11 @@ class _ExactRun:
             t = self._load(xn, r.b, y0, y1, x0, x1)
             self._hook(step)
             t = act(self._gn(xn, r.b, t), inplace=True)
-            t = blk.conv1(t)
-            return self._crop(t, y0, x0, r)
+            t = self._crop(blk.conv1(t), y0, x0, r)
+            # shortcut(x) at the core, computed as the block's conv2 tile would (same load, same module),
+            # after conv1 so it does not add to the normalisation and convolution phases.
+            extra = self._shortcut_core(blk, xn, r) if info.shortcut_output is not None else None
+            return t, extra
         if kind == "conv2":
             blk = seg.block
             hn, xn = info.inputs
@@ -921,7 +1202,8 @@ class _ExactRun:
             t = act(self._gn(hn, r.b, t), inplace=True)
             t = blk.dropout(t) if getattr(blk, "dropout", None) is not None else t
             t = self._crop(blk.conv2(t), y0, x0, r)
-            return t + self._shortcut_core(blk, xn, r)
+            # The residual is written over in place: x (identity shortcut) or shortcut(x) from conv1.
+            return t + self._load(xn, r.b, r.y0, r.y1, r.x0, r.x1), None
         if kind == "conv12":
             blk = seg.block
             (xn,) = info.inputs
@@ -934,7 +1216,7 @@ class _ExactRun:
             t = act(self._gn(h_name, r.b, t), inplace=True)
             t = blk.dropout(t) if getattr(blk, "dropout", None) is not None else t
             t = self._crop(blk.conv2(t), y0, x0, r)
-            return t + self._shortcut_core(blk, xn, r)
+            return t + self._shortcut_core(blk, xn, r), None
         if kind == "upsample":
             (xn,) = info.inputs
             _, lh, lw = self._shape(xn)
@@ -946,7 +1228,7 @@ class _ExactRun:
             t = self._load(xn, r.b, ly0, ly1, lx0, lx1)
             self._hook(step)
             t = seg.module(t)
-            return self._crop(t, 2 * ly0, 2 * lx0, r)
+            return self._crop(t, 2 * ly0, 2 * lx0, r), None
         if kind == "out":
             dec = seg.module
             (xn,) = info.inputs
@@ -957,7 +1239,7 @@ class _ExactRun:
             t = self._crop(dec.conv_out(t), y0, x0, r)
             if getattr(dec, "tanh_out", False):
                 t = torch.tanh(t)
-            return t
+            return t, None
         raise AssertionError(kind)
 
     def _h_of(self, seg: _Seg) -> str:
@@ -1021,7 +1303,7 @@ class _ExactRun:
         self.driver.run(self._attempt, can_recover=lambda e: self._can_shrink(), recover=self._resume)
         self._sync()
         last = self.segs[-1].info.output if self.segs else self.mid_name
-        return self.stores.pop(last)
+        return self.stores.pop(last).tensor()
 
 
 def decode_exact(

@@ -144,7 +144,10 @@ def test_budget_sweep_tracked_within_budget_and_prediction(mod, kl_vae, small_ca
     mod.MEASURE_CPU_TENSORS = True
     seen = []
     try:
-        for budget_mb in (160, 64, 44, 36, 28):
+        # With band freeing recomputation saves only ~8 % of the store (the first full-res block's h + s
+        # vs y), so only the tightest budget, which no plan without it fits (16-px tiles: 18.6 MiB
+        # planned; with recompute 17.2 MiB), recomputes.
+        for budget_mb in (160, 64, 44, 36, 28, 21, 18):
             r = mod.decode(kl_vae, {"samples": z}, budget_mb=budget_mb)
             tracked, predicted = r.measured_peak, r.plan.tracked
             err = (predicted - tracked) / tracked
