@@ -115,6 +115,9 @@ def test_graph_unloads_the_second_model_and_frees_what_the_tracker_measured(
     gc.collect()
     assert tracked > 400 * 2**20
 
+    # models other tests left loaded (e.g. the session's KL VAE) would be unloaded too and blur the rows
+    mm.unload_all_models()
+    gc.collect()
     n_before_graph = len(mm.loaded_models())
     prompt_id, hist, messages = run_graph(executor, two_vae_graph(fixture_vaes, 16))
     report = _report(hist)
