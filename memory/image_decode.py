@@ -51,7 +51,7 @@ from .planner import ImpossibleBudgetError, Plan, plan_decode
 from .reach import ReachReport, default_halo, traced_reach
 from .report import Report, fmt_bytes, fmt_seconds
 from .sizing import MetaSizer, decode_run
-from .tracker import PeakTracker, rss_supported
+from .tracker import decode_tracker
 
 log = logging.getLogger("vramfit.memory.image_decode")
 
@@ -621,17 +621,6 @@ class DecodeResult:
     calibrations: list[str]
 
 
-def _tracker(job: ImageJob, env: DecodeEnv) -> tuple[str, PeakTracker | None]:
-    if job.device.type == "cuda":
-        return "CUDA max_memory_allocated", PeakTracker(job.device, method="cuda")
-    if job.device.type == "cpu":
-        if env.measure_cpu_tensors:
-            return "live tensor bytes (PeakTracker dispatch)", PeakTracker(job.device, method="dispatch")
-        if rss_supported():
-            return "process RSS high-water mark", PeakTracker(job.device, method="rss")
-    return "not measured on this device", None
-
-
 def decode_image(
     job: ImageJob,
     env: DecodeEnv,
@@ -707,7 +696,7 @@ def decode_image(
     total = b_total * (units_of(job, plan) if plan.path != "untiled" else 1)
     bar = env.progress_bar(max(1, total)) if env.progress_bar is not None else None
     run = _Run(job, env, _Progress(bar, total))
-    method, tracker = _tracker(job, env)
+    method, tracker = decode_tracker(job.device, env.measure_cpu_tensors)
     t0 = time.perf_counter()
     # ComfyUI runs nodes under inference_mode; direct callers (tests, scripts) may not: no autograd graph.
     with torch.no_grad(), tracker if tracker is not None else contextlib.nullcontext():

@@ -298,3 +298,17 @@ def measure_peak(
     with PeakTracker(device, method) as tracker:
         fn()
     return tracker.result()
+
+
+def decode_tracker(device: torch.device, measure_cpu_tensors: bool = False) -> tuple[str, PeakTracker | None]:
+    """The peak measure a decode reports on ``device`` and its tracker: CUDA ``max_memory_allocated``;
+    on CPU the live tensor bytes when asked (exact, but it hooks every op), else the process RSS
+    high-water mark (cheap); ``None`` where nothing can be measured."""
+    if device.type == "cuda":
+        return "CUDA max_memory_allocated", PeakTracker(device, method="cuda")
+    if device.type == "cpu":
+        if measure_cpu_tensors:
+            return "live tensor bytes (PeakTracker dispatch)", PeakTracker(device, method="dispatch")
+        if rss_supported():
+            return "process RSS high-water mark", PeakTracker(device, method="rss")
+    return "not measured on this device", None

@@ -57,7 +57,7 @@ from .families import identify, model_name, structure_digest
 from .planner import ImpossibleBudgetError
 from .report import Report, fmt_bytes, fmt_seconds
 from .sizing import MetaSizer
-from .tracker import PeakTracker, rss_supported
+from .tracker import decode_tracker
 
 log = logging.getLogger("vramfit.memory.video_decode")
 
@@ -500,17 +500,6 @@ class VideoDecodeResult:
     plan_stats: dict = dataclasses.field(default_factory=dict)
 
 
-def _tracker(job: VideoJob, env: VideoEnv) -> tuple[str, PeakTracker | None]:
-    if job.device.type == "cuda":
-        return "CUDA max_memory_allocated", PeakTracker(job.device, method="cuda")
-    if job.device.type == "cpu":
-        if env.measure_cpu_tensors:
-            return "live tensor bytes (PeakTracker dispatch)", PeakTracker(job.device, method="dispatch")
-        if rss_supported():
-            return "process RSS high-water mark", PeakTracker(job.device, method="rss")
-    return "not measured on this device", None
-
-
 def _post(vae: Any, view: torch.Tensor) -> None:
     """``vae.process_output`` frame by frame, in place in the output buffer (same values as on the whole)."""
     for f in range(view.shape[2]):
@@ -584,7 +573,7 @@ def decode_video(
     buf = torch.empty((b * frames, oh, ow, 3), dtype=torch.float32, device=job.out_device)
     view = buf.view(b, frames, oh, ow, 3).permute(0, 4, 1, 2, 3)  # (B, 3, T, H, W) view
     bar = env.progress_bar(1) if env.progress_bar is not None else None
-    method, tracker = _tracker(job, env)
+    method, tracker = decode_tracker(job.device, env.measure_cpu_tensors)
     t1 = time.perf_counter()
     with torch.no_grad(), tracker if tracker is not None else contextlib.nullcontext():
         if job.wan:

@@ -93,18 +93,23 @@ def load_vae_weights(vae: Any, decode_bytes: int) -> None:
     mm.load_models_gpu([vae_patcher(vae)], memory_required=int(decode_bytes), force_full_load=True)
 
 
+def user_cache_file(name: str, what: str) -> pathlib.Path | None:
+    """``<ComfyUI user folder>/vramfit/<name>``, or ``None`` (logged: ``what`` is then kept in memory)
+    when the folder cannot be created, e.g. on a read-only install."""
+    try:
+        path = pathlib.Path(folder_paths.get_user_directory()) / "vramfit" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (OSError, AttributeError) as e:
+        log.warning("VRAM Fit: %s cache disabled (%s); kept in memory for this session", what, e)
+        return None
+    return path
+
+
 def cost_model_store() -> CostModelStore:
     """Process-wide store: shipped defaults + calibrations cached in ComfyUI's user folder."""
     global _STORE
     if _STORE is None:
-        path: pathlib.Path | None
-        try:
-            path = pathlib.Path(folder_paths.get_user_directory()) / "vramfit" / "cost_models.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except (OSError, AttributeError) as e:  # read-only install: keep calibrations in memory
-            log.warning("VRAM Fit: cost-model cache disabled (%s); calibrations are kept in memory", e)
-            path = None
-        _STORE = CostModelStore(path)
+        _STORE = CostModelStore(user_cache_file("cost_models.json", "cost-model"))
     return _STORE
 
 
@@ -242,14 +247,7 @@ def exact_cost_store() -> Any:
     if _EXACT_STORE is None:
         from ..memory.decode_plan import ExactCostStore
 
-        path: pathlib.Path | None
-        try:
-            path = pathlib.Path(folder_paths.get_user_directory()) / "vramfit" / "exact_cost_models.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except (OSError, AttributeError) as e:
-            log.warning("VRAM Fit: exact cost-model cache disabled (%s); calibrations are kept in memory", e)
-            path = None
-        _EXACT_STORE = ExactCostStore(path)
+        _EXACT_STORE = ExactCostStore(user_cache_file("exact_cost_models.json", "exact cost-model"))
     return _EXACT_STORE
 
 
@@ -299,3 +297,15 @@ def bounded_vae_attention(model: Any, max_bytes: int) -> Iterator[int]:
     finally:
         for m in swapped:
             m.optimized_attention = original
+
+
+def decode_env_callables(node_id: str | None) -> dict[str, Any]:
+    """The ComfyUI callables both decode engines take (``DecodeEnv`` / ``VideoEnv`` fields)."""
+    return {
+        "should_stop": should_stop,
+        "on_oom": on_oom,
+        "oom_exceptions": oom_exceptions(),
+        "progress_bar": lambda total: progress_callback(total, node_id),
+        "budget": vae_budget,
+        "load_weights": load_vae_weights,
+    }

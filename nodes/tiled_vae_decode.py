@@ -83,13 +83,8 @@ def _validate(vae: Any, samples: Any, tile_size: int, halo: int) -> idm.ImageJob
 def comfy_env(node_id: str | None = None) -> idm.DecodeEnv:
     """ComfyUI's callables for ``decode_image`` (and the test hooks of this module, read now)."""
     return idm.DecodeEnv(
-        should_stop=_comfy.should_stop,
-        on_oom=_comfy.on_oom,
-        oom_exceptions=_comfy.oom_exceptions(),
-        progress_bar=lambda total: _comfy.progress_callback(total, node_id),
-        budget=_comfy.vae_budget,
+        **_comfy.decode_env_callables(node_id),
         offload=lambda vae, need: _comfy.offload_others(vae, need, "needed"),
-        load_weights=_comfy.load_vae_weights,
         cost_models=_comfy.cost_model_store(),
         exact_cost_models=_comfy.exact_cost_store(),
         attention=_comfy.bounded_vae_attention,

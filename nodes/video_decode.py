@@ -10,7 +10,6 @@ approximate overlap-blend path (see its docstring and docs/VIDEO_DECODE.md).
 from __future__ import annotations
 
 import logging
-import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -78,29 +77,15 @@ def peak_store() -> vd.PeakStore:
     """Process-wide store of meta-sized peaks, persisted in ComfyUI's user folder when it is writable."""
     global _PEAKS
     if _PEAKS is None:
-        import folder_paths
-
-        path: pathlib.Path | None
-        try:
-            path = pathlib.Path(folder_paths.get_user_directory()) / "vramfit" / "video_peaks.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except (OSError, AttributeError) as e:  # read-only install: keep the peaks in memory
-            log.warning("VRAM Fit: video peak cache disabled (%s); sized peaks are kept in memory", e)
-            path = None
-        _PEAKS = vd.PeakStore(path)
+        _PEAKS = vd.PeakStore(_comfy.user_cache_file("video_peaks.json", "video peak"))
     return _PEAKS
 
 
 def comfy_env(node_id: str | None = None) -> vd.VideoEnv:
     """ComfyUI's callables for ``decode_video`` (and the test hooks of this module, read now)."""
     return vd.VideoEnv(
-        should_stop=_comfy.should_stop,
-        on_oom=_comfy.on_oom,
-        oom_exceptions=_comfy.oom_exceptions(),
-        progress_bar=lambda total: _comfy.progress_callback(total, node_id),
-        budget=_comfy.vae_budget,
+        **_comfy.decode_env_callables(node_id),
         offload=lambda vae, need: _comfy.offload_others(vae, need, "needed" if need is not None else "all"),
-        load_weights=_comfy.load_vae_weights,
         peaks=peak_store(),
         fault_hook=_FAULT_HOOK,
         measure_cpu_tensors=MEASURE_CPU_TENSORS,

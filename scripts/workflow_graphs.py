@@ -7,6 +7,8 @@ the README of ``workflows/``. Widgets not given here take the node's declared de
 
 from __future__ import annotations
 
+from typing import Any
+
 from scripts.workflows import FileDecl, WorkflowDesc
 
 WAN_REPO = "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files"
@@ -19,6 +21,22 @@ WAN_NEGATIVE = (
     "blurry, low quality, static, overexposed, washed-out colors, jpeg artifacts, deformed, extra limbs, "
     "still frame, messy background, text, watermark"
 )
+
+
+def _offload(wf: WorkflowDesc, value: Any, keep: Any) -> Any:
+    """Offload Manager after sampling: unload everything but ``keep`` (the VAE)."""
+    return wf.add("VRAMFit_OffloadManager", value=value, keep=keep, unload="all except kept", method="offload",
+                  empty_cache=True)  # fmt: skip
+
+
+def _tiled_decode(wf: WorkflowDesc, samples: Any, vae: Any) -> Any:
+    """Tiled VAE Decode with its defaults: auto tile, traced halo, free memory, unload others."""
+    return wf.add("VRAMFit_TiledVAEDecode", samples=samples, vae=vae, tile_size=0, halo=-1, budget_mb=0,
+                  unload_others=True)  # fmt: skip
+
+
+def _monitor(wf: WorkflowDesc, value: Any, label: str) -> Any:
+    return wf.add("VRAMFit_VRAMMonitor", value=value, label=label, plot_width=768, plot_height=384)
 
 
 def wan21_t2v(resolution: str) -> WorkflowDesc:
@@ -54,15 +72,12 @@ def wan21_t2v(resolution: str) -> WorkflowDesc:
         "KSampler", model=model.out(), positive=pos.out(), negative=neg.out(), latent_image=latent.out(),
         seed=42, steps=30, cfg=6.0, sampler_name="uni_pc", scheduler="simple", denoise=1.0,
     )  # fmt: skip
-    offload = wf.add(
-        "VRAMFit_OffloadManager", value=sampled.out(), keep=vae.out(),
-        unload="all except kept", method="offload", empty_cache=True,
-    )  # fmt: skip
+    offload = _offload(wf, sampled.out(), keep=vae.out())
     frames = wf.add(
         "VRAMFit_TemporalChunkVideoDecode", samples=offload.out(), vae=vae.out(),
         frames_per_chunk=0, tile_size=0, budget_mb=0, unload_others=True,
     )  # fmt: skip
-    monitor = wf.add("VRAMFit_VRAMMonitor", value=frames.out(), label="after decode", plot_width=768, plot_height=384)
+    monitor = _monitor(wf, frames.out(), "after decode")
     video = wf.add("CreateVideo", images=monitor.out(), fps=16.0)
     wf.add("SaveVideo", video=video.out(), filename_prefix=f"video/vramfit_wan21_{resolution}", format="auto", codec="auto")
     return wf
@@ -110,15 +125,9 @@ def sana_2048_batch2() -> WorkflowDesc:
         "KSampler", model=model.out(), positive=pos.out(), negative=neg.out(), latent_image=latent.out(),
         seed=1057228702589644, steps=28, cfg=2.0, sampler_name="euler", scheduler="normal", denoise=1.0,
     )  # fmt: skip
-    offload = wf.add(
-        "VRAMFit_OffloadManager", value=sampled.out(), keep=vae.out(),
-        unload="all except kept", method="offload", empty_cache=True,
-    )  # fmt: skip
-    images = wf.add(
-        "VRAMFit_TiledVAEDecode", samples=offload.out(), vae=vae.out(),
-        tile_size=0, halo=-1, budget_mb=0, unload_others=True,
-    )  # fmt: skip
-    monitor = wf.add("VRAMFit_VRAMMonitor", value=images.out(), label="after decode", plot_width=768, plot_height=384)
+    offload = _offload(wf, sampled.out(), keep=vae.out())
+    images = _tiled_decode(wf, offload.out(), vae.out())
+    monitor = _monitor(wf, images.out(), "after decode")
     wf.add("SaveImage", images=monitor.out(), filename_prefix="vramfit_sana_2048")
     return wf
 
@@ -181,15 +190,9 @@ def infiniteyou_flux() -> WorkflowDesc:
         "KSampler", model=flux.out(0), positive=applied.out(0), negative=applied.out(1), latent_image=latent.out(),
         seed=42, steps=30, cfg=1.0, sampler_name="euler", scheduler="simple", denoise=1.0,
     )  # fmt: skip
-    offload = wf.add(
-        "VRAMFit_OffloadManager", value=sampled.out(), keep=vae.out(),
-        unload="all except kept", method="offload", empty_cache=True,
-    )  # fmt: skip
-    images = wf.add(
-        "VRAMFit_TiledVAEDecode", samples=offload.out(), vae=vae.out(),
-        tile_size=0, halo=-1, budget_mb=0, unload_others=True,
-    )  # fmt: skip
-    monitor = wf.add("VRAMFit_VRAMMonitor", value=images.out(), label="after decode", plot_width=768, plot_height=384)
+    offload = _offload(wf, sampled.out(), keep=vae.out())
+    images = _tiled_decode(wf, offload.out(), vae.out())
+    monitor = _monitor(wf, images.out(), "after decode")
     wf.add("SaveImage", images=monitor.out(), filename_prefix="vramfit_infiniteyou")
     return wf
 
@@ -224,16 +227,10 @@ def decode_8k() -> WorkflowDesc:
         seed=42, steps=25, cfg=7.0, sampler_name="dpmpp_2m", scheduler="karras", denoise=1.0,
     )  # fmt: skip
     big = wf.add("LatentUpscaleBy", samples=sampled.out(), upscale_method="bislerp", scale_by=8.0)
-    offload = wf.add(
-        "VRAMFit_OffloadManager", value=big.out(), keep=vae.out(),
-        unload="all except kept", method="offload", empty_cache=True,
-    )  # fmt: skip
-    before = wf.add("VRAMFit_VRAMMonitor", value=offload.out(), label="before decode", plot_width=768, plot_height=384)
-    images = wf.add(
-        "VRAMFit_TiledVAEDecode", samples=before.out(), vae=vae.out(),
-        tile_size=0, halo=-1, budget_mb=0, unload_others=True,
-    )  # fmt: skip
-    after = wf.add("VRAMFit_VRAMMonitor", value=images.out(), label="after decode", plot_width=768, plot_height=384)
+    offload = _offload(wf, big.out(), keep=vae.out())
+    before = _monitor(wf, offload.out(), "before decode")
+    images = _tiled_decode(wf, before.out(), vae.out())
+    after = _monitor(wf, images.out(), "after decode")
     wf.add("SaveImage", images=after.out(), filename_prefix="vramfit_8k")
     return wf
 
@@ -256,16 +253,10 @@ def demo_cpu() -> WorkflowDesc:
     )
     vae = wf.add("VAELoader", vae_name="vramfit_fixture_kl_f8.safetensors")
     latent = wf.add("LoadLatent", latent="vramfit_demo.latent")
-    before = wf.add("VRAMFit_VRAMMonitor", value=latent.out(), label="before offload", plot_width=768, plot_height=384)
-    offload = wf.add(
-        "VRAMFit_OffloadManager", value=before.out(), keep=vae.out(),
-        unload="all except kept", method="offload", empty_cache=True,
-    )  # fmt: skip
-    images = wf.add(
-        "VRAMFit_TiledVAEDecode", samples=offload.out(), vae=vae.out(),
-        tile_size=0, halo=-1, budget_mb=0, unload_others=True,
-    )  # fmt: skip
-    after = wf.add("VRAMFit_VRAMMonitor", value=images.out(), label="after decode", plot_width=768, plot_height=384)
+    before = _monitor(wf, latent.out(), "before offload")
+    offload = _offload(wf, before.out(), keep=vae.out())
+    images = _tiled_decode(wf, offload.out(), vae.out())
+    after = _monitor(wf, images.out(), "after decode")
     wf.add("SaveImage", images=after.out(0), filename_prefix="vramfit_demo")
     wf.add("SaveImage", title="Save VRAM timeline", images=after.out(2), filename_prefix="vramfit_vram_timeline")
     return wf
@@ -287,10 +278,7 @@ def image_cpu() -> WorkflowDesc:
     loader = wf.add("VRAMFit_Bf16Loader", model="vae/vramfit_fixture_kl_f8.safetensors", weight_dtype="bf16")
     latent = wf.add("EmptyLatentImage", width=128, height=128, batch_size=2)
     before = wf.add("VRAMFit_VRAMMonitor", value=latent.out(), label="before decode", plot_width=512, plot_height=256)
-    offload = wf.add(
-        "VRAMFit_OffloadManager", value=before.out(), keep=loader.out(2),
-        unload="all except kept", method="offload", empty_cache=True,
-    )  # fmt: skip
+    offload = _offload(wf, before.out(), keep=loader.out(2))
     images = wf.add(
         "VRAMFit_TiledVAEDecode", samples=offload.out(), vae=loader.out(2),
         tile_size=64, halo=-1, budget_mb=0, unload_others=True,
@@ -315,10 +303,7 @@ def video_cpu() -> WorkflowDesc:
     )
     vae = wf.add("VAELoader", vae_name="vramfit_fixture_wan21.safetensors")
     latent = wf.add("EmptyHunyuanLatentVideo", width=64, height=64, length=9, batch_size=1)
-    offload = wf.add(
-        "VRAMFit_OffloadManager", value=latent.out(), keep=vae.out(),
-        unload="all except kept", method="offload", empty_cache=True,
-    )  # fmt: skip
+    offload = _offload(wf, latent.out(), keep=vae.out())
     frames = wf.add(
         "VRAMFit_TemporalChunkVideoDecode", samples=offload.out(), vae=vae.out(),
         frames_per_chunk=1, tile_size=0, budget_mb=0, unload_others=True,
