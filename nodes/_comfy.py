@@ -19,6 +19,7 @@ import comfy.model_management as mm
 import comfy.utils
 import folder_paths
 import torch
+from comfy_api.v0_0_2 import io, ui
 
 from ..memory.budget import Budget, compute_budget, weights_to_load
 from ..memory.cost_model import CostModelStore
@@ -309,3 +310,27 @@ def decode_env_callables(node_id: str | None) -> dict[str, Any]:
         "budget": vae_budget,
         "load_weights": load_vae_weights,
     }
+
+
+def budget_inputs() -> list[Any]:
+    """The decode nodes' shared inputs: ``budget_mb`` and ``unload_others``."""
+    return [
+        io.Int.Input("budget_mb", default=0, min=0, max=1 << 22, step=64,
+                     tooltip="Memory the decode may use on the VAE's device, in MB. 0 = the free memory "
+                     "ComfyUI reports, minus a safety reserve."),
+        io.Boolean.Input("unload_others", default=True,
+                         tooltip="Offload other models (diffusion model, text encoders) from the VAE's "
+                         "device first, as far as this decode needs the room."),
+    ]  # fmt: skip
+
+
+def report_output(tooltip: str) -> Any:
+    """The decode nodes' STRING ``report`` output."""
+    return io.String.Output(display_name="report", tooltip=tooltip)
+
+
+def decode_output(result: Any, logger: logging.Logger) -> io.NodeOutput:
+    """A decode result as the node's outputs: images, the report text (logged, and shown on the node)."""
+    text = result.report.text()
+    logger.info("%s", text)
+    return io.NodeOutput(result.images, text, ui=ui.PreviewText(text))

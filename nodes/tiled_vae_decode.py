@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from comfy_api.v0_0_2 import io, ui
+from comfy_api.v0_0_2 import io
 
 from ..memory import image_decode as idm
 from ..memory.planner import ImpossibleBudgetError
@@ -140,17 +140,12 @@ class TiledVAEDecode(io.ComfyNode):
                              tooltip="Approximate path only: latent pixels of context around each tile. -1 = "
                              "auto, the decoder's convolutional reach computed from its modules. The exact "
                              "path needs no halo setting."),
-                io.Int.Input("budget_mb", default=0, min=0, max=1 << 22, step=64,
-                             tooltip="Memory the decode may use on the VAE's device, in MB. 0 = the free memory "
-                             "ComfyUI reports, minus a safety reserve."),
-                io.Boolean.Input("unload_others", default=True,
-                                 tooltip="Offload other models (diffusion model, text encoders) from the VAE's "
-                                 "device first, as far as this decode needs the room."),
+                *_comfy.budget_inputs(),
             ],
             outputs=[
                 io.Image.Output(display_name="IMAGE", tooltip="The decoded images (same shape, dtype and range "
                                 "as VAE Decode)."),
-                io.String.Output(display_name="report", tooltip="The plan report: path (exact or approximate), "
+                _comfy.report_output("The plan report: path (exact or approximate), "
                                  "budget, offload, tiles, predicted and measured peak, time."),
             ],
             hidden=[io.Hidden.unique_id],
@@ -160,6 +155,4 @@ class TiledVAEDecode(io.ComfyNode):
     def execute(cls, samples, vae, tile_size=0, halo=-1, budget_mb=0, unload_others=True) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         result = decode(vae, samples, tile_size, halo, budget_mb, unload_others, node_id)
-        text = result.report.text()
-        log.info("%s", text)
-        return io.NodeOutput(result.images, text, ui=ui.PreviewText(text))
+        return _comfy.decode_output(result, log)

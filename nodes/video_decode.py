@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from comfy_api.v0_0_2 import io, ui
+from comfy_api.v0_0_2 import io
 
 from ..memory import video_decode as vd
 from ..memory.planner import ImpossibleBudgetError
@@ -139,17 +139,12 @@ class TemporalChunkVideoDecode(io.ComfyNode):
                 io.Int.Input("tile_size", default=0, min=0, max=16384, step=8,
                              tooltip="Spatial tile side in output pixels (Wan only; exact with any size). "
                              "0 = auto: whole frames when they fit the budget, else the largest tiles that do."),
-                io.Int.Input("budget_mb", default=0, min=0, max=1 << 22, step=64,
-                             tooltip="Memory the decode may use on the VAE's device, in MB. 0 = the free memory "
-                             "ComfyUI reports, minus a safety reserve."),
-                io.Boolean.Input("unload_others", default=True,
-                                 tooltip="Offload other models (diffusion model, text encoders) from the VAE's "
-                                 "device first, as far as this decode needs the room."),
+                *_comfy.budget_inputs(),
             ],
             outputs=[
                 io.Image.Output(display_name="IMAGE", tooltip="The decoded frames as one image batch (same shape, "
                                 "order and range as VAE Decode: batch x frames flattened)."),
-                io.String.Output(display_name="report", tooltip="The plan report: exact or approximate, budget, "
+                _comfy.report_output("The plan report: exact or approximate, budget, "
                                  "chunk size, tiles, cache placement, predicted and measured peak, time."),
             ],
             hidden=[io.Hidden.unique_id],
@@ -159,6 +154,4 @@ class TemporalChunkVideoDecode(io.ComfyNode):
     def execute(cls, samples, vae, frames_per_chunk=0, tile_size=0, budget_mb=0, unload_others=True) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         result = decode(vae, samples, frames_per_chunk, tile_size, budget_mb, unload_others, node_id)
-        text = result.report.text()
-        log.info("%s", text)
-        return io.NodeOutput(result.images, text, ui=ui.PreviewText(text))
+        return _comfy.decode_output(result, log)
