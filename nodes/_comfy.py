@@ -326,7 +326,7 @@ def budget_inputs() -> list[Any]:
 
 def report_output(tooltip: str) -> Any:
     """The decode nodes' STRING ``report`` output."""
-    return io.String.Output(display_name="report", tooltip=tooltip)
+    return io.String.Output("report", display_name="report", tooltip=tooltip)
 
 
 def decode_output(result: Any, logger: logging.Logger) -> io.NodeOutput:

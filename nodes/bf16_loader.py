@@ -325,18 +325,18 @@ class Bf16Loader(io.ComfyNode):
             ],
             outputs=[
                 io.Model.Output(
-                    "MODEL",
+                    "MODEL", display_name="MODEL",
                     tooltip="The diffusion model (diffusion_models/ and checkpoints/ files; blocked otherwise).",
                 ),
                 io.Clip.Output(
-                    "CLIP",
+                    "CLIP", display_name="CLIP",
                     tooltip="The text encoder of a checkpoint (blocked for other files or when absent).",
                 ),
                 io.Vae.Output(
-                    "VAE", tooltip="The VAE (vae/ files, or a checkpoint's VAE; blocked otherwise)."
+                    "VAE", display_name="VAE", tooltip="The VAE (vae/ files, or a checkpoint's VAE; blocked otherwise)."
                 ),
                 io.String.Output(
-                    "report",
+                    "report", display_name="report",
                     tooltip="Bytes before (file) and after (loaded), dtypes and compute (VRAM Fit report).",
                 ),
             ],

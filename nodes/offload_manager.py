@@ -243,7 +243,7 @@ class OffloadManager(io.ComfyNode):
             outputs=[
                 io.AnyType.Output("value_out", display_name="value", tooltip="The input value, unchanged."),
                 io.String.Output(
-                    "report", tooltip="What was unloaded and the bytes freed (the VRAM Fit report format)."
+                    "report", display_name="report", tooltip="What was unloaded and the bytes freed (the VRAM Fit report format)."
                 ),
             ],
             hidden=[io.Hidden.unique_id, io.Hidden.dynprompt],

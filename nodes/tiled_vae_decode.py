@@ -143,7 +143,7 @@ class TiledVAEDecode(io.ComfyNode):
                 *_comfy.budget_inputs(),
             ],
             outputs=[
-                io.Image.Output(display_name="IMAGE", tooltip="The decoded images (same shape, dtype and range "
+                io.Image.Output("IMAGE", display_name="IMAGE", tooltip="The decoded images (same shape, dtype and range "
                                 "as VAE Decode)."),
                 _comfy.report_output("The plan report: path (exact or approximate), "
                                  "budget, offload, tiles, predicted and measured peak, time."),

@@ -142,7 +142,7 @@ class TemporalChunkVideoDecode(io.ComfyNode):
                 *_comfy.budget_inputs(),
             ],
             outputs=[
-                io.Image.Output(display_name="IMAGE", tooltip="The decoded frames as one image batch (same shape, "
+                io.Image.Output("IMAGE", display_name="IMAGE", tooltip="The decoded frames as one image batch (same shape, "
                                 "order and range as VAE Decode: batch x frames flattened)."),
                 _comfy.report_output("The plan report: exact or approximate, budget, "
                                  "chunk size, tiles, cache placement, predicted and measured peak, time."),

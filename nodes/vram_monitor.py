@@ -74,10 +74,10 @@ class VRAMMonitor(io.ComfyNode):
             outputs=[
                 io.AnyType.Output("value_out", display_name="value", tooltip="The input value, unchanged."),
                 io.String.Output(
-                    "report", tooltip="This prompt's timeline so far as text (the VRAM Fit report format)."
+                    "report", display_name="report", tooltip="This prompt's timeline so far as text (the VRAM Fit report format)."
                 ),
                 io.Image.Output(
-                    "plot", tooltip="Plot of this prompt's timeline so far (allocated, reserved, peak, RSS)."
+                    "plot", display_name="plot", tooltip="Plot of this prompt's timeline so far (allocated, reserved, peak, RSS)."
                 ),
             ],
             hidden=[io.Hidden.unique_id],

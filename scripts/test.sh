@@ -3,9 +3,15 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -q`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$ROOT/scripts/setup_host.sh"
-# shellcheck disable=SC1091
-source "${VRAMFIT_CACHE:-$ROOT/.cache}/host.env"
+# COMFYUI_SRC=<tar.gz or folder> tests against that ComfyUI source tree, COMFYUI_PATH=<folder> against
+# an existing install (see scripts/setup_host.sh); default: ComfyUI 0.3.75.
+HOST_ENV="$(bash "$ROOT/scripts/setup_host.sh")"
+# Exported, so pytest (scripts/host.py) and the servers it starts use exactly this host.
+set -a
+# shellcheck disable=SC1090
+source "$HOST_ENV"
+set +a
+echo "[vramfit-test] ComfyUI $VRAMFIT_HOST_VERSION at $COMFYUI_PATH" >&2
 cd "$ROOT"
 # The dev extra of pyproject.toml (pytest, hypothesis, ruff, ...) into the host's python.
 "$VRAMFIT_PYTHON" - <<'PY'
