@@ -1,11 +1,17 @@
 """Budget: the bytes a decode may use on its device.
 
-``available = free - vae_weights_to_load - reserve`` where ``free`` is what ComfyUI reports as free
-on the device (``comfy.model_management.get_free_memory(device)``: CUDA/XPU/NPU/MLU free + torch's
-cached-but-unused bytes; on CPU and MPS, ``psutil.virtual_memory().available``), or the user's
-budget in MB when given (it *replaces* free memory, so low-VRAM behaviour can be exercised on any
-machine). ``vae_weights_to_load`` is the part of the VAE's weights not yet on the device (they will
-be loaded before decoding and are not part of a decode's peak).
+``available = free + evictable - vae_weights_to_load - reserve`` where ``free`` is what ComfyUI
+reports as free on the device (``comfy.model_management.get_free_memory(device)``: CUDA/XPU/NPU/MLU
+free + torch's cached-but-unused bytes; on CPU and MPS, ``psutil.virtual_memory().available``), or
+the user's budget in MB when given (it *replaces* free memory and ``evictable``, so low-VRAM
+behaviour can be exercised on any machine). ``vae_weights_to_load`` is the part of the VAE's weights
+not yet on the device (they will be loaded before decoding and are not part of a decode's peak).
+
+``evictable`` (ComfyUI >= 0.33 with dynamic VRAM on, else 0): the aimdo pages holding other dynamic
+models' weights on the device (``memory.offload.evictable_bytes``). They are not in ``free`` (the
+driver counts them as used), yet comfy-aimdo evicts them whenever torch's allocator needs the room,
+so a decode can use them without unloading anything; ComfyUI's own VAE decode counts them the same
+way (``ModelPatcher.get_free_memory``: free + ``vbars_analyze``).
 
 Default safety reserve (``default_reserve``):
 
@@ -60,6 +66,8 @@ class Budget:
     available: int
     total_bytes: int | None = None
     psutil_available: int | None = None
+    evictable_bytes: int = 0
+    """Dynamic-VRAM weights of other models that aimdo evicts on demand (counted as available)."""
 
     @property
     def source(self) -> str:
@@ -74,6 +82,8 @@ class Budget:
             if self.user_override is not None
             else f"free {mib(self.free_bytes)}" + (f" of {mib(self.total_bytes)}" if self.total_bytes else "")
         )
+        if self.evictable_bytes and self.user_override is None:
+            head += f" + evictable {mib(self.evictable_bytes)} (dynamic VRAM: other models' weights aimdo evicts)"
         text = (
             f"{self.device}: {head} - VAE weights to load {mib(self.vae_weights_to_load)} "
             f"- reserve {mib(self.reserve)} = {mib(self.available)} available for decoding"
@@ -103,6 +113,7 @@ def compute_budget(
     reserve: int | None = None,
     reserve_floor: int = 0,
     user_budget_mb: float | None = None,
+    evictable_bytes: int = 0,
 ) -> Budget:
     """The :class:`Budget` of a decode on ``device``.
 
@@ -110,7 +121,8 @@ def compute_budget(
     ``get_total_memory`` (passed in; ``memory/`` never imports ComfyUI). Without them the CPU falls
     back to psutil and an accelerator to ``torch.cuda.mem_get_info``. ``reserve`` overrides the
     default; ``reserve_floor`` raises it (e.g. ComfyUI's ``extra_reserved_memory()``).
-    ``user_budget_mb`` (> 0) replaces free memory.
+    ``user_budget_mb`` (> 0) replaces free memory. ``evictable_bytes``: dynamic-VRAM weights of other
+    models on the device (``memory.offload.evictable_bytes``), added to free memory.
     """
     dev = torch.device(device)
     total: int | None = None
@@ -153,7 +165,8 @@ def compute_budget(
     if user is not None and reserve is None:
         # A user budget is what the decode may use: no hidden reserve on top of it.
         res = 0
-    base = user if user is not None else free
+    evictable = max(0, int(evictable_bytes))
+    base = user if user is not None else free + evictable
     available = max(0, base - int(vae_weights_to_load) - res)
     return Budget(
         device=str(dev),
@@ -164,6 +177,7 @@ def compute_budget(
         available=available,
         total_bytes=total,
         psutil_available=psutil_avail,
+        evictable_bytes=evictable,
     )
 
 

@@ -18,6 +18,14 @@ free/total ``mem_get_info`` (whole device, all processes)   ``psutil.virtual_mem
 rss        process resident set (``psutil``)               same
 ========== ================================================ ==============================================
 
+Dynamic VRAM (ComfyUI >= 0.33, comfy-aimdo; the adapter passes a :class:`DynamicVram`): weights of
+dynamic models sit in aimdo "VBAR" pages that comfy-aimdo maps with the CUDA driver, *outside* torch's
+allocator. ``allocated``/``reserved``/``peak`` therefore never include them, while ``free``
+(``mem_get_info``) counts them as used; the sample's ``models_evictable`` (their pages: resident, and
+evicted on demand when torch allocates), ``models_staged`` (their weights not resident: staged in RAM,
+faulted in when a layer runs) and ``aimdo_resident`` (aimdo's own total of resident VBAR pages on the
+device, every model included) say where those weights are. See ``docs/MEMORY.md``.
+
 So "peak" is always *the highest value of the device's own usage measure between two samples* (the
 allocator's bytes on a GPU, the process's resident bytes on the CPU); every sample resets the counter,
 so consecutive samples partition time. The first sample of a process reports the peak since process
@@ -178,6 +186,28 @@ def system_memory() -> tuple[int | None, int | None]:
 
 
 @dataclasses.dataclass(frozen=True)
+class DynamicVram:
+    """Dynamic-VRAM state of one device at a sample (ComfyUI >= 0.33; built by the node adapter).
+
+    ``state``: ``"on"``/``"off"`` (ComfyUI's ``aimdo_enabled``) or ``"absent"`` (a host without dynamic
+    VRAM). ``models``: dynamic models ComfyUI has loaded on the device; ``evictable``: their resident
+    aimdo pages; ``staged``: their weights not resident; ``host_resident``: aimdo's own count of
+    resident VBAR pages on the device (``None`` where not exposed).
+    """
+
+    state: str
+    models: int = 0
+    evictable: int = 0
+    staged: int = 0
+    host_resident: int | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether there is anything dynamic to report (dynamic VRAM on, or dynamic models loaded)."""
+        return self.state == "on" or self.models > 0
+
+
+@dataclasses.dataclass(frozen=True)
 class MemorySample:
     """One reading of a device (bytes; ``None`` = not measurable there). See the module docstring."""
 
@@ -201,6 +231,15 @@ class MemorySample:
     sample_seconds: float = 0.0
     methods: tuple[tuple[str, str], ...] = ()
     """``(field, how it was measured)`` pairs, shown in the report."""
+    dynamic_vram: str | None = None
+    """``on``/``off``/``absent`` (see :class:`DynamicVram`); ``None`` when the caller did not say."""
+    models_dynamic: int | None = None
+    models_evictable: int | None = None
+    """Resident aimdo pages of dynamic models (outside ``allocated``; evicted on demand)."""
+    models_staged: int | None = None
+    """Weights of dynamic models not resident (staged in RAM, faulted in when used)."""
+    aimdo_resident: int | None = None
+    """comfy-aimdo's own total of resident VBAR pages on the device."""
 
     def method(self, field: str) -> str:
         return dict(self.methods).get(field, "")
@@ -240,8 +279,11 @@ class MemorySampler:
         node_id: str | None = None,
         prompt_id: str | None = None,
         models_loaded: tuple[int, int] | None = None,
+        dynamic: DynamicVram | None = None,
     ) -> MemorySample:
-        """Read ``device`` now. ``models_loaded``: ``(count, bytes)`` of ComfyUI's loaded weights."""
+        """Read ``device`` now. ``models_loaded``: ``(count, bytes)`` of ComfyUI's loaded weights;
+        ``dynamic``: the device's dynamic-VRAM state (fields ``models_evictable`` etc. are ``None``
+        unless it is active)."""
         dev = torch.device(device)
         t0 = time.perf_counter()
         with self._lock:
@@ -255,6 +297,7 @@ class MemorySampler:
                 fields = self._sample_accel(dev)
             self._last_reset[key] = label
         count, loaded = models_loaded if models_loaded is not None else (None, None)
+        active = dynamic is not None and dynamic.active
         return MemorySample(
             label=label,
             device=str(dev),
@@ -265,6 +308,11 @@ class MemorySampler:
             node_id=node_id,
             prompt_id=prompt_id,
             sample_seconds=time.perf_counter() - t0,
+            dynamic_vram=None if dynamic is None else dynamic.state,
+            models_dynamic=dynamic.models if active else None,
+            models_evictable=dynamic.evictable if active else None,
+            models_staged=dynamic.staged if active else None,
+            aimdo_resident=dynamic.host_resident if active else None,
             **fields,
         )
 
@@ -348,15 +396,17 @@ class Timeline:
         self.samples.append(sample)
 
     def table(self) -> str:
-        """A fixed-width table of every sample (one line each, header first)."""
+        """A fixed-width table of every sample (one line each, header first); an ``evictable`` column
+        (aimdo pages of dynamic models) is added when a sample has one."""
         t0 = self.samples[0].wall_time if self.samples else 0.0
+        dyn = any(s.models_evictable is not None for s in self.samples)
         head = f"{'#':>2}  {'label':<18} {'t':>8} {'allocated':>11} {'reserved':>11} {'peak':>11} {'rss':>11}"
-        lines = [head]
+        lines = [head + (f" {'evictable':>11}" if dyn else "")]
         for i, s in enumerate(self.samples, 1):
             lines.append(
                 f"{i:>2}  {_clip(s.label, 18):<18} {'+' + format(s.wall_time - t0, '.2f') + ' s':>8} "
                 f"{fmt_bytes(s.allocated):>11} {fmt_bytes(s.reserved):>11} {fmt_bytes(s.peak):>11} "
-                f"{fmt_bytes(s.rss):>11}"
+                f"{fmt_bytes(s.rss):>11}" + (f" {fmt_bytes(s.models_evictable):>11}" if dyn else "")
             )
         return "\n".join(lines)
 
@@ -369,14 +419,19 @@ class Timeline:
         r.add("prompt", f"{self.key} ({len(self.samples)} sample{'s' if len(self.samples) != 1 else ''})")
         where = f" (node {s.node_id})" if s.node_id else ""
         r.add("sample", f"#{len(self.samples)} {s.label}{where}")
-        r.add("allocated", _fmt_exact(s.allocated, s.method("allocated")))
+        outside = "; aimdo pages not included (see dynamic)" if s.models_evictable else ""
+        r.add("allocated", _fmt_exact(s.allocated, s.method("allocated") + outside))
         r.add("reserved", _fmt_exact(s.reserved, s.method("reserved")))
-        r.add("peak", _fmt_exact(s.peak, f"since {s.peak_since}; {s.method('peak')}"))
+        r.add("peak", _fmt_exact(s.peak, f"since {s.peak_since}; {s.method('peak')}{outside}"))
         if s.free is not None and s.total is not None:
-            r.add(
-                "free",
-                f"{fmt_bytes(s.free)} of {fmt_bytes(s.total)} ({s.free} of {s.total} B; {s.method('free')})",
-            )
+            free = f"{fmt_bytes(s.free)} of {fmt_bytes(s.total)} ({s.free} of {s.total} B; {s.method('free')})"
+            if s.models_evictable:
+                usable = s.free + s.models_evictable
+                free += (
+                    f" + {fmt_bytes(s.models_evictable)} evictable dynamic-VRAM weights = {fmt_bytes(usable)} "
+                    f"({usable} B) usable by torch allocations"
+                )
+            r.add("free", free)
         else:
             r.add("free", "-")
         r.add("rss", _fmt_exact(s.rss, "process resident set"))
@@ -385,9 +440,33 @@ class Timeline:
                 "models",
                 f"{s.models_count} loaded by ComfyUI on {s.device}, {_fmt_exact(s.models_loaded, 'weights')}",
             )
+        if s.dynamic_vram is not None:
+            r.add("dynamic", _dynamic_row(s))
         r.add("timeline", self.table())
         r.add("cost", f"{s.sample_seconds * 1000:.0f} ms to sample")
         return r
+
+
+def _dynamic_row(s: MemorySample) -> str:
+    """The report's ``dynamic`` row: what is resident vs staged/evictable (see :class:`DynamicVram`)."""
+    if s.models_evictable is None:
+        if s.dynamic_vram == "absent":
+            return "not on this host (no dynamic VRAM: every loaded weight is a torch tensor on its device)"
+        return (
+            f"off on {s.device} (comfy-aimdo not enabled, e.g. --cpu, --highvram, --novram, --gpu-only, "
+            "--disable-dynamic-vram): every loaded weight is a torch tensor on its device"
+        )
+    head = {"on": "on (comfy-aimdo)", "absent": "not on this host"}.get(s.dynamic_vram or "", s.dynamic_vram)
+    if s.dynamic_vram != "on":
+        head = f"{head} (dynamic models loaded)"
+    text = (
+        f"{head}: {s.models_dynamic} dynamic model{'s' if s.models_dynamic != 1 else ''} on {s.device}; "
+        f"resident in aimdo pages {_fmt_exact(s.models_evictable, 'evictable on demand, outside torch allocator')}; "
+        f"staged {_fmt_exact(s.models_staged, 'not resident: in RAM, faulted in when used')}"
+    )
+    if s.aimdo_resident is not None:
+        text += f"; aimdo reports {_fmt_exact(s.aimdo_resident, 'resident VBAR pages, all models')}"
+    return text
 
 
 def _clip(text: str, n: int) -> str:
@@ -451,6 +530,11 @@ SERIES: tuple[tuple[str, tuple[int, int, int]], ...] = (
 )
 """Plotted fields and their colours (RGB)."""
 
+OPTIONAL_SERIES: tuple[tuple[str, tuple[int, int, int]], ...] = (("models_evictable", (148, 103, 189)),)
+"""Plotted when a sample has them: resident aimdo pages of dynamic models (purple)."""
+
+_LEGEND = {"models_evictable": "evictable"}
+
 BACKGROUND = (255, 255, 255)
 AXIS = (60, 60, 60)
 GRID = (225, 225, 225)
@@ -486,7 +570,8 @@ def render_timeline(samples: Sequence[MemorySample], width: int = 768, height: i
     if x1 - x0 < 16 or y1 - y0 < 16:
         x0, x1, y0, y1 = 4, width - 4, 4, height - 4
 
-    values = [getattr(s, f) for s in samples for f, _ in SERIES if getattr(s, f) is not None]
+    series = SERIES + OPTIONAL_SERIES
+    values = [getattr(s, f) for s in samples for f, _ in series if getattr(s, f) is not None]
     vmax = max(values) if values else 1
     unit, div = _unit(vmax)
     step = _nice_step(max(vmax * 1.05, 1.0) / div) * div  # round ticks in the displayed unit
@@ -510,7 +595,7 @@ def render_timeline(samples: Sequence[MemorySample], width: int = 768, height: i
     draw.line([(x0, y0), (x0, y1), (x1, y1)], fill=AXIS)
 
     # series
-    for field, colour in SERIES:
+    for field, colour in series:
         pts = [(i, getattr(s, field)) for i, s in enumerate(samples) if getattr(s, field) is not None]
         if not pts:
             continue
@@ -536,12 +621,13 @@ def render_timeline(samples: Sequence[MemorySample], width: int = 768, height: i
 
     # legend and title
     lx = x0 + 4
-    for field, colour in SERIES:
+    for field, colour in series:
         if not any(getattr(s, field) is not None for s in samples):
             continue
+        name = _LEGEND.get(field, field)
         draw.rectangle([lx, 10, lx + 10, 20], fill=colour)
-        draw.text((lx + 14, 8), field, fill=AXIS, font=font)
-        lx += 24 + 7 * len(field)
+        draw.text((lx + 14, 8), name, fill=AXIS, font=font)
+        lx += 24 + 7 * len(name)
     if samples:
         draw.text((max(lx + 8, x1 - 150), 8), _clip(samples[-1].device, 24), fill=AXIS, font=font)
     else:

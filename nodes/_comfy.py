@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
+import inspect
 import logging
 import pathlib
 import sys
@@ -23,7 +25,16 @@ from comfy_api.v0_0_2 import io, ui
 
 from ..memory.budget import Budget, compute_budget, weights_to_load
 from ..memory.cost_model import CostModelStore
-from ..memory.offload import OffloadReport, offload_for_decode
+from ..memory.offload import (
+    DeviceResidency,
+    OffloadReport,
+    Residency,
+    device_residency,
+    evictable_bytes,
+    is_dynamic,
+    offload_for_decode,
+    residency,
+)
 
 log = logging.getLogger("vramfit")
 
@@ -68,12 +79,19 @@ def vae_patcher(vae: Any) -> Any:
 
 
 def vae_budget(vae: Any, budget_mb: float | None) -> Budget:
-    """Bytes a decode with ``vae`` may use on its device (user budget in MB overrides free memory)."""
+    """Bytes a decode with ``vae`` may use on its device (user budget in MB overrides free memory).
+
+    ``free + evictable - VAE weights to load - reserve``: ``evictable`` is the dynamic-VRAM pages of
+    every *other* model on the device (ComfyUI >= 0.33 with comfy-aimdo; 0 elsewhere), which aimdo
+    evicts when the decode allocates. See docs/MEMORY.md, "Dynamic VRAM".
+    """
     device = torch.device(vae.device)
     patcher = vae_patcher(vae)
     to_load = 0
+    evictable = 0
     if hasattr(patcher, "model_size") and hasattr(patcher, "loaded_size"):
         to_load = weights_to_load(patcher.model_size(), patcher.loaded_size())
+        evictable = evictable_bytes(mm, device, exclude=[patcher])
     return compute_budget(
         device,
         mm.get_free_memory,
@@ -81,17 +99,27 @@ def vae_budget(vae: Any, budget_mb: float | None) -> Budget:
         vae_weights_to_load=to_load,
         reserve_floor=int(mm.extra_reserved_memory()) if device.type != "cpu" else 0,
         user_budget_mb=budget_mb if budget_mb and budget_mb > 0 else None,
+        evictable_bytes=evictable,
     )
 
 
 def offload_others(vae: Any, required_bytes: int | None, mode: str = "needed") -> OffloadReport:
-    """Unload upstream models from the VAE's device (keeping the VAE) before a decode."""
+    """Unload upstream models from the VAE's device (keeping the VAE) before a decode; dynamic-VRAM
+    models are unloaded too (``free_memory(..., for_dynamic=False)`` where the host has it)."""
     return offload_for_decode(mm, torch.device(vae.device), required_bytes, keep=[vae_patcher(vae)], mode=mode)
 
 
-def load_vae_weights(vae: Any, decode_bytes: int) -> None:
-    """Put the VAE's weights on its device the way ComfyUI's own decode does."""
-    mm.load_models_gpu([vae_patcher(vae)], memory_required=int(decode_bytes), force_full_load=True)
+def load_vae_weights(vae: Any, decode_bytes: int) -> Residency:
+    """Put the VAE's weights on its device the way ComfyUI's own decode does; returns where they are.
+
+    A non-dynamic patcher is loaded in full (``force_full_load``: the budget counted every weight as
+    resident). A dynamic-VRAM patcher (ComfyUI >= 0.33, comfy-aimdo) is *staged*: ComfyUI prioritises
+    its pages and force-loads only small weights; the rest is faulted in layer by layer while the
+    decode runs (a full load does not exist there, and ComfyUI's own decode never asks for one).
+    """
+    patcher = vae_patcher(vae)
+    mm.load_models_gpu([patcher], memory_required=int(decode_bytes), force_full_load=not is_dynamic(patcher))
+    return residency(patcher)
 
 
 def user_cache_file(name: str, what: str) -> pathlib.Path | None:
@@ -149,6 +177,37 @@ def loaded_weights(device: torch.device | None = None) -> tuple[int, int]:
     """``(count, bytes)`` of the models ComfyUI has loaded (on ``device``): its ``loaded_size()``."""
     lms = loaded_models(device)
     return len(lms), sum(int(lm.model.loaded_size()) for lm in lms)
+
+
+def loaded_residency(device: torch.device) -> DeviceResidency:
+    """Per-model residency (resident tensors, aimdo pages, staged bytes) of ComfyUI's models on ``device``."""
+    return device_residency(mm, device)
+
+
+def dynamic_vram_state() -> str:
+    """``"on"``/``"off"``: ComfyUI's dynamic VRAM (``comfy.memory_management.aimdo_enabled``, set by
+    ``main.py`` when comfy-aimdo initialised: NVIDIA/AMD without ``--cpu``, ``--highvram``, ``--novram``,
+    ``--gpu-only``, ``--disable-dynamic-vram``); ``"absent"``: a host without it (ComfyUI 0.3.x)."""
+    try:
+        cmm = importlib.import_module("comfy.memory_management")
+    except ImportError:
+        return "absent"
+    if not hasattr(cmm, "aimdo_enabled"):
+        return "absent"
+    return "on" if cmm.aimdo_enabled else "off"
+
+
+def aimdo_vbar_bytes(device: torch.device) -> int | None:
+    """Bytes resident in comfy-aimdo's VBARs (every model's pages) on a CUDA ``device``, as aimdo
+    reports them (``comfy_aimdo.model_vbar.vbars_analyze``); ``None`` where dynamic VRAM is not on."""
+    if device.type != "cuda" or dynamic_vram_state() != "on":
+        return None
+    try:
+        vbar = importlib.import_module("comfy_aimdo.model_vbar")
+        return int(vbar.vbars_analyze(device.index))
+    except (ImportError, AttributeError, RuntimeError, OSError) as e:
+        log.debug("comfy-aimdo VBAR usage unavailable on %s: %s", device, e)
+        return None
 
 
 def decode_device() -> torch.device:
@@ -223,8 +282,6 @@ def has_core_decode(vae: Any) -> bool:
 def group_norm_params(norm: Any, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """A GroupNorm's affine weight/bias as float32 (float64 for float64 ``x``) on ``x``'s device, through
     ComfyUI's weight casting (``comfy.ops``: low-VRAM offloaded weights, weight patches) when it applies."""
-    import comfy.ops
-
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     if getattr(norm, "weight", None) is None:
         bias = getattr(norm, "bias", None)
@@ -233,10 +290,27 @@ def group_norm_params(norm: Any, x: torch.Tensor) -> tuple[torch.Tensor | None, 
         getattr(norm, "bias_function", None)
     )
     if casts:
-        w, b = comfy.ops.cast_bias_weight(norm, x, dtype=dtype, device=x.device)
-        return w.to(dtype), None if b is None else b.to(dtype)
+        return _cast_norm_params(norm, x, dtype)
     b = getattr(norm, "bias", None)
     return norm.weight.detach().to(x.device, dtype), None if b is None else b.detach().to(x.device, dtype)
+
+
+def _cast_norm_params(norm: Any, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``comfy.ops.cast_bias_weight`` for a parameter read outside the layer's forward: copies, then
+    releases the cast. With dynamic VRAM the cast may return a view of an aimdo page (or of a shared
+    cast buffer) that is only valid until ``uncast_bias_weight`` unpins it, so the values are copied
+    first; hosts whose ``cast_bias_weight`` has no ``offloadable`` parameter get the plain call."""
+    import comfy.ops
+
+    uncast = getattr(comfy.ops, "uncast_bias_weight", None)
+    if uncast is None or "offloadable" not in inspect.signature(comfy.ops.cast_bias_weight).parameters:
+        w, b = comfy.ops.cast_bias_weight(norm, x, dtype=dtype, device=x.device)
+        return w.to(dtype, copy=True), None if b is None else b.to(dtype, copy=True)
+    w, b, stream = comfy.ops.cast_bias_weight(norm, x, dtype=dtype, device=x.device, offloadable=True)
+    try:
+        return w.to(dtype, copy=True), None if b is None else b.to(dtype, copy=True)
+    finally:
+        uncast(norm, w, b, stream)
 
 
 _EXACT_STORE: Any = None

@@ -189,13 +189,26 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def _cast_own(module: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast a module's own floating parameters and buffers (not its children's) to ``dtype``."""
+    """Cast a module's own floating parameters and buffers (not its children's) to ``dtype``.
+
+    Hosts that archive each tensor's dtype (ComfyUI >= 0.33 ``archive_model_dtypes``:
+    ``<name>_comfy_model_dtype``, read when a dynamic-VRAM patcher stages the weights and sizes their
+    aimdo pages) get the archive updated, or the staged copy would be cast back to the old dtype.
+    """
     for name, p in list(module._parameters.items()):
         if p is not None and p.is_floating_point() and p.dtype != dtype:
             module._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+            _archive_dtype(module, name, dtype)
     for name, b in list(module._buffers.items()):
         if b is not None and b.is_floating_point() and b.dtype != dtype:
             module._buffers[name] = b.to(dtype)
+            _archive_dtype(module, name, dtype)
+
+
+def _archive_dtype(module: torch.nn.Module, name: str, dtype: torch.dtype) -> None:
+    attr = f"{name}_comfy_model_dtype"
+    if hasattr(module, attr):
+        setattr(module, attr, dtype)
 
 
 def _load_vae(sd: dict, metadata: Any, storage: torch.dtype) -> tuple[Any, torch.dtype, str]:

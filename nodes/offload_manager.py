@@ -6,7 +6,9 @@ left unconnected (ComfyUI then runs it as soon as its inputs are ready: still be
 only waits for the same latent), and it re-runs on every prompt (side effects: ``fingerprint_inputs``
 returns NaN, which never equals itself). Models are unloaded through ComfyUI's own model management
 (``free_memory`` with a keep list), so every ``ModelPatcher`` subclass (GGUF's included) is handled the
-way ComfyUI handles it. See ``docs/NODES_UTILITY.md`` for the measurement semantics.
+way ComfyUI handles it; dynamic-VRAM models (ComfyUI >= 0.33, comfy-aimdo) are unloaded too
+(``for_dynamic=False``), their aimdo pages measured apart from torch's allocator. See
+``docs/NODES_UTILITY.md`` and ``docs/MEMORY.md`` ("Dynamic VRAM") for the measurement semantics.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import torch
 from comfy_api.v0_0_2 import io, ui
 
 from ..memory.monitor import module_weight_bytes, process_rss
-from ..memory.offload import offload_for_decode
+from ..memory.offload import accepts_keyword, offload_for_decode, residency
 from ..memory.report import Report, fmt_bytes, fmt_seconds
 from ._comfy import (
     CATEGORY,
     MODEL_SOCKET_TYPES,
     NodeInputError,
+    aimdo_vbar_bytes,
+    dynamic_vram_state,
     executing_context,
     loaded_models,
     malloc_trim,
@@ -115,16 +119,28 @@ class _ModelState:
     resident_after: int = 0
     still_listed: bool = True
     kept: bool = False
+    dynamic: bool = False
+    pages_before: int = 0
+    """Resident aimdo pages of a dynamic model (``Residency.evictable``), outside torch's allocator."""
+    pages_after: int = 0
 
 
 def _device_usage(device: torch.device) -> dict[str, int | None]:
-    """Device-level usage: CUDA allocator bytes (allocated, reserved), or the process RSS on the CPU."""
+    """Device-level usage: CUDA allocator bytes (allocated, reserved) and the driver's used memory
+    (``total - mem_get_info free``: aimdo pages included), plus comfy-aimdo's resident VBAR pages where
+    dynamic VRAM is on; or the process RSS on the CPU."""
     if device.type == "cuda" and torch.cuda.is_available():
         torch.cuda.synchronize(device)
-        return {
+        free, total = torch.cuda.mem_get_info(device)
+        usage: dict[str, int | None] = {
             "CUDA memory_allocated": int(torch.cuda.memory_allocated(device)),
             "memory_reserved": int(torch.cuda.memory_reserved(device)),
+            "driver used (mem_get_info)": int(total - free),
         }
+        pages = aimdo_vbar_bytes(device)
+        if pages is not None:
+            usage["aimdo VBAR pages"] = pages
+        return usage
     if device.type == "cpu":
         return {"process RSS": process_rss()}
     return {f"{device.type} memory": None}
@@ -286,14 +302,17 @@ class OffloadManager(io.ComfyNode):
         for lm in lms:
             p = lm.model
             dev = torch.device(lm.device)
+            res = residency(p)
             states.append(
                 _ModelState(
                     patcher=p,
                     name=_name(p),
                     device=dev,
-                    loaded_before=int(p.loaded_size()),
+                    loaded_before=res.loaded,
                     resident_before=module_weight_bytes(p.model, dev),
                     kept=any(_same_model(p, k) for k in wanted),
+                    dynamic=res.dynamic,
+                    pages_before=res.evictable,
                 )
             )
         usage_before = {d: _device_usage(d) for d in devices}
@@ -309,7 +328,9 @@ class OffloadManager(io.ComfyNode):
 
         listed = {id(lm.model) for lm in loaded_models()}
         for s in states:
-            s.loaded_after = int(s.patcher.loaded_size())
+            res = residency(s.patcher)
+            s.loaded_after = res.loaded
+            s.pages_after = res.evictable
             s.resident_after = module_weight_bytes(s.patcher.model, s.device)
             s.still_listed = id(s.patcher) in listed
         usage_after = {d: _device_usage(d) for d in devices}
@@ -337,6 +358,25 @@ def _check_choices(unload: str, method: str) -> None:
         raise NodeInputError(NODE, f"unload must be one of {list(UNLOAD_CHOICES)}, not {unload!r}")
     if method not in METHOD_CHOICES:
         raise NodeInputError(NODE, f"method must be one of {list(METHOD_CHOICES)}, not {method!r}")
+
+
+def _dynamic_line(states: list[_ModelState]) -> str:
+    """The report's ``dynamic`` row: the host's dynamic VRAM and the dynamic models' aimdo pages."""
+    state = dynamic_vram_state()
+    head = {"on": "on (comfy-aimdo)", "off": "off", "absent": "not on this host"}.get(state, state)
+    dyn = [s for s in states if s.dynamic]
+    if not dyn:
+        if state == "absent":
+            return head + " (every loaded weight is a torch tensor)"
+        return head + "; no dynamic models were loaded"
+    if accepts_keyword(mm.free_memory, "for_dynamic"):
+        head += "; free_memory(for_dynamic=False) unloads dynamic models too"
+    lines = [
+        f"{s.name}: aimdo pages {fmt_bytes(s.pages_before)} -> {fmt_bytes(s.pages_after)} on {s.device}"
+        + (" (kept)" if s.kept else "")
+        for s in dyn
+    ]
+    return head + "; resident pages of the dynamic models:\n" + "\n".join(lines)
 
 
 def _models_line(states: list[_ModelState], after: bool) -> str:
@@ -402,12 +442,19 @@ def _report(
     gone = [s for s in states if s.loaded_after < s.loaded_before]
     res_before = sum(s.resident_before for s in gone)
     res_after = sum(s.resident_after for s in gone)
-    r.add(
-        "freed",
+    freed = (
         f"{fmt_bytes(released)} ({released} B) of model weights released by ComfyUI (loaded_size); "
         f"exact storage count of those models' weights on their device: {fmt_bytes(res_before)} -> "
-        f"{fmt_bytes(res_after)} ({res_before - res_after} B left the device)",
+        f"{fmt_bytes(res_after)} ({res_before - res_after} B left the device)"
     )
+    pages = sum(s.pages_before - s.pages_after for s in gone if s.dynamic)
+    if any(s.dynamic for s in gone):
+        freed += (
+            f"; of the released weights, {fmt_bytes(pages)} ({pages} B) were aimdo pages of dynamic models "
+            "(outside torch's allocator: not in the storage count nor memory_allocated; the driver's used "
+            "memory shows them)"
+        )
+    r.add("freed", freed)
     dev_lines = []
     for d in sorted(usage_before, key=str):
         parts = []
@@ -425,6 +472,7 @@ def _report(
             line += f"; load and offload device are both {d}: unloaded weights stay in this memory"
         dev_lines.append(line)
     r.add("device", "\n".join(dev_lines) or "no models were loaded")
+    r.add("dynamic", _dynamic_line(states))
     r.add("after", _models_line(states, after=True))
     if method == METHOD_DROP:
         if unload == UNLOAD_NONE:

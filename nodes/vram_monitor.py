@@ -11,10 +11,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from comfy_api.v0_0_2 import io, ui
 
-from ..memory.monitor import MemorySampler, TimelineRegistry, render_timeline
-from ._comfy import CATEGORY, decode_device, executing_context, loaded_weights
+from ..memory.monitor import DynamicVram, MemorySampler, TimelineRegistry, render_timeline
+from ._comfy import (
+    CATEGORY,
+    aimdo_vbar_bytes,
+    decode_device,
+    dynamic_vram_state,
+    executing_context,
+    loaded_residency,
+    loaded_weights,
+)
 
 log = logging.getLogger("vramfit.vram_monitor")
 
@@ -26,6 +35,19 @@ TIMELINES = TimelineRegistry(max_timelines=32, max_samples=512)
 
 def timeline_key(prompt_id: str | None) -> str:
     return prompt_id or "no prompt"
+
+
+def dynamic_snapshot(device: torch.device) -> DynamicVram:
+    """Dynamic-VRAM state of ``device``: ComfyUI's loaded models (aimdo pages, staged weights) and
+    comfy-aimdo's own VBAR total where the host exposes it (docs/MEMORY.md, "Dynamic VRAM")."""
+    res = loaded_residency(device)
+    return DynamicVram(
+        state=dynamic_vram_state(),
+        models=res.dynamic_count,
+        evictable=res.evictable,
+        staged=res.staged,
+        host_resident=aimdo_vbar_bytes(device),
+    )
 
 
 class VRAMMonitor(io.ComfyNode):
@@ -99,8 +121,9 @@ class VRAMMonitor(io.ComfyNode):
         device = decode_device()
         name = (label or "").strip() or (f"node {node_id}" if node_id else "monitor")
         sample = SAMPLER.sample(
-            device, name, node_id=node_id, prompt_id=prompt_id, models_loaded=loaded_weights(device)
-        )
+            device, name, node_id=node_id, prompt_id=prompt_id, models_loaded=loaded_weights(device),
+            dynamic=dynamic_snapshot(device),
+        )  # fmt: skip
         timeline = TIMELINES.add(timeline_key(prompt_id), sample)
         text = timeline.report(NODE).text()
         plot = render_timeline(timeline.samples, plot_width, plot_height)
