@@ -8,7 +8,9 @@ Three ways in, all on the ComfyUI that ``scripts/setup_host.sh`` installed (or `
   this pack included) through ComfyUI's real custom-node loader and returns its ``nodes`` module;
 * :class:`ComfyServer` starts ``main.py`` headless on 127.0.0.1, and :class:`ComfyClient` speaks
   its HTTP API (``POST /prompt`` → ``/history``), raising :class:`WorkflowError` with ComfyUI's
-  own error text when a prompt is rejected or fails.
+  own error text when a prompt is rejected or fails;
+* :func:`clone_node`, :func:`prompt_executor` and :func:`core_decode_tiled` call the ComfyUI internals
+  the tests drive directly the way the running host expects (they changed between 0.3.75 and 0.33).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -160,6 +163,59 @@ def load_comfy_in_process(cfg: HostConfig | None = None, cpu: bool = True) -> An
 def pack_module_name() -> str:
     """The module name ComfyUI's loader gives this pack (the folder name in custom_nodes/)."""
     return PACK_LINK_NAME
+
+
+# --------------------------------------------------------------------------- host internals the tests call
+# The few ComfyUI internals the tests drive directly changed between the supported hosts; each function
+# below calls them the way the running host expects, detected from the host's own signatures, so the
+# tests themselves hold no version checks.
+
+
+def clone_node(cls: Any, unique_id: str, **hidden: Any) -> Any:
+    """``cls.PREPARE_CLASS_CLONE`` with hidden inputs (``unique_id``, ``prompt=``, ``extra_pnginfo=``...),
+    as ComfyUI's executor prepares a V3 node before ``execute``.
+
+    0.3.75 takes the hidden inputs themselves; 0.33 takes ``v3_data`` holding them under ``hidden_inputs``.
+    """
+    inputs = {"UNIQUE_ID": unique_id} | {name.upper(): value for name, value in hidden.items()}
+    first = next(iter(inspect.signature(cls.PREPARE_CLASS_CLONE).parameters))
+    return cls.PREPARE_CLASS_CLONE({"hidden_inputs": inputs} if first == "v3_data" else inputs)
+
+
+class StubPromptServer:
+    """What ComfyUI's PromptExecutor needs from a server when nobody listens."""
+
+    client_id = None
+    last_node_id = None
+    last_prompt_id = None
+
+    def send_sync(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def prompt_executor(server: Any = None) -> Any:
+    """ComfyUI's ``execution.PromptExecutor`` with the classic cache, as ``main.py --cache-classic`` makes it.
+
+    ``cache_args`` carries every key some supported host's executor reads, with ``main.py``'s values for the
+    classic cache (0.33 reads ``ram_inactive`` on every prompt; 0.3.75 reads ``lru`` and ``ram`` only).
+    """
+    import execution
+
+    cache_args = {"lru": 0, "ram": 0, "ram_inactive": 0}
+    return execution.PromptExecutor(
+        server or StubPromptServer(), cache_type=execution.CacheType.CLASSIC, cache_args=cache_args
+    )
+
+
+def core_decode_tiled(nodes_module: Any, vae: Any, latent: dict, *args: Any) -> Any:
+    """Core ``VAEDecodeTiled().decode(vae, latent, *args)[0]`` as ComfyUI's executor runs it: under
+    ``torch.inference_mode()`` (0.33's decode adds in place to a tensor made in inference mode, which
+    raises outside it). Returns an ordinary tensor (a copy), usable in autograd-tracked code."""
+    import torch
+
+    with torch.inference_mode():
+        image = nodes_module.VAEDecodeTiled().decode(vae, latent, *args)[0]
+    return image.clone()
 
 
 # --------------------------------------------------------------------------- HTTP server

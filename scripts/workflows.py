@@ -23,6 +23,15 @@ every link joins an existing output to an input of a compatible type (pass-throu
 every widget value has the declared type and lies in the declared range or options; file-list COMBOs
 (model files) are either on the host or declared with their folder; and the UI converted to API format
 (:func:`ui_to_api`, the frontend's widget mapping) equals the committed twin.
+
+One set of files serves every supported host (ComfyUI 0.3.75 and 0.33): the builder writes only what
+both accept and the validator reads both schemas. What 0.33 changed: dynamic combos
+(``COMFY_DYNAMICCOMBO_V3``: the selected option's inputs follow the combo's widget as ``<combo>.<id>``,
+e.g. ``SaveVideo.format`` then ``format.codec``), hidden inputs kept for old prompts (``SaveVideo.codec``:
+the API twin writes nested values under such a top-level key, :meth:`NodeSchema.api_name`), new
+optional widgets (``CreateVideo.bit_depth``: trailing optional widgets left at their default are not
+written, :func:`value_counts`) and outputs on output nodes (``SaveImage``, ``SaveVideo``: listed only up
+to the last linked one, :func:`ui_output_count`).
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import math
 import pathlib
 import sys
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 log = logging.getLogger("vramfit.workflows")
@@ -47,6 +56,8 @@ API_DIR = WORKFLOWS_DIR / "api"
 DECLARATIONS_PATH = pathlib.Path(__file__).resolve().with_name("workflow_declarations.json")
 
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
+DYNAMIC_COMBO = "COMFY_DYNAMICCOMBO_V3"
+"""A combo whose selected option adds inputs (ComfyUI 0.33+, e.g. ``SaveVideo.format``)."""
 PACK_PREFIX = "VRAMFit_"
 THUMB_SIZE = (640, 400)
 
@@ -63,16 +74,29 @@ class InputSpec:
     """One input of a node as the frontend sees it."""
 
     name: str
+    """The input's id; inputs added by a dynamic combo option are named ``<combo>.<id>`` (as in the
+    frontend's widgets and the API prompt)."""
     type: str
-    """INT/FLOAT/STRING/BOOLEAN/COMBO for widgets, else the socket type (``*`` = anything)."""
+    """INT/FLOAT/STRING/BOOLEAN/COMBO/COMFY_DYNAMICCOMBO_V3 for widgets, else the socket type (``*`` = anything)."""
     opts: dict
     required: bool
     options: tuple | None = None
-    """COMBO options."""
+    """COMBO options (a dynamic combo's option keys)."""
+    children: tuple[tuple[str, tuple[InputSpec, ...]], ...] = ()
+    """Dynamic combo: ``(option key, inputs that option adds)`` for each option."""
 
     @property
     def widget(self) -> bool:
-        return self.type in WIDGET_TYPES and not self.opts.get("forceInput")
+        return (self.type in WIDGET_TYPES or self.type == DYNAMIC_COMBO) and not self.opts.get("forceInput")
+
+    @property
+    def hidden(self) -> bool:
+        """Declared for old prompts only (0.33's ``SaveVideo.codec``): no socket or widget in the UI."""
+        return bool(self.opts.get("hidden"))
+
+    def option_inputs(self, value: Any) -> tuple[InputSpec, ...]:
+        """The inputs a dynamic combo adds when ``value`` is selected (none for other inputs)."""
+        return next((specs for key, specs in self.children if key == value), ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,17 +108,54 @@ class NodeSchema:
     output_names: tuple[str, ...]
     pack: str | None = None
     """Declared third-party pack, None for the host's own node types."""
+    output_node: bool = False
 
     def input(self, name: str) -> InputSpec | None:
-        return next((i for i in self.inputs if i.name == name), None)
+        """The input ``name``, nested inputs of dynamic combos included (``format.codec``)."""
+        return next((i for i in _all_inputs(self.inputs) if i.name == name), None)
 
     @property
     def sockets(self) -> list[InputSpec]:
-        return [i for i in self.inputs if not i.widget]
+        return [i for i in self.inputs if not i.widget and not i.hidden]
 
     @property
     def widgets(self) -> list[InputSpec]:
-        return [i for i in self.inputs if i.widget]
+        """Top-level widgets in order (a dynamic combo's option inputs follow it: :func:`widget_layout`)."""
+        return [i for i in self.inputs if i.widget and not i.hidden]
+
+    @property
+    def host_output_node(self) -> bool:
+        """An output node of the host (SaveImage, SaveVideo): its outputs differ between hosts (0.33 added
+        pass-through outputs), so a template may list only the ones it links (:func:`ui_output_count`)."""
+        return self.output_node and self.pack is None and not self.type.startswith(PACK_PREFIX)
+
+    def api_name(self, name: str) -> str:
+        """The prompt key for input ``name`` that every supported host accepts.
+
+        An input nested in a dynamic combo whose own id is also a top-level input of the node is written
+        under that top-level id: 0.33's ``SaveVideo`` keeps a hidden top-level ``codec`` for prompts
+        written before ``format`` became a dynamic combo, and 0.3.75 only knows ``codec``; so
+        ``format.codec`` -> ``codec`` (and ``format.codec.encoding`` -> ``codec.encoding``).
+        """
+        parts = name.split(".")
+        top = {i.name for i in self.inputs}
+        return next((".".join(parts[k:]) for k in range(1, len(parts)) if parts[k] in top), name)
+
+
+def _all_inputs(specs: Iterable[InputSpec]) -> Iterator[InputSpec]:
+    for spec in specs:
+        yield spec
+        for _, nested in spec.children:
+            yield from _all_inputs(nested)
+
+
+def _parse_inputs(sections: dict, order: dict | None, prefix: str = "") -> list[InputSpec]:
+    inputs = []
+    for section in ("required", "optional"):
+        specs = sections.get(section) or {}
+        for name in (order or {}).get(section) or list(specs):
+            inputs.append(_parse_input(prefix + name, specs[name], section == "required"))
+    return inputs
 
 
 def _parse_input(name: str, spec: Any, required: bool) -> InputSpec:
@@ -107,21 +168,24 @@ def _parse_input(name: str, spec: Any, required: bool) -> InputSpec:
         if options is None and isinstance(spec, (list, tuple)) and len(spec) > 1 and isinstance(spec[1], list):
             options, opts = spec[1], {}
         return InputSpec(name, "COMBO", opts, required, tuple(options or ()))
+    if kind == DYNAMIC_COMBO:
+        # {"options": [{"key": ..., "inputs": {"required": {...}, "optional": {...}}}]}; the frontend shows
+        # the option keys as a combo and adds the selected option's inputs after it as "<name>.<id>"
+        children = tuple(
+            (o["key"], tuple(_parse_inputs(o.get("inputs") or {}, None, prefix=name + "."))) for o in opts["options"]
+        )
+        rest = {k: v for k, v in opts.items() if k != "options"}
+        return InputSpec(name, DYNAMIC_COMBO, rest, required, tuple(k for k, _ in children), children)
     return InputSpec(name, str(kind), opts, required)
 
 
 def parse_schema(node_type: str, info: dict, pack: str | None = None) -> NodeSchema:
-    inputs = []
-    order = info.get("input_order") or {}
-    for section in ("required", "optional"):
-        specs = (info.get("input") or {}).get(section) or {}
-        for name in order.get(section) or list(specs):
-            inputs.append(_parse_input(name, specs[name], section == "required"))
+    inputs = _parse_inputs(info.get("input") or {}, info.get("input_order"))
     outputs = tuple(str(o) if not isinstance(o, list) else "COMBO" for o in info.get("output") or ())
     names = tuple(info.get("output_name") or outputs)
     return NodeSchema(
         type=node_type, display_name=info.get("display_name") or node_type, inputs=tuple(inputs),
-        outputs=outputs, output_names=names, pack=pack,
+        outputs=outputs, output_names=names, pack=pack, output_node=bool(info.get("output_node")),
     )  # fmt: skip
 
 
@@ -166,6 +230,65 @@ class Schemas:
 
     def file_input(self, node_type: str, name: str) -> dict | None:
         return self.file_inputs.get(f"{node_type}.{name}")
+
+    def widget_layout(self, schema: NodeSchema, value_at: Callable[[InputSpec, int], Any]) -> list[WidgetSlot]:
+        """The node's widgets in the frontend's order, each with the position of its value.
+
+        A dynamic combo is followed by the inputs of its selected option (``value_at(spec, index)``: the
+        value it holds), recursively: the frontend inserts them after the combo's widget.
+        """
+        slots: list[WidgetSlot] = []
+
+        def walk(specs: Iterable[InputSpec]) -> None:
+            for spec in specs:
+                if not spec.widget or spec.hidden:
+                    continue
+                slot = WidgetSlot(spec, slots[-1].end if slots else 0, self.has_control(spec))
+                slots.append(slot)
+                if spec.type == DYNAMIC_COMBO:
+                    walk(spec.option_inputs(value_at(spec, slot.index)))
+
+        walk(schema.widgets)
+        return slots
+
+    def ui_widget_layout(self, schema: NodeSchema, values: list) -> list[WidgetSlot]:
+        """:meth:`widget_layout` of a UI node with these ``widgets_values``."""
+        return self.widget_layout(schema, lambda _, i: values[i] if i < len(values) else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class WidgetSlot:
+    """One widget of a node and where its value sits in ``widgets_values``."""
+
+    spec: InputSpec
+    index: int
+    control: bool
+    """A control_after_generate value follows at ``index + 1``."""
+
+    @property
+    def end(self) -> int:
+        return self.index + (2 if self.control else 1)
+
+
+def value_counts(slots: list[WidgetSlot]) -> list[int]:
+    """Lengths of ``widgets_values`` the frontend loads: all values, or without a trailing run of optional
+    widgets (their widgets keep their defaults), ascending."""
+    counts = [slots[-1].end if slots else 0]
+    for slot in reversed(slots):
+        if slot.spec.required:
+            break
+        counts.append(slot.index)
+    return sorted(counts)
+
+
+def ui_output_count(schema: NodeSchema, linked_slots: Iterable[int]) -> int:
+    """How many outputs a template lists: all of them, except that a host output node lists them only up to
+    its last linked one (0.33 gave ``SaveImage``/``SaveVideo`` pass-through outputs 0.3.75 lacks; the
+    frontend takes a node's outputs from the workflow, and 0.33's own templates list ``SaveImage`` both
+    with and without them)."""
+    if schema.host_output_node:
+        return max(linked_slots, default=-1) + 1
+    return len(schema.outputs)
 
 
 # ------------------------------------------------------------------------------- description DSL
@@ -226,7 +349,7 @@ class WorkflowDesc:
 def _default(spec: InputSpec) -> Any:
     if "default" in spec.opts:
         return spec.opts["default"]
-    if spec.type == "COMBO":
+    if spec.type in ("COMBO", DYNAMIC_COMBO):
         return spec.options[0] if spec.options else ""
     return {"INT": 0, "FLOAT": 0.0, "STRING": "", "BOOLEAN": False}[spec.type]
 
@@ -269,14 +392,43 @@ def types_compatible(src: str, dst: str) -> bool:
     return src == dst or src in dst.split(",") or dst in src.split(",")
 
 
-def _node_size(schema: NodeSchema, desc: NodeDesc) -> list[int]:
+def _node_size(schema: NodeSchema, desc: NodeDesc, widgets: list[InputSpec], outputs: int) -> list[int]:
+    """Size of a node with these widgets (as written) and ``outputs`` listed outputs."""
     linked_widgets = sum(1 for w in schema.widgets if isinstance(desc.values.get(w.name), Out))
     sockets = len(schema.sockets) + linked_widgets
-    widgets = len(schema.widgets)
-    multiline = any(w.type == "STRING" and w.opts.get("multiline") for w in schema.widgets)
+    multiline = any(w.type == "STRING" and w.opts.get("multiline") for w in widgets)
     width = 400 if multiline else 320
-    height = 30 + 22 * max(sockets, len(schema.outputs), 1) + 26 * widgets + (110 if multiline else 0)
+    height = 30 + 22 * max(sockets, outputs, 1) + 26 * len(widgets) + (110 if multiline else 0)
     return [width, height]
+
+
+def _widgets_values(schema: NodeSchema, desc: NodeDesc, schemas: Schemas) -> tuple[list, list[InputSpec]]:
+    """``widgets_values`` of a described node, and the widgets they belong to.
+
+    A value is looked up by the widget's name, then by its prompt key (``format.codec`` -> ``codec``,
+    :meth:`NodeSchema.api_name`); widgets not given take their default. Trailing optional widgets the
+    description leaves unset are not written: the frontend keeps a widget's default when
+    ``widgets_values`` ends early and the prompt then leaves the optional input out, so one template
+    serves a host without the widget (0.3.75's ``CreateVideo``) and one with it (0.33 added ``bit_depth``).
+    """
+
+    def given(spec: InputSpec) -> Any:
+        value = desc.values.get(spec.name)
+        return desc.values.get(schema.api_name(spec.name)) if value is None else value
+
+    def value_of(spec: InputSpec) -> Any:
+        value = given(spec)
+        return _default(spec) if value is None or isinstance(value, Out) else value
+
+    slots = schemas.widget_layout(schema, lambda spec, _: value_of(spec))
+    while slots and not slots[-1].spec.required and given(slots[-1].spec) is None:
+        slots.pop()
+    values: list[Any] = []
+    for slot in slots:
+        values.append(value_of(slot.spec))
+        if slot.control:
+            values.append(desc.control)
+    return values, [slot.spec for slot in slots]
 
 
 def _note_markdown(desc: WorkflowDesc, schemas: Schemas) -> str:
@@ -326,8 +478,13 @@ def build_ui(desc: WorkflowDesc, schemas: Schemas) -> dict:
 
     node_types = {n.id: n.type for n in desc.nodes}
     links_in = {(n.id, k): (v.node, v.slot) for n in desc.nodes for k, v in n.values.items() if isinstance(v, Out)}
+    linked_slots: dict[int, set[int]] = {}
+    for source in links_in.values():
+        linked_slots.setdefault(source[0], set()).add(source[1])
+    widgets = {n.id: _widgets_values(node_schemas[n.id], n, schemas) for n in desc.nodes}
+    n_outputs = {n.id: ui_output_count(node_schemas[n.id], linked_slots.get(n.id, ())) for n in desc.nodes}
     # layout: a note column, then one column per dependency depth
-    sizes = {n.id: _node_size(node_schemas[n.id], n) for n in desc.nodes}
+    sizes = {n.id: _node_size(node_schemas[n.id], n, widgets[n.id][1], n_outputs[n.id]) for n in desc.nodes}
     note_w = 440
     col_x: dict[int, int] = {}
     x = 40 + note_w + 60
@@ -351,7 +508,7 @@ def build_ui(desc: WorkflowDesc, schemas: Schemas) -> dict:
         inputs = []
         for spec in schema.inputs:
             value = n.values.get(spec.name)
-            if spec.widget and not isinstance(value, Out):
+            if spec.hidden or (spec.widget and not isinstance(value, Out)):
                 continue
             entry: dict[str, Any] = {"name": spec.name, "type": spec.type, "link": None}
             if spec.widget:
@@ -370,15 +527,11 @@ def build_ui(desc: WorkflowDesc, schemas: Schemas) -> dict:
 
     for n in desc.nodes:
         schema = node_schemas[n.id]
-        widgets_values = []
-        for spec in schema.widgets:
-            value = n.values.get(spec.name)
-            widgets_values.append(_default(spec) if value is None or isinstance(value, Out) else value)
-            if schemas.has_control(spec):
-                widgets_values.append(n.control)
+        widgets_values = widgets[n.id][0]
         outputs = []
         for slot, (otype, oname) in enumerate(zip(schema.outputs, schema.output_names, strict=True)):
-            outputs.append({"name": oname, "type": otype, "links": out_links.get((n.id, slot), []), "slot_index": slot})
+            if slot < n_outputs[n.id]:
+                outputs.append({"name": oname, "type": otype, "links": out_links.get((n.id, slot), []), "slot_index": slot})
         node: dict[str, Any] = {
             "id": n.id, "type": n.type, "pos": pos[n.id], "size": sizes[n.id], "flags": {},
             "order": order.index(n.id), "mode": 0, "inputs": pending_inputs[n.id], "outputs": outputs,
@@ -434,8 +587,21 @@ def build_ui(desc: WorkflowDesc, schemas: Schemas) -> dict:
     }
 
 
+def _api_title(schema: NodeSchema) -> str:
+    """``_meta.title`` of a node without a title of its own: the display name of this pack's and declared
+    third-party nodes (the same on every host), the node type of the host's own nodes (their display
+    names change between releases: ``LoadLatent`` became "Load Latent" and ``DualCLIPLoader``
+    "Load CLIP (Dual)" in 0.33)."""
+    host_node = schema.pack is None and not schema.type.startswith(PACK_PREFIX)
+    return schema.type if host_node else schema.display_name
+
+
 def ui_to_api(ui: dict, schemas: Schemas) -> dict:
-    """API-format prompt of a UI workflow, mapping widgets_values by the node schemas (as the frontend)."""
+    """API-format prompt of a UI workflow, mapping widgets_values by the node schemas (as the frontend).
+
+    Inputs nested in a dynamic combo are written under the key every supported host accepts
+    (:meth:`NodeSchema.api_name`), so that one twin runs on all of them.
+    """
     links = {link[0]: link for link in ui.get("links", [])}
     api: dict[str, dict] = {}
     for node in sorted(ui.get("nodes", []), key=lambda n: n["id"]):
@@ -450,22 +616,21 @@ def ui_to_api(ui: dict, schemas: Schemas) -> dict:
                 link = links[entry["link"]]
                 linked[entry["name"]] = [str(link[1]), link[2]]
         values = list(node.get("widgets_values") or [])
+        slots = schemas.ui_widget_layout(schema, values)
+        widget_values = {slot.spec.name: values[slot.index] for slot in slots if slot.index < len(values)}
         inputs: dict[str, Any] = {}
-        widget_values: dict[str, Any] = {}
-        i = 0
-        for spec in schema.widgets:
-            if i < len(values):
-                widget_values[spec.name] = values[i]
-            i += 2 if schemas.has_control(spec) else 1
-        for spec in schema.inputs:
+        for spec in _all_inputs(schema.inputs):  # nested inputs of a dynamic combo right after it
+            key = schema.api_name(spec.name)
+            if key in inputs:
+                continue
             if spec.name in linked:
-                inputs[spec.name] = linked[spec.name]
+                inputs[key] = linked[spec.name]
             elif spec.widget and spec.name in widget_values:
-                inputs[spec.name] = widget_values[spec.name]
+                inputs[key] = widget_values[spec.name]
         api[str(node["id"])] = {
             "class_type": node["type"],
             "inputs": inputs,
-            "_meta": {"title": node.get("title") or schema.display_name},
+            "_meta": {"title": node.get("title") or _api_title(schema)},
         }
     return api
 
@@ -496,7 +661,7 @@ def check_widget_value(spec: InputSpec, value: Any) -> str | None:
     elif spec.type == "STRING":
         if not isinstance(value, str):
             return f"value {value!r} is not a STRING"
-    elif spec.type == "COMBO":
+    elif spec.type in ("COMBO", DYNAMIC_COMBO):
         if value not in (spec.options or ()):
             shown = list(spec.options or ())
             shown = shown[:8] + ["..."] if len(shown) > 8 else shown
@@ -628,26 +793,24 @@ def validate_ui(ctx: ValidationContext, ui: dict) -> list[str]:
             if spec.required and spec.name not in linked:
                 errors.append(_fmt(wf, nid, ntype, f"required input '{spec.name}' ({spec.type}) is not linked"))
         values = list(node.get("widgets_values") or [])
-        expected = sum(2 if schemas.has_control(s) else 1 for s in schema.widgets)
-        if len(values) != expected:
+        slots = schemas.ui_widget_layout(schema, values)
+        counts = value_counts(slots)
+        if len(values) not in counts:
+            shorter = f" (or {', '.join(map(str, counts[:-1]))} without trailing optional widgets)" if len(counts) > 1 else ""
             errors.append(_fmt(wf, nid, ntype, f"widgets_values has {len(values)} values, the node's widgets "
-                               f"take {expected}"))  # fmt: skip
+                               f"take {counts[-1]}{shorter}"))  # fmt: skip
             continue
-        i = 0
-        for spec in schema.widgets:
-            value = values[i]
+        for slot in (s for s in slots if s.index < len(values)):
+            spec = slot.spec
             if spec.name not in linked:
-                errors += _check_widget(ctx, nid, ntype, spec, value)
-            if schemas.has_control(spec):
-                if values[i + 1] not in schemas.control_values:
-                    errors.append(_fmt(wf, nid, ntype, f"input '{spec.name}': control_after_generate value "
-                                       f"{values[i + 1]!r} is not one of {sorted(schemas.control_values)}"))  # fmt: skip
-                i += 1
-            i += 1
-        outs = node.get("outputs", [])
-        if [(o.get("name"), o.get("type")) for o in outs] != list(zip(schema.output_names, schema.outputs, strict=True)):
-            errors.append(_fmt(wf, nid, ntype, f"outputs {[(o.get('name'), o.get('type')) for o in outs]} are "
-                               f"not the declared {list(zip(schema.output_names, schema.outputs, strict=True))}"))  # fmt: skip
+                errors += _check_widget(ctx, nid, ntype, spec, values[slot.index])
+            if slot.control and values[slot.index + 1] not in schemas.control_values:
+                errors.append(_fmt(wf, nid, ntype, f"input '{spec.name}': control_after_generate value "
+                                   f"{values[slot.index + 1]!r} is not one of {sorted(schemas.control_values)}"))  # fmt: skip
+        listed = [(o.get("name"), o.get("type")) for o in node.get("outputs", [])]
+        declared = list(zip(schema.output_names, schema.outputs, strict=True))
+        if listed != declared and not (schema.host_output_node and listed == declared[: len(listed)]):
+            errors.append(_fmt(wf, nid, ntype, f"outputs {listed} are not the declared {declared}"))
 
     for link_id, (_, src, src_slot, dst, dst_slot, ltype) in links.items():
         if src not in nodes or dst not in nodes:
@@ -659,7 +822,11 @@ def validate_ui(ctx: ValidationContext, ui: dict) -> list[str]:
         if src_slot >= len(src_schema.outputs):
             errors.append(_fmt(wf, src, src_schema.type, f"link {link_id} starts at missing output {src_slot}"))
             continue
-        if link_id not in (nodes[src]["outputs"][src_slot].get("links") or []):
+        listed = nodes[src].get("outputs") or []
+        if src_slot >= len(listed):
+            errors.append(_fmt(wf, src, src_schema.type, f"link {link_id} starts at output {src_slot}, which the "
+                               "node does not list"))  # fmt: skip
+        elif link_id not in (listed[src_slot].get("links") or []):
             errors.append(_fmt(wf, src, src_schema.type, f"output {src_slot} does not list link {link_id}"))
         if dst_slot >= len(dst_node.get("inputs", [])):
             errors.append(_fmt(wf, dst, dst_node["type"], f"link {link_id} ends at missing input slot {dst_slot}"))
@@ -678,10 +845,48 @@ def validate_ui(ctx: ValidationContext, ui: dict) -> list[str]:
     return errors
 
 
+def _check_api_inputs(ctx: ValidationContext, api: dict, node_types: dict, links_in: dict, nid: str,
+                      schema: NodeSchema) -> list[str]:  # fmt: skip
+    """Problems of one API node's inputs; a dynamic combo's value brings in the inputs of its option,
+    found under their own key (``format.codec``) or the one every host accepts (``codec``)."""
+    errors: list[str] = []
+    inputs, ntype, seen = api[nid].get("inputs", {}), schema.type, set()
+
+    def check(spec: InputSpec) -> None:
+        key = spec.name if spec.name in inputs else schema.api_name(spec.name)
+        if key in seen:
+            return
+        seen.add(key)
+        if key not in inputs:
+            if spec.required:
+                errors.append(_fmt(ctx.workflow, nid, ntype, f"required input '{spec.name}' is missing"))
+            return
+        value = inputs[key]
+        if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str):
+            src = int(value[0])
+            if value[0] not in api:
+                errors.append(_fmt(ctx.workflow, nid, ntype, f"input '{spec.name}' links to missing node {src}"))
+                return
+            src_type = effective_type(ctx.schemas, node_types, links_in, src, value[1])
+            if not types_compatible(src_type, spec.type):
+                errors.append(_fmt(ctx.workflow, nid, ntype, f"input '{spec.name}' ({spec.type}) is linked to "
+                                   f"output {value[1]} of node {src} ({node_types[src]}), of type {src_type!r}"))  # fmt: skip
+        elif not spec.widget:
+            errors.append(_fmt(ctx.workflow, nid, ntype, f"input '{spec.name}' ({spec.type}) needs a link, got {value!r}"))
+        else:
+            errors.extend(_check_widget(ctx, nid, ntype, spec, value))
+            for nested in spec.option_inputs(value):
+                check(nested)
+
+    for spec in schema.inputs:
+        check(spec)
+    return errors
+
+
 def validate_api(ctx: ValidationContext, api: dict) -> list[str]:
     """Check an API-format prompt the way ComfyUI's validation would, against the same schemas."""
     errors: list[str] = []
-    wf, schemas = ctx.workflow, ctx.schemas
+    wf = ctx.workflow
     node_types = {int(k): v.get("class_type", "?") for k, v in api.items()}
     links_in = {}
     for nid, node in api.items():
@@ -698,27 +903,7 @@ def validate_api(ctx: ValidationContext, api: dict) -> list[str]:
         for name in inputs:
             if schema.input(name) is None:
                 errors.append(_fmt(wf + " (API)", nid, ntype, f"input '{name}' is not an input of {ntype}"))
-        for spec in schema.inputs:
-            if spec.name not in inputs:
-                if spec.required:
-                    errors.append(_fmt(wf + " (API)", nid, ntype, f"required input '{spec.name}' is missing"))
-                continue
-            value = inputs[spec.name]
-            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str):
-                src = int(value[0])
-                if value[0] not in api:
-                    errors.append(_fmt(wf + " (API)", nid, ntype, f"input '{spec.name}' links to missing node {src}"))
-                    continue
-                src_type = effective_type(schemas, node_types, links_in, src, value[1])
-                if not types_compatible(src_type, spec.type):
-                    errors.append(_fmt(wf + " (API)", nid, ntype, f"input '{spec.name}' ({spec.type}) is linked "
-                                       f"to output {value[1]} of node {src} ({node_types[src]}), of type "
-                                       f"{src_type!r}"))  # fmt: skip
-            elif not spec.widget:
-                errors.append(_fmt(wf + " (API)", nid, ntype, f"input '{spec.name}' ({spec.type}) needs a link, "
-                                   f"got {value!r}"))  # fmt: skip
-            else:
-                errors += [e.replace(f"{wf}:", f"{wf} (API):", 1) for e in _check_widget(ctx, nid, ntype, spec, value)]
+        errors += [e.replace(f"{wf}:", f"{wf} (API):", 1) for e in _check_api_inputs(ctx, api, node_types, links_in, nid, schema)]
     return errors
 
 

@@ -15,6 +15,8 @@ from vramfit.memory.monitor import process_rss, rss_peak_supported
 from vramfit.memory.report import Report
 from vramfit.memory.tracker import PeakTracker
 
+from scripts.host import clone_node
+
 pytestmark = pytest.mark.host
 MiB = 2**20
 
@@ -32,7 +34,7 @@ def call(cls, prompt_id: str, node_id: str, **inputs):
     """Run the node as ComfyUI does: a class clone with hidden inputs, inside the executing context."""
     from comfy_execution.utils import CurrentNodeContext
 
-    clone = cls.PREPARE_CLASS_CLONE({"UNIQUE_ID": node_id})
+    clone = clone_node(cls, node_id)
     with CurrentNodeContext(prompt_id, node_id):
         return clone.execute(**inputs)
 

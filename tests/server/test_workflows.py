@@ -18,8 +18,11 @@ from scripts.workflows import (
     API_DIR,
     WORKFLOWS_DIR,
     Schemas,
+    WorkflowDesc,
+    build,
     check_all,
     committed_workflows,
+    ui_to_api,
     validate_workflow,
 )
 
@@ -212,6 +215,103 @@ def test_validator_rejects_an_api_twin_that_drifted(schemas, demo_latent):
     api["5"]["inputs"]["tile_size"] = 512
     errors = validate_workflow("demo", ui, api, schemas)
     assert len(errors) == 1 and errors[0].startswith("demo: node 5: the API twin") and "'tile_size': 512" in errors[0]
+
+
+# ------------------------------------------------------------------------------ 0.33 schema shapes
+# A synthetic /object_info with the shapes ComfyUI 0.33 introduced, so that both hosts test them: a dynamic
+# combo with nested options and a hidden top-level twin of a nested input (SaveVideo.format/codec), a
+# trailing optional widget (CreateVideo.bit_depth) and an output node with an output (SaveImage).
+
+
+def _codec(hidden: bool = False) -> list:
+    options = [{"key": "auto", "inputs": {"required": {}}},
+               {"key": "h264", "inputs": {"required": {"crf": ["FLOAT", {"default": 23.0, "min": 0.0, "max": 51.0}]}}}]
+    return ["COMFY_DYNAMICCOMBO_V3", {"options": options, **({"hidden": True} if hidden else {})}]  # fmt: skip
+
+
+SYNTHETIC = {
+    "Maker": {
+        "input": {"required": {"fps": ["FLOAT", {"default": 30.0, "min": 1.0, "max": 120.0}]},
+                  "optional": {"bit_depth": ["INT", {"default": 8, "min": 8, "max": 10, "step": 2}]}},
+        "input_order": {"required": ["fps"], "optional": ["bit_depth"]},
+        "output": ["VIDEO"], "output_name": ["VIDEO"], "output_node": False, "display_name": "Make",
+    },
+    "Saver": {
+        "input": {"required": {"video": ["VIDEO", {}], "filename_prefix": ["STRING", {"default": "video/x"}],
+                               "format": ["COMFY_DYNAMICCOMBO_V3", {"options": [
+                                   {"key": "auto", "inputs": {"required": {"codec": _codec()}}},
+                                   {"key": "webm", "inputs": {"required": {}}}]}]},
+                  "optional": {"codec": _codec(hidden=True)}},
+        "input_order": {"required": ["video", "filename_prefix", "format"], "optional": ["codec"]},
+        "output": ["VIDEO"], "output_name": ["video"], "output_node": True, "display_name": "Save",
+    },
+}  # fmt: skip
+
+
+def _synthetic_workflow(**saver: object) -> tuple[Schemas, dict, dict]:
+    desc = WorkflowDesc(name="synthetic", title="t", summary="s")
+    maker = desc.add("Maker", fps=16.0)
+    desc.add("Saver", video=maker.out(), **saver)
+    schemas = Schemas(SYNTHETIC)
+    ui, api = build(desc, schemas)
+    return schemas, ui, api
+
+
+def test_builder_writes_what_every_host_accepts():
+    schemas, ui, api = _synthetic_workflow(format="auto", codec="h264", **{"codec.crf": 18.0})
+    maker, saver = ui["nodes"][0], ui["nodes"][1]
+    assert maker["widgets_values"] == [16.0]  # bit_depth (optional, not set) left to its default
+    assert saver["widgets_values"] == ["video/x", "auto", "h264", 18.0]  # format, then its option's inputs
+    assert saver["outputs"] == []  # an output node's unlinked outputs are not listed
+    assert [i["name"] for i in saver["inputs"]] == ["video"]  # the hidden codec has no socket or widget
+    assert api["1"]["inputs"] == {"fps": 16.0}
+    # nested inputs under the keys every host accepts: format.codec -> the hidden top-level codec
+    assert api["2"]["inputs"] == {"video": ["1", 0], "filename_prefix": "video/x", "format": "auto", "codec": "h264",
+                                  "codec.crf": 18.0}  # fmt: skip
+    assert validate_workflow("synthetic", ui, api, schemas) == []
+
+
+def test_validator_follows_dynamic_combo_options():
+    schemas, ui, api = _synthetic_workflow(format="auto", codec="auto")
+    saver = ui["nodes"][1]
+    assert saver["widgets_values"] == ["video/x", "auto", "auto"]
+    saver["widgets_values"] = ["video/x", "webm"]  # an option without inputs
+    assert validate_workflow("s", ui, None, schemas) == []
+    saver["widgets_values"] = ["video/x", "auto", "h264"]  # h264 needs crf
+    assert validate_workflow("s", ui, None, schemas) == [
+        "s: node 2 (Saver): widgets_values has 3 values, the node's widgets take 4"]
+    saver["widgets_values"] = ["video/x", "auto", "h264", 99.0]
+    assert validate_workflow("s", ui, None, schemas) == [
+        "s: node 2 (Saver): input 'format.codec.crf': value 99.0 is above the maximum 51.0"]
+    saver["widgets_values"] = ["video/x", "avi"]
+    errors = validate_workflow("s", ui, None, schemas)
+    assert errors == ["s: node 2 (Saver): input 'format': value 'avi' is not one of the options ['auto', 'webm']"]
+    # the API twin: h264 requires crf, under its own key or the one every host accepts
+    saver["widgets_values"] = ["video/x", "auto", "auto"]
+    api["2"]["inputs"]["codec"] = "h264"
+    errors = validate_workflow("s", ui, api, schemas)
+    assert errors == ["s (API): node 2 (Saver): required input 'format.codec.crf' is missing"]
+    api["2"]["inputs"] |= {"format.codec.crf": 20.0, "mystery": 1}
+    errors = validate_workflow("s", ui, api, schemas)
+    assert errors == ["s (API): node 2 (Saver): input 'mystery' is not an input of Saver"]
+
+
+def test_validator_accepts_trailing_optional_widgets_and_output_node_outputs_either_way():
+    schemas, ui, api = _synthetic_workflow(format="webm")
+    maker, saver = ui["nodes"][0], ui["nodes"][1]
+    maker["widgets_values"] = [16.0, 10]
+    saver["outputs"] = [{"name": "video", "type": "VIDEO", "links": [], "slot_index": 0}]
+    assert validate_workflow("s", ui, None, schemas) == []
+    assert ui_to_api(ui, schemas)["1"]["inputs"] == {"fps": 16.0, "bit_depth": 10}
+    maker["widgets_values"] = [16.0, 12]
+    assert validate_workflow("s", ui, None, schemas) == ["s: node 1 (Maker): input 'bit_depth': value 12 is above the maximum 10"]
+    maker["widgets_values"] = []
+    assert validate_workflow("s", ui, None, schemas) == [
+        "s: node 1 (Maker): widgets_values has 0 values, the node's widgets take 2 (or 1 without trailing optional widgets)"]
+    maker["widgets_values"] = [16.0]
+    maker["outputs"] = []  # not an output node: its outputs must all be listed
+    errors = validate_workflow("s", ui, None, schemas)
+    assert "s: node 1 (Maker): outputs [] are not the declared [('VIDEO', 'VIDEO')]" in errors
 
 
 # ------------------------------------------------------------------------------ templates
