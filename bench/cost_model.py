@@ -13,7 +13,9 @@ For each family (fixture VAEs with the real ComfyUI architectures, loaded throug
    the families benched becomes ``CostModel.overhead`` of every CPU model (without ``--rss``: 0).
 
 ``--write`` stores the models, with their fit points, real checks and inputs, in
-``memory/data/<family>.json`` (the shipped defaults). Run from the repo root with the host's python::
+``memory/data/<family>.json`` (the shipped defaults), replacing only the models of the same key: a family
+whose memory depends on the host (``Family.host_keyed``, Wan) keeps one set of models per host variant
+(``calibration.host_variant``: run the bench on each host). Run from the repo root with the host's python::
 
     .cache/venv/bin/python bench/cost_model.py [--families kl wan21] [--write] [--rss] [--no-real]
 """
@@ -213,35 +215,35 @@ def main(argv: list[str] | None = None) -> int:
     _import_pack()
     t0 = time.perf_counter()
     results = {f: bench_family(f, real=not args.no_real, rss=args.rss) for f in args.families}
-    # One CPU overhead for every family: the largest slope measured. At these small sizes the RSS
-    # of one family alone is too noisy (fixed costs and allocator reuse dominate), and the planner
-    # must not under-predict the process on any of them.
+    # One CPU overhead for every family: the largest slope measured, here or by an earlier run for the
+    # families not benched now (their shipped CPU models). At these small sizes the RSS of one family alone
+    # is too noisy (fixed costs and allocator reuse dominate), and the planner must not under-predict the
+    # process on any of them.
+    from vramfit.memory.cost_model import DATA_DIR, SCHEMA, load_models_dir
+
     measured = {f: r[1] for f, r in results.items() if r[1] is not None}
-    overhead = max(measured.values()) if measured else 0.0
-    if measured:
-        log.info(
-            "CPU process overhead per family %s -> %.2f for all CPU models",
-            {f: round(v, 2) for f, v in measured.items()},
-            overhead,
-        )
+    shipped = {m.key.family: m.overhead for m in load_models_dir(DATA_DIR).values()
+               if m.key.device_type == "cpu" and m.key.family not in results}
+    overhead = max([*measured.values(), *shipped.values()], default=0.0)
+    log.info("CPU process overhead: measured %s, shipped for other families %s -> %.2f for the CPU models written",
+             {f: round(v, 2) for f, v in measured.items()}, shipped, overhead)
     for family, (models, _, note) in results.items():
-        summary = (
-            f"overhead = max over families {sorted(measured.items())} = {overhead:.2f}; this family: {note}"
-            if measured
-            else ""
-        )
+        summary = (f"overhead = max over families measured now {sorted(measured.items())} and shipped "
+                   f"{sorted(shipped.items())} = {overhead:.2f}" + (f"; this family: {note}" if note else ""))
         models = [
             dataclasses.replace(m, overhead=overhead if m.key.device_type == "cpu" else 0.0, notes=summary)
             for m in models
         ]
         if args.write:
-            from vramfit.memory.cost_model import DATA_DIR, SCHEMA
-
             DATA_DIR.mkdir(exist_ok=True)
             target = DATA_DIR / f"{family}.json"
-            payload = {"schema": SCHEMA, "models": [m.to_dict() for m in models]}
+            new = {m.key for m in models}
+            kept = [m for m in load_models_dir(DATA_DIR).values() if m.key.family == family and m.key not in new]
+            everything = sorted([*kept, *models], key=lambda m: m.key)
+            payload = {"schema": SCHEMA, "models": [m.to_dict() for m in everything]}
             target.write_text(json.dumps(payload, indent=1) + "\n")
-            log.info("wrote %s", target.relative_to(ROOT))
+            log.info("wrote %s (%d models, %d kept from other host variants)", target.relative_to(ROOT),
+                     len(everything), len(kept))
     log.info("bench done in %.0f s", time.perf_counter() - t0)
     return 0
 

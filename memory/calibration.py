@@ -8,12 +8,15 @@
   allocator peak includes kernel workspaces the meta run cannot see).
 * :func:`cost_model_for`: the model to plan with: the cache/shipped default for the key, else
   calibrate once and cache (``CostModelStore``).
+* :func:`host_variant`: the part of the key that says how the host's decoder behaves, for families whose
+  memory depends on it (Wan: ComfyUI 0.33 changed both decoders'), measured, never a version string.
 """
 
 from __future__ import annotations
 
 import logging
 import platform
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -22,7 +25,7 @@ import torch
 from .cost_model import CostModel, CostModelStore, ModelKey, calibrate
 from .families import FAMILIES, identify, model_key_name, model_name, vae_geometry
 from .geometry import Geometry, VaeGeometry
-from .sizing import decode_run, meta_sizer_factory
+from .sizing import MetaSizer, decode_run, meta_sizer_factory
 from .tracker import tracker_factory
 
 log = logging.getLogger("vramfit.memory.calibration")
@@ -97,14 +100,42 @@ def default_phases(vae: VaeGeometry, mode: Literal["meta", "real"]) -> tuple[tup
     return REAL_VIDEO_PHASES if vae.is_video else REAL_IMAGE_PHASES
 
 
+VARIANT_LATENT = (3, 2, 2)
+"""``(T, h, w)`` of the reference decode whose meta-sized peak :func:`host_variant` records."""
+_VARIANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def host_variant(vae: Any) -> str:
+    """How the host's decoder behaves, for a family whose memory depends on it (``Family.host_keyed``):
+    ``"<cache protocol>-<peak KiB>k"``, the Wan cache protocol (:func:`.video_chunked.cache_protocol`) and the
+    live-tensor peak of the host's own decode of a reference latent (:data:`VARIANT_LATENT`, float32, fake
+    CPU tensors: the same code allocates the same bytes, on any machine). Measured on ComfyUI 0.3.75 / 0.33:
+    Wan 2.1 ``carry-4466k`` / ``per_call-3406k``; Wan 2.2 ``carry-18306k`` / ``carry-15442k``. A host whose
+    decoder allocates otherwise gets no shipped model and is calibrated at first use. "" for other families
+    (memoised per model object)."""
+    fam = FAMILIES.get(identify(vae) or "")
+    if fam is None or not fam.host_keyed:
+        return ""
+    model = vae.first_stage_model
+    if model not in _VARIANTS:
+        from .video_chunked import cache_protocol
+
+        with MetaSizer([model], torch.float32) as sizer:
+            out = model.decode(torch.empty((1, fam.latent_channels, *VARIANT_LATENT)))
+            del out
+        _VARIANTS[model] = f"{cache_protocol(model).name}-{sizer.peak_bytes // 1024}k"
+    return _VARIANTS[model]
+
+
 def vae_key(
     vae: Any, executor: str = "full", device: torch.device | str | None = None, dtype: Any = None
 ) -> ModelKey:
-    """The cost-model key of a ComfyUI VAE: known family name, else its model class."""
+    """The cost-model key of a ComfyUI VAE: known family name (and :func:`host_variant`), else its model
+    class."""
     fam = identify(vae) or model_key_name(vae)
     dev = torch.device(device) if device is not None else torch.device(getattr(vae, "device", "cpu"))
     dt = dtype if dtype is not None else getattr(vae, "vae_dtype", torch.float32)
-    return ModelKey.make(fam, executor, dt, dev)
+    return ModelKey.make(fam, executor, dt, dev, host_variant(vae))
 
 
 def calibrate_vae(

@@ -57,25 +57,30 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 @dataclasses.dataclass(frozen=True, order=True)
 class ModelKey:
     """What a cost model is valid for. ``family`` is a known family name (``kl``, ``wan21``, ...) or,
-    for an unknown VAE, the class name of its ``first_stage_model``."""
+    for an unknown VAE, the class name of its ``first_stage_model``. ``variant``: the host decoder's
+    measured behaviour, for families whose memory depends on it (:func:`.calibration.host_variant`);
+    "" otherwise."""
 
     family: str
     executor: str
     dtype: str
     device_type: str
+    variant: str = ""
 
     @classmethod
     def make(
-        cls, family: str, executor: str, dtype: torch.dtype | str, device: torch.device | str
+        cls, family: str, executor: str, dtype: torch.dtype | str, device: torch.device | str, variant: str = ""
     ) -> ModelKey:
         dev = device.type if isinstance(device, torch.device) else torch.device(device).type
-        return cls(family, executor, dtype_name(dtype), dev)
+        return cls(family, executor, dtype_name(dtype), dev, variant)
 
     def slug(self) -> str:
-        return f"{self.family}.{self.executor}.{self.dtype}.{self.device_type}"
+        tail = f".{self.variant}" if self.variant else ""
+        return f"{self.family}.{self.executor}.{self.dtype}.{self.device_type}{tail}"
 
     def __str__(self) -> str:
-        return f"{self.family}/{self.executor}/{self.dtype}/{self.device_type}"
+        tail = f"/{self.variant}" if self.variant else ""
+        return f"{self.family}/{self.executor}/{self.dtype}/{self.device_type}{tail}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,9 @@ class Family:
     real_phases: tuple[tuple[str, ...], ...]
     """Features a calibration from a few *small real* decodes can identify (no more features than
     :func:`.calibration.real_grid` has points; the quadratic attention phase never shows there)."""
+    host_keyed: bool = False
+    """The decode memory depends on the host's decoder code, not only on the family (measured: ComfyUI 0.33
+    changed both Wan decoders'): its cost models are keyed by :func:`.calibration.host_variant` too."""
 
 
 _IMAGE_PHASES = (("const", "px"), ("const", "px", "tokens_sq"))
@@ -34,10 +37,15 @@ _IMAGE_PHASES = (("const", "px"), ("const", "px", "tokens_sq"))
 # (measured on meta up to 3072^2), and a second phase fitted on a grid where it never dominates
 # only adds a spurious constant floor.
 _VIDEO_PHASES = (("const", "px", "px_step", "px_cache2", "px_frames"),)
-# Four small real decodes identify four features: Wan steps one latent frame at a time with a
-# 2-frame cache (output accumulation is negligible at small sizes); HunyuanVideo decodes the whole
-# clip at once (its peak grows with every output frame).
-_WAN_REAL = (("const", "px", "px_step", "px_cache2"),)
+# Wan: ``px_later`` instead of ``px_step`` (for video passes px_step = px + 3 px_later, so the span is the
+# same, but a non-negative fit can also express a one-frame pass far below a quarter of a later one: ComfyUI
+# 0.33 decodes one latent frame without any cache). Measured on both hosts: meta fit within 1 %, 21-frame
+# extrapolation within 1 % (docs/VIDEO_DECODE.md, "Cost models of the host's own decode").
+_WAN_PHASES = (("const", "px", "px_later", "px_cache2", "px_frames"),)
+# Four small real decodes identify four features: the steady state of the causal caches (px_later,
+# px_cache2); output accumulation is negligible at small sizes. HunyuanVideo decodes the whole clip at once
+# (its peak grows with every output frame).
+_WAN_REAL = (("const", "px", "px_later", "px_cache2"),)
 _WHOLE_CLIP_REAL = (("const", "px", "px_step", "px_frames"),)
 
 FAMILIES: dict[str, Family] = {
@@ -54,8 +62,9 @@ FAMILIES: dict[str, Family] = {
         "Wan 2.1 video VAE: causal 3-D convs with per-frame caches, 8x spatial, 4x temporal",
         VaeGeometry("wan21", spatial_ratio=8, temporal_ratio=4, halo=8, align=1),
         16,
-        _VIDEO_PHASES,
+        _WAN_PHASES,
         _WAN_REAL,
+        host_keyed=True,
     ),
     "wan22": Family(
         "wan22",
@@ -64,8 +73,9 @@ FAMILIES: dict[str, Family] = {
         # measured: docs/VIDEO_DECODE.md); 4 was inexact.
         VaeGeometry("wan22", spatial_ratio=16, temporal_ratio=4, halo=6, align=1),
         48,
-        _VIDEO_PHASES,
+        _WAN_PHASES,
         _WAN_REAL,
+        host_keyed=True,
     ),
     "hunyuan_video": Family(
         "hunyuan_video",

@@ -201,6 +201,13 @@ _FEATURE_LIST = [
         ),
     ),
     Feature(
+        "px_later",
+        "px when the pass decodes latent frames after the first, else 0: a causal video decoder whose caches and "
+        "steady-state working set exist only then, whatever the number of frames per call (ComfyUI 0.33's Wan "
+        "2.1: no caches for one latent frame, two latent frames per call after it)",
+        lambda g: g.batch * g.out_h * g.out_w if g.latent_frames > 1 or (g.is_video and not g.first_chunk) else 0.0,
+    ),
+    Feature(
         "tokens_sq",
         "batch x (latent_h x latent_w)^2: a materialised attention matrix over one latent frame",
         lambda g: g.batch * float(g.latent_h * g.latent_w) ** 2,

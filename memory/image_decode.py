@@ -50,6 +50,7 @@ from .oom_resume import OomEvent, OomResume
 from .planner import ImpossibleBudgetError, Plan, plan_decode
 from .reach import ReachReport, default_halo, traced_reach
 from .report import Report, fmt_bytes, fmt_seconds
+from .self_check import CheckStore, Verdict, code_fingerprint, memory_store, verify
 from .sizing import MetaSizer, decode_run
 from .tracker import decode_tracker
 
@@ -61,6 +62,7 @@ __all__ = [
     "DecodeResult",
     "ExactPlanner",
     "ImageJob",
+    "check_exact",
     "decode_image",
     "fallback",
     "full_cost_model",
@@ -109,6 +111,8 @@ class DecodeEnv:
     exact_cost_models: dp.ExactCostStore = dataclasses.field(default_factory=lambda: dp.ExactCostStore(None))
     attention: Callable[[Any, int], contextlib.AbstractContextManager[Any]] = _no_attention_bound
     norm_params: te.NormParamsFn | None = None
+    checks: CheckStore = dataclasses.field(default_factory=memory_store)
+    """Self-check verdicts (:mod:`.self_check`; the node's persist under ComfyUI's user folder)."""
     fault_hook: Callable[[str, int], None] | None = None
     """Tests: called as ``("tile", k)`` inside every tile attempt of the executors (after the tile's
     inputs are loaded) and ``("pass", i)`` before every pass (an untiled group or one item of a tiled
@@ -208,6 +212,34 @@ def full_cost_model(job: ImageJob, env: DecodeEnv) -> CostModel:
                              device=job.device, dtype=job.dtype)
 
     return store.get_or_calibrate(vae_key(vae, "full", job.device, job.dtype), fit)
+
+
+CHECK_LATENT_HW = (4, 6)
+"""Latent px of the exact walker's self-check: 32x48 px, tiles of :data:`CHECK_TILE` px."""
+CHECK_TILE = 16
+"""Several tiles at the two finest levels (2x3 at full resolution), so merged statistics and halos are used."""
+
+
+def check_exact(job: ImageJob, store: CheckStore, norm_params: te.NormParamsFn | None = None,
+                prepare: Callable[[], None] | None = None) -> Verdict:
+    """Self-check of the exact tiled walker for this decoder on this host (:func:`.self_check.verify`): a
+    tiny random latent (:data:`CHECK_LATENT_HW`) decoded by ``first_stage_model.decode`` and by
+    :func:`.tiled_exact.decode_exact` in tiles of :data:`CHECK_TILE` px. Keyed by the decoder's code fingerprint, the walker's source, dtype and device type. ``prepare()`` runs
+    first when the check runs (the node loads the weights)."""
+    model = job.vae.first_stage_model
+    cls = type(model)
+    key = (f"kl-exact/{cls.__module__}.{cls.__qualname__}/{code_fingerprint(model)}/exact-{dp.executor_digest()}"
+           f"/{str(job.dtype).removeprefix('torch.')}/{job.device.type}")
+    z = torch.randn((1, job.channels, *CHECK_LATENT_HW), generator=torch.Generator().manual_seed(0))
+    z = z.to(job.device, job.dtype)
+
+    def tiled() -> torch.Tensor:
+        return te.decode_exact(model, z, CHECK_TILE, compute_device=job.device, norm_params=norm_params)
+
+    configs = [(f"tiles of {CHECK_TILE} px", tiled)]
+    if store.get(key) is None and prepare is not None:
+        prepare()
+    return verify(key, store, lambda: model.decode(z), configs, job.dtype)
 
 
 _REACH: dict[str, tuple[ReachReport, bool]] = {}
@@ -641,6 +673,12 @@ def decode_image(
     """
     t_plan = time.perf_counter() if t_start is None else t_start
     vae = job.vae
+    verdict = None
+    if job.exact_reason is None:  # the exact walker must have reproduced this host's decode once
+        load = (lambda: env.load_weights(vae, 0)) if hasattr(vae, "patcher") and env.load_weights else None
+        verdict = check_exact(job, env.checks, env.norm_params, load)
+        if not verdict.ok:
+            job = dataclasses.replace(job, exact_reason=f"the exact tiled walker's {verdict.describe()}")
     full = full_cost_model(job, env)
     overhead = float(full.overhead)
     user_tile = int(tile_size) or None
@@ -707,7 +745,7 @@ def decode_image(
 
     calibrated = planner.calibrated if planner is not None else []
     report = _report(job, plan, budget, offload_text, reach_text, seconds, plan_seconds, measured, method, run,
-                     calibrated)
+                     calibrated, verdict)
     return DecodeResult(run.out, report, plan, budget, seconds, plan_seconds, measured, method, run.oom_events,
                         calibrated)
 
@@ -717,7 +755,8 @@ def decode_image(
 
 
 def _report(job: ImageJob, plan: DecodePlan, budget: Any, offload_text: str, reach_text: str, seconds: float,
-            plan_seconds: float, measured: int | None, method: str, run: _Run, calibrated: list[str]) -> Report:
+            plan_seconds: float, measured: int | None, method: str, run: _Run, calibrated: list[str],
+            verdict: Verdict | None) -> Report:
     b = int(job.z.shape[0])
     h, w = job.out_hw
     r = Report(REPORT_NODE, str(job.device))
@@ -732,6 +771,8 @@ def _report(job: ImageJob, plan: DecodePlan, budget: Any, offload_text: str, rea
     else:
         path = f"approximate: generic tiles with halo and crop (not exact because: {job.exact_reason})"
     r.add("path", path)
+    if verdict is not None and verdict.ok:
+        r.add("check", f"exact tiled walker: {verdict.describe()}")
     r.add("budget", budget.describe())
     r.add("offload", offload_text)
     plan_text = plan.description

@@ -30,6 +30,13 @@ the output with ``torch.cat``. Here:
   frame alike (a cached conv reads earlier frames whose wrong rim is as deep as the current one's), so
   a halo >= the reach keeps the core exact over time. With one tile (whole frames) the whole decoder
   runs chunk by chunk without a store (ComfyUI's flow, batched in time).
+* **Two host cache protocols** (:func:`cache_protocol`, measured on the modules). ComfyUI 0.3.x's blocks
+  keep each entry's last two frames across calls ("carry"); 0.33's Wan 2.1 blocks keep only the call's
+  frames, as views ("per_call"), and its own decode never makes two one-frame calls in a row. On such a
+  host the executor restores the history of one-frame chunks (the previous entry's last frame) and copies
+  entries that are views of larger activations, after every host layer call; on "carry" hosts it does
+  nothing extra. That this reproduces the host's ``VAEDecode`` is proven per host by a self-check
+  (``video_decode.check_chunked``), not assumed.
 * **Snapshot / commit.** ComfyUI's code only *replaces* cache list entries, never writes into them, so
   with ``rollback`` a tile-chunk works on a shallow copy of the tile's committed list and commits by
   swapping lists (2x one tile's cache); ``rollback=False`` is ComfyUI's in-place protocol (1x; an OOM
@@ -57,6 +64,7 @@ import dataclasses
 import inspect
 import logging
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -191,6 +199,9 @@ class CacheSlot:
     """Spatial scale vs the latent (1, 2, 4, 8)."""
     kind: str
     """``"conv"`` (residual/conv1/head conv) or ``"time_up"`` (temporal upsample: ``'Rep'`` after frame 0)."""
+    frames: int = 1
+    """Temporal factor of the slot's input vs the latent (1, 2, 4): a chunk of ``k`` later latent frames
+    gives the slot ``frames * k`` input frames."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,7 +319,7 @@ def _walk(
     name: str,
     scale: int,
     tf: int,
-    slots: list[tuple[str, int, int, str]],
+    slots: list[tuple[str, int, int, str, int]],
     contrib: list[tuple[str, float]],
     global_ops: list[str],
 ) -> tuple[int, int, int | None]:
@@ -318,7 +329,7 @@ def _walk(
         r, out_c = 0.0, None
         for j, sub in enumerate(residual):
             if _is_conv3d(sub):
-                slots.append((f"{name}.residual.{j}", int(sub.in_channels), scale, "conv"))
+                slots.append((f"{name}.residual.{j}", int(sub.in_channels), scale, "conv", tf))
                 r += _radius(sub) / scale
                 out_c = int(sub.out_channels)
         sc = getattr(layer, "shortcut", None)
@@ -332,7 +343,7 @@ def _walk(
             raise ValueError(f"{name}: a downsample in a decoder is not a Wan decoder")
         out_c = None
         if mode == "upsample3d":
-            slots.append((f"{name}.time_conv", int(layer.time_conv.in_channels), scale, "time_up"))
+            slots.append((f"{name}.time_conv", int(layer.time_conv.in_channels), scale, "time_up", tf))
             tf *= 2
         subs = layer.resample if isinstance(layer.resample, torch.nn.Sequential) else [layer.resample]
         r = 0.0
@@ -374,6 +385,80 @@ def is_wan_vae(model: Any) -> bool:
     )
 
 
+# --------------------------------------------------------------------------------------------------
+# The host's cache protocol (measured on the modules, never read from a version string)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheProtocol:
+    """How the host's cached Wan blocks update their causal-conv cache entries (:func:`cache_protocol`).
+
+    * ``"carry"`` (ComfyUI 0.3.x; Wan 2.2's blocks everywhere): an entry keeps the last two frames of the
+      conv's input across calls (a one-frame call prepends the previous entry's last frame) and is a copy,
+      so any number of frames per call gives the full causal sequence.
+    * ``"per_call"`` (ComfyUI 0.33, Wan 2.1): an entry holds the last (up to) two frames *of the call*, as a
+      view of the block's activation. Two one-frame calls in a row lose a frame of history (the conv pads a
+      zero instead); the host never makes such calls (it decodes two latent frames per call), a chunk of one
+      latent frame does. The executor then restores the history itself (:attr:`restores`) and copies the
+      entries that are views of larger activations (:attr:`compacts`).
+    * ``"unknown"``: the probe failed or kept another number of frames: the executor restores and compacts,
+      and only the self-check can tell whether that reproduces the host.
+    """
+
+    name: str
+    frames_kept: int
+    """Frames the probed entry holds after two one-frame calls (-1: the probe failed)."""
+    views: bool
+    """The probed entry is a view (of the block's activation) rather than a copy."""
+
+    @property
+    def restores(self) -> bool:
+        return self.name != "carry"
+
+    @property
+    def compacts(self) -> bool:
+        return self.views or self.name == "unknown"
+
+
+_PROTOCOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cache_protocol(model: Any) -> CacheProtocol:
+    """The cache protocol of a Wan ``first_stage_model``'s blocks, measured: the decoder's first cached
+    residual block runs twice on a one-frame 1x1 zero input with a fresh cache list; its first entry then
+    holds 2 frames (``"carry"``) or 1 (``"per_call"``). Microseconds; shapes only (works on fake tensors);
+    memoised per model object."""
+    found = _PROTOCOLS.get(model)
+    if found is not None:
+        return found
+    proto = CacheProtocol("unknown", -1, False)
+    block = next((layer for layer in model.decoder.middle
+                  if isinstance(getattr(layer, "residual", None), torch.nn.Sequential)
+                  and _accepts(layer.forward, "feat_cache")), None)
+    if block is not None:
+        convs = [m for m in block.residual if _is_conv3d(m)]
+        p = next(block.parameters())
+        x = torch.zeros((1, int(convs[0].in_channels), 1, 1, 1), dtype=p.dtype, device=p.device)
+        cache: list = [None] * len(convs)
+        try:
+            with torch.no_grad():
+                for _ in range(2):
+                    block(x, cache, [0])
+            entry = cache[0]
+            kept = int(entry.shape[2])
+            proto = CacheProtocol({2: "carry", 1: "per_call"}.get(kept, "unknown"), kept, entry._base is not None)
+        except Exception as e:  # noqa: BLE001 - an unexpected block: unknown protocol, the self-check decides
+            log.warning("probing the Wan cache protocol failed (%s: %s)", type(e).__name__, e)
+    _PROTOCOLS[model] = proto
+    log.debug("Wan cache protocol of %s: %s", type(model).__qualname__, proto)
+    return proto
+
+
+def _views_more(t: torch.Tensor) -> bool:
+    """``t`` is a view into a larger storage (keeping the rest of it alive)."""
+    return t.untyped_storage().nbytes() > t.numel() * t.element_size()
+
+
 def wan_layout(model: Any) -> WanLayout:
     """Walk a Wan ``first_stage_model``: cache slots (index, channels, scale), split points and the
     convolutional reach of the tiled part for each, temporal/spatial ratios. Raises ``ValueError`` when
@@ -383,10 +468,10 @@ def wan_layout(model: Any) -> WanLayout:
             f"not a Wan VAE (no decoder.conv1/middle/upsamples/head with feat_cache): {type(model)}"
         )
     dec = model.decoder
-    slots: list[tuple[str, int, int, str]] = []
+    slots: list[tuple[str, int, int, str, int]] = []
     contrib: list[tuple[str, float]] = []
     glob: list[str] = []
-    slots.append(("conv1", int(dec.conv1.in_channels), 1, "conv"))
+    slots.append(("conv1", int(dec.conv1.in_channels), 1, "conv", 1))
     channels = int(dec.conv1.out_channels)
     scale, tf = 1, 1
     for j, layer in enumerate(dec.middle):
@@ -404,7 +489,7 @@ def wan_layout(model: Any) -> WanLayout:
     head_c = None
     for j, sub in enumerate(dec.head):
         if _is_conv3d(sub):
-            slots.append((f"head.{j}", int(sub.in_channels), scale, "conv"))
+            slots.append((f"head.{j}", int(sub.in_channels), scale, "conv", tf))
             contrib.append((f"head.{j}", _radius(sub) / scale))
             head_c = int(sub.out_channels)
     if head_c is None:
@@ -435,7 +520,7 @@ def wan_layout(model: Any) -> WanLayout:
         decoder_ratio=scale,
         patch=patch,
         out_channels=head_c // (patch * patch),
-        slots=tuple(CacheSlot(i, n, c, s, k) for i, (n, c, s, k) in enumerate(slots)),
+        slots=tuple(CacheSlot(i, n, c, s, k, f) for i, (n, c, s, k, f) in enumerate(slots)),
         splits=tuple(splits),
         default_split=default,
         tiled_global_ops=tiled_glob,
@@ -560,6 +645,8 @@ class _WanRun:
         self.restarts = 0
         self.up_first = [_accepts(layer.forward, "first_chunk") for layer in self.dec.upsamples]
         self.mid_cached = [_accepts(layer.forward, "feat_cache") for layer in self.dec.middle]
+        self.protocol = cache_protocol(model)
+        self.slot_frames = [s.frames for s in layout.slots]
 
     # -- plan ----------------------------------------------------------------------------------
     def _make_tile(self, c0y: int, c1y: int, c0x: int, c1x: int) -> _Tile:
@@ -602,20 +689,58 @@ class _WanRun:
         idx[0] += 1
         return x
 
-    def _up(self, j: int, x: torch.Tensor, cache: list, idx: list[int], first: bool) -> torch.Tensor:
-        layer = self.dec.upsamples[j]
-        if self.up_first[j]:
-            return layer(x, cache, idx, first)
-        return layer(x, cache, idx)
+    def history(self, cache: list, n: int, first: bool) -> list | None:
+        """What a chunk of ``n`` later latent frames needs to restore the caches' history on hosts that do not
+        carry it (:class:`CacheProtocol`): references to the entries of the slots whose input gets fewer than
+        ``CACHE_T`` frames (``n * frames < 2``: latent-scale slots of one-frame chunks), taken before the
+        chunk replaces them. None when nothing needs restoring."""
+        if first or not self.protocol.restores:
+            return None
+        need = [i for i, f in enumerate(self.slot_frames) if n * f < CACHE_T]
+        if not need:
+            return None
+        hist: list = [None] * len(cache)
+        for i in need:
+            hist[i] = cache[i]
+        return hist
 
-    def global_part(self, zc: torch.Tensor, cache: list, first: bool) -> torch.Tensor:
+    def _settle(self, cache: list, a: int, b: int, hist: list | None) -> None:
+        """After a host layer filled cache slots ``[a, b)``: a one-frame entry gets the previous entry's last
+        frame prepended (the "carry" protocol: the conv's input at the last two frames; after ``'Rep'`` the
+        conv's zero padding is that history already), and an entry that is a view of a larger activation is
+        copied (so the activation can be freed). No-op on "carry" hosts."""
+        if not (self.protocol.restores or self.protocol.compacts):
+            return
+        for i in range(a, b):
+            e = cache[i]
+            if not isinstance(e, torch.Tensor):
+                continue
+            prev = hist[i] if hist is not None else None
+            if e.shape[2] < CACHE_T and isinstance(prev, torch.Tensor):
+                cache[i] = torch.cat([prev[:, :, -1:].to(e.device), e], dim=2)
+            elif self.protocol.compacts and _views_more(e):
+                cache[i] = e.clone()
+
+    def _layer(self, layer: Any, x: torch.Tensor, cache: list, idx: list[int], hist: list | None,
+               first: bool | None = None) -> torch.Tensor:
+        """One host layer with ComfyUI's cache protocol (``first``: Wan 2.2's ``first_chunk``), then
+        :meth:`_settle` of the slots it used."""
+        a = idx[0]
+        x = layer(x, cache, idx) if first is None else layer(x, cache, idx, first)
+        self._settle(cache, a, idx[0], hist)
+        return x
+
+    def _up(self, j: int, x: torch.Tensor, cache: list, idx: list[int], first: bool, hist: list | None) -> torch.Tensor:
+        return self._layer(self.dec.upsamples[j], x, cache, idx, hist, first if self.up_first[j] else None)
+
+    def global_part(self, zc: torch.Tensor, cache: list, first: bool, hist: list | None = None) -> torch.Tensor:
         idx = [0]
         x = self.model.conv2(zc)
         x = self._cached_conv(self.dec.conv1, x, cache, idx)
         for j, layer in enumerate(self.dec.middle):
-            x = layer(x, cache, idx) if self.mid_cached[j] else layer(x)
+            x = self._layer(layer, x, cache, idx, hist) if self.mid_cached[j] else layer(x)
         for j in range(self.split):
-            x = self._up(j, x, cache, idx, first)
+            x = self._up(j, x, cache, idx, first, hist)
         if idx[0] != self.n_global:
             raise RuntimeError(f"global part used {idx[0]} cache slots, layout says {self.n_global}")
         s = self.si.scale
@@ -623,10 +748,10 @@ class _WanRun:
             raise RuntimeError(f"global part output {tuple(x.shape)} is not {s}x {self.H}x{self.W}")
         return x
 
-    def tiled_part(self, x: torch.Tensor, cache: list, first: bool) -> torch.Tensor:
+    def tiled_part(self, x: torch.Tensor, cache: list, first: bool, hist: list | None = None) -> torch.Tensor:
         idx = [self.n_global]
         for j in range(self.split, len(self.dec.upsamples)):
-            x = self._up(j, x, cache, idx, first)
+            x = self._up(j, x, cache, idx, first, hist)
         for layer in self.dec.head:
             x = self._cached_conv(layer, x, cache, idx) if _is_causal(layer) else layer(x)
         if idx[0] != len(self.lay.slots):
@@ -656,10 +781,11 @@ class _WanRun:
             nonlocal n
             n = 1 if p == 0 else min(self.k, self.T - p)
             self.driver.check_stop()
+            hist = self.history(cache, n, p == 0)
             work = cache if in_place else list(cache)
             zc = self.z[:, :, p : p + n].to(device=self.compute, dtype=self.dtype)
-            x = self.global_part(zc, work, p == 0)
-            del zc
+            x = self.global_part(zc, work, p == 0, hist)
+            del zc, hist
             if self.split_hook is not None:
                 x = self.split_hook(x, p)
             a = self._sframe(p) - f0
@@ -694,10 +820,11 @@ class _WanRun:
         tile's next cache (``item.cache`` is left as it was unless ``rollback`` is off)."""
         first = s0 == 0
         tl = item.tile
+        hist = self.history(item.cache, s1 - s0, first)
         work = list(item.cache) if self.rollback else item.cache
         if item.inline:
             zc = self.z[:, :, s0:s1].to(device=self.compute, dtype=self.dtype)
-            x = self.global_part(zc, work, first)
+            x = self.global_part(zc, work, first, hist)
             del zc
             if self.split_hook is not None:
                 x = self.split_hook(x, s0)
@@ -709,7 +836,8 @@ class _WanRun:
             x = st.x[:, :, a:b, tl.e0y * s : tl.e1y * s, tl.e0x * s : tl.e1x * s]
             if x.device != self.compute:
                 x = x.to(self.compute, non_blocking=self.pin)
-        y = self.tiled_part(x, work, first)
+        y = self.tiled_part(x, work, first, hist)
+        del hist
         del x
         S, p = self.lay.decoder_ratio, self.lay.patch
         oy, ox = (tl.c0y - tl.e0y) * S, (tl.c0x - tl.e0x) * S
@@ -988,7 +1116,8 @@ def decode_wan_chunked(
         result = run.run()
     if stats is not None:
         stats.update(
-            exact=True,
+            exact=run.protocol.name != "unknown",
+            protocol=run.protocol.name,
             chunks=run.units,
             units=run.units,
             steps=run.step,

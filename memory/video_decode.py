@@ -5,7 +5,10 @@ callables in a :class:`VideoEnv`).
 * **Wan 2.1 / 2.2** (exact): :func:`.video_chunked.decode_wan_chunked`: frame 0 alone, then chunks of ``k``
   latent frames with the causal caches carried, optional spatial tiles (tile-major); equal to ComfyUI's
   ``VAEDecode`` up to float rounding. ``k``, the tile grid, the split, the store placement and the cache
-  mode are planned by :func:`plan_wan` from meta-sized peaks of the executor itself.
+  mode are planned by :func:`plan_wan` from meta-sized peaks of the executor itself. Reported exact only
+  after the executor passed its self-check on this host (:func:`check_chunked`, once per decoder and host);
+  otherwise the auto plan takes the host's own decode when it fits (exact by construction), and any other
+  plan is reported APPROXIMATE with the verdict.
 * **Other video VAEs** (approximate): :func:`.video_chunked.decode_overlap_blend`: overlapping temporal
   chunks decoded independently and cross-faded; reported as approximate.
 
@@ -23,9 +26,9 @@ the analytic growth of a device store with ``T``. Before sizing, a candidate is 
   at the end of each tile (:func:`lower_bound`).
 
 Sized peaks are kept in a :class:`PeakStore` (the node's is a JSON file under ComfyUI's user folder, so a
-second run plans without sizing) keyed by the model class and parameter structure, a digest of
-``video_chunked.py``'s source (a change of the executor invalidates every entry), dtype, device type, shape
-and candidate (:func:`peak_key`).
+second run plans without sizing) keyed by the model class, its code fingerprint (structure, module code,
+ComfyUI/torch sources), the detected cache protocol, a digest of ``video_chunked.py``'s source (a change of
+the executor invalidates every entry), dtype, device type, shape and candidate (:func:`peak_key`).
 
 The output is one buffer on the output device in VAEDecode's layout ``(B*T, H, W, 3)``; the executor writes
 into a ``(B, 3, T, H, W)`` view of it and ``vae.process_output`` runs frame by frame in place.
@@ -38,12 +41,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import math
 import pathlib
-import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,9 +53,11 @@ import torch
 from . import video_chunked as vc
 from .budget import Budget, compute_budget
 from .cost_model import dtype_name
-from .families import identify, model_name, structure_digest
+from .families import identify, model_name
+from .json_store import JsonStore
 from .planner import ImpossibleBudgetError
 from .report import Report, fmt_bytes, fmt_seconds
+from .self_check import CheckStore, Verdict, code_fingerprint, memory_store, verify
 from .sizing import MetaSizer
 from .tracker import decode_tracker
 
@@ -68,6 +70,7 @@ __all__ = [
     "VideoEnv",
     "VideoJob",
     "VideoPlan",
+    "check_chunked",
     "decode_video",
     "lower_bound",
     "make_job",
@@ -81,7 +84,6 @@ MAX_AUTO_K = 8
 CALL_OVERHEAD = {"cuda": 0.3, "cpu": 0.0}
 """Relative cost of one executor call vs one latent frame of work, for the speed order of candidates
 (GPU: fewer, larger calls pay; CPU: measured k = 1 fastest, see docs/VIDEO_DECODE.md)."""
-SCHEMA = 1
 IMPOSSIBLE_SIZINGS = 4
 """Candidates sized (beyond those the plan sized) for the message when no plan fits."""
 
@@ -96,47 +98,15 @@ def _default_budget(vae: Any, budget_mb: float) -> Budget:
 # Persisted peaks
 
 
-class PeakStore:
+class PeakStore(JsonStore):
     """Meta-sized peaks by key (:func:`peak_key`): in memory, and in a JSON file when ``path`` is given (the
     node passes one under ComfyUI's user folder). :meth:`flush` writes the file (once per plan)."""
 
-    def __init__(self, path: str | pathlib.Path | None = None) -> None:
-        self.path = pathlib.Path(path) if path is not None else None
-        self._lock = threading.Lock()
-        self._peaks: dict[str, int] = {}
-        self._dirty = False
-        if self.path is not None and self.path.is_file():
-            try:
-                data = json.loads(self.path.read_text())
-                if data.get("schema") == SCHEMA:
-                    self._peaks.update((str(k), int(v)) for k, v in data.get("peaks", {}).items())
-            except (ValueError, TypeError, AttributeError, OSError) as e:  # a broken cache is ignored, not fatal
-                log.warning("ignoring unreadable video peak cache %s: %s", self.path, e)
+    section = "peaks"
 
-    def __len__(self) -> int:
-        return len(self._peaks)
-
-    def get(self, key: str) -> int | None:
-        with self._lock:
-            return self._peaks.get(key)
-
-    def put(self, key: str, peak: int) -> None:
-        with self._lock:
-            self._peaks[key] = int(peak)
-            self._dirty = True
-
-    def flush(self) -> None:
-        with self._lock:
-            if not self._dirty or self.path is None:
-                return
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-                tmp.write_text(json.dumps({"schema": SCHEMA, "peaks": dict(sorted(self._peaks.items()))}, indent=0))
-                tmp.replace(self.path)
-                self._dirty = False
-            except OSError as e:
-                log.warning("could not write the video peak cache %s: %s", self.path, e)
+    @staticmethod
+    def coerce(value: Any) -> int:
+        return int(value)
 
 
 _EXECUTOR_DIGEST: str | None = None
@@ -148,24 +118,6 @@ def executor_digest() -> str:
     if _EXECUTOR_DIGEST is None:
         _EXECUTOR_DIGEST = hashlib.sha256(pathlib.Path(vc.__file__).read_bytes()).hexdigest()[:10]
     return _EXECUTOR_DIGEST
-
-
-_CODE_DIGESTS: dict[str, str] = {}
-
-
-def model_code_digest(model: Any) -> str:
-    """Short hash of the source file of the model's class (ComfyUI's ``comfy/ldm/wan/vae.py``) and the torch
-    version: an update of either may change the decoder's allocations ("na" when the source is not found)."""
-    mod = sys.modules.get(type(model).__module__)
-    path = getattr(mod, "__file__", None)
-    key = f"{path}|{torch.__version__}"
-    if key not in _CODE_DIGESTS:
-        try:
-            data = pathlib.Path(path).read_bytes() if path else b""
-        except OSError:
-            data = b""
-        _CODE_DIGESTS[key] = hashlib.sha256(data + torch.__version__.encode()).hexdigest()[:8] if data else "na"
-    return _CODE_DIGESTS[key]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -192,6 +144,8 @@ class VideoEnv:
     offload: Callable[[Any, int | None], Any] | None = None
     load_weights: Callable[[Any, int], None] | None = None
     peaks: PeakStore = dataclasses.field(default_factory=PeakStore)
+    checks: CheckStore = dataclasses.field(default_factory=memory_store)
+    """Self-check verdicts (:mod:`.self_check`; the node's persist under ComfyUI's user folder)."""
     fault_hook: Callable[[int], None] | None = None
     """Tests: the executor's ``fault_hook(step)`` (raise an OOM there to test resumes)."""
     measure_cpu_tensors: bool = False
@@ -244,8 +198,15 @@ class VideoPlan:
     """Predicted peak bytes on the compute device (decode + output buffer when it lives there)."""
     exact: bool = True
     over_budget: bool = False
+    host_decode: bool = False
+    """The host's own ``first_stage_model.decode`` (what VAEDecode runs), one batch item at a time: the
+    exact path when the chunked executor failed its self-check on this host."""
+    reason: str = ""
+    """Why the output is not (or is) exact, for the report: the self-check's verdict."""
 
     def describe(self) -> str:
+        if self.host_decode:
+            return "the host's own decode (first_stage_model.decode, as VAE Decode), one batch item at a time"
         if self.tile is None:
             tiles = "whole frames"
         else:
@@ -286,15 +247,22 @@ def _t_meta(t: int, k: int) -> int:
     return min(t, 1 + 2 * k)
 
 
-def peak_key(job: VideoJob, cd: Candidate, structure: str | None = None) -> str:
-    """Key of a sized peak: model class, its parameter structure and code (+ torch version) digests, executor
-    source digest, dtype, device type, latent shape (frames as sized) and candidate."""
+def _model_key(job: VideoJob, fingerprint: str | None = None) -> str:
+    """What a sized peak depends on besides the decode's own inputs: the model class, its code fingerprint
+    (:func:`.self_check.code_fingerprint`: structure, module code, ComfyUI/torch sources), the host's cache
+    protocol, the executor's source, dtype and device type."""
     model = job.vae.first_stage_model
-    b, c, t, h, w = (int(v) for v in job.z.shape)
     cls = type(model)
+    proto = vc.cache_protocol(model).name if job.wan else "-"
+    return (f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__qualname__}/{fingerprint or code_fingerprint(model)}/{proto}"
+            f"/video-{executor_digest()}/{dtype_name(job.dtype)}/{job.device.type}")
+
+
+def peak_key(job: VideoJob, cd: Candidate, fingerprint: str | None = None) -> str:
+    """Key of a sized peak: :func:`_model_key`, latent shape (frames as sized) and candidate."""
+    b, c, t, h, w = (int(v) for v in job.z.shape)
     tile = "whole" if cd.tile is None else f"{cd.tile[0]}x{cd.tile[1]}"
-    return (f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__qualname__}/{structure or structure_digest(model)}"
-            f"-{model_code_digest(model)}/video-{executor_digest()}/{dtype_name(job.dtype)}/{job.device.type}/{b}x{c}x{_t_meta(t, cd.k)}x{h}x{w}"
+    return (f"{_model_key(job, fingerprint)}/{b}x{c}x{_t_meta(t, cd.k)}x{h}x{w}"
             f"/k{cd.k}/{tile}/split{cd.split}/{'rollback' if cd.rollback else 'inplace'}"
             f"/{'host' if cd.host else 'device'}")
 
@@ -346,11 +314,11 @@ def lower_bound(job: VideoJob, lay: vc.WanLayout, cd: Candidate) -> int:
     return int(b * c * t_meta * h * w * item + cache * b * item + store)
 
 
-def decode_peak(job: VideoJob, lay: vc.WanLayout, cd: Candidate, peaks: PeakStore, structure: str,
+def decode_peak(job: VideoJob, lay: vc.WanLayout, cd: Candidate, peaks: PeakStore, fingerprint: str,
                 sized: list[int] | None = None) -> int:
     """Peak bytes of the decode (without the output buffer) for the whole clip: the stored or sized peak
     plus the store's growth with ``T``."""
-    key = peak_key(job, cd, structure)
+    key = peak_key(job, cd, fingerprint)
     peak = peaks.get(key)
     if peak is None:
         peak = size_candidate(job, cd)
@@ -423,7 +391,7 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
     peaks = PeakStore() if peaks is None else peaks
     model = job.vae.first_stage_model
     lay = vc.wan_layout(model)
-    structure = structure_digest(model)
+    fingerprint = code_fingerprint(model)
     _, _, t, h, w = (int(v) for v in job.z.shape)
     out_b = out_bytes(job, lay.out_frames(t), h * lay.spatial_ratio, w * lay.spatial_ratio)
     # process_output per output frame: two float32 temporaries of one frame
@@ -449,7 +417,7 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
                 failed.append(cd)
                 known.append((low, False, cd))
                 continue
-            p = make(cd, decode_peak(job, lay, cd, peaks, structure, sized))
+            p = make(cd, decode_peak(job, lay, cd, peaks, fingerprint, sized))
             if p.planned <= budget:
                 found = p
                 break
@@ -463,12 +431,12 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
             known.sort(key=lambda e: e[0])
             while not known[0][1] and (cap is None or cap > 0):
                 cd = known[0][2]
-                known[0] = (make(cd, decode_peak(job, lay, cd, peaks, structure, sized)).planned, True, cd)
+                known[0] = (make(cd, decode_peak(job, lay, cd, peaks, fingerprint, sized)).planned, True, cd)
                 known.sort(key=lambda e: e[0])
                 cap = None if cap is None else cap - 1
             floor = known[0][0]
             cd = min((e for e in known if e[1]), key=lambda e: e[0], default=known[0])[2]
-            found = make(cd, decode_peak(job, lay, cd, peaks, structure, sized))
+            found = make(cd, decode_peak(job, lay, cd, peaks, fingerprint, sized))
             found.over_budget = True
     finally:
         peaks.flush()
@@ -480,6 +448,71 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
             f"smallest found ({found.describe()}) needs {fmt_bytes(found.planned)}; raise budget_mb or free memory",
             budget, floor)
     return found
+
+
+# --------------------------------------------------------------------------------------------------
+# Self-check and the exact fallback
+
+CHECK_LATENT = (3, 1, 2)
+"""``(T, h, w)`` of the self-check's latent: frame 0 + two one-frame chunks (a host that drops the caches'
+history between one-frame calls shows from the second), 1x2 latent px (two tiles)."""
+
+
+def check_chunked(job: VideoJob, store: CheckStore, prepare: Callable[[], None] | None = None) -> Verdict:
+    """Self-check of the chunked executor for this decoder on this host (:func:`.self_check.verify`): a tiny
+    random latent (:data:`CHECK_LATENT`) decoded by ``first_stage_model.decode`` and by the executor with
+    k = 1 in 1x2 tiles with in-place caches (one-frame chunks: the caches' history restored; phase 1, the
+    store, per-tile caches; the split before the head keeps the tiles' extra work small) and k = 2 on whole
+    frames (chunks of several frames, the one-tile path). Keyed by the decoder's code fingerprint, the
+    detected cache protocol, the executor's source, dtype and device type. ``prepare()`` runs first when the
+    check runs (the node loads the weights)."""
+    model = job.vae.first_stage_model
+    lay = vc.wan_layout(model)
+    last = len(lay.splits) - 1
+    key = f"wan-chunked/{_model_key(job)}"
+    z = torch.randn((1, lay.latent_channels, *CHECK_LATENT), generator=torch.Generator().manual_seed(0))
+    z = z.to(job.device, job.dtype)
+
+    def run(k: int, tile: tuple[int, int] | None, **kw: Any) -> Callable[[], torch.Tensor]:
+        return lambda: vc.decode_wan_chunked(model, z, k, tile, compute_device=job.device, dtype=job.dtype, **kw)
+
+    configs = [
+        (f"k = 1, 1x2 tiles at split {last}, in-place caches", run(1, (1, 1), split=last, rollback=False)),
+        ("k = 2, whole frames", run(2, None)),
+    ]
+    if store.get(key) is None and prepare is not None:
+        prepare()
+    return verify(key, store, lambda: model.decode(z), configs, job.dtype)
+
+
+def host_decode_peak(job: VideoJob, peaks: PeakStore) -> int:
+    """Meta-sized peak bytes of the host's own decode of one batch item at the full clip length, its own
+    output included (persisted in ``peaks``); the node's output buffer comes on top."""
+    _, c, t, h, w = (int(v) for v in job.z.shape)
+    key = f"{_model_key(job)}/1x{c}x{t}x{h}x{w}/host-decode"
+    peak = peaks.get(key)
+    if peak is None:
+        model = job.vae.first_stage_model
+        with MetaSizer([model], job.dtype, job.device) as sizer:
+            out = model.decode(torch.empty((1, c, t, h, w), dtype=job.dtype, device=job.device))
+            del out
+        peak = int(sizer.peak_bytes)
+        peaks.put(key, peak)
+        peaks.flush()
+    return peak
+
+
+def plan_host_decode(job: VideoJob, budget: int, peaks: PeakStore, verdict: Verdict) -> VideoPlan | None:
+    """The exact fallback when the chunked executor failed its self-check: the host's own decode, if its
+    peak (+ the output buffer) fits ``budget``; else None."""
+    lay = vc.wan_layout(job.vae.first_stage_model)
+    _, _, t, h, w = (int(v) for v in job.z.shape)
+    planned = out_bytes(job, lay.out_frames(t), h * lay.spatial_ratio, w * lay.spatial_ratio)
+    planned += host_decode_peak(job, peaks)
+    if planned > budget:
+        return None
+    return VideoPlan(max(1, t - 1), None, (1, 1), True, 0, 0, None, planned, host_decode=True,
+                     reason=f"the chunked executor's {verdict.describe()}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -498,6 +531,24 @@ class VideoDecodeResult:
     stats: dict
     plan_seconds: float
     plan_stats: dict = dataclasses.field(default_factory=dict)
+
+
+def _host_decode(job: VideoJob, view: torch.Tensor, bar: ProgressFn | None, env: VideoEnv, stats: dict) -> None:
+    """The host's own ``first_stage_model.decode`` per batch item (as ``VAE.decode`` feeds it: the VAE's
+    dtype and device), written into the output view."""
+    model = job.vae.first_stage_model
+    b = int(job.z.shape[0])
+    for i in range(b):
+        if env.should_stop is not None:
+            env.should_stop()
+        if bar is not None:
+            bar(i, b)
+        out = model.decode(job.z[i : i + 1].to(job.dtype).to(job.device))
+        view[i : i + 1].copy_(out)
+        del out
+    if bar is not None:
+        bar(b, b)
+    stats.update(exact=True, chunks=b, units=b, protocol=vc.cache_protocol(model).name)
 
 
 def _post(vae: Any, view: torch.Tensor) -> None:
@@ -556,15 +607,24 @@ def decode_video(
     stats: dict = {}
     if lay is not None:
         r = lay.spatial_ratio
-        plan = plan_wan(job, int(budget.available), k_user, tile_user, env.peaks, plan_stats)
         frames, oh, ow = lay.out_frames(t), h * r, w * r
+        load = (lambda: env.load_weights(vae, 0)) if hasattr(vae, "patcher") and env.load_weights else None
+        verdict = check_chunked(job, env.checks, load)
+        plan = None
+        if not verdict.ok and not k_user and tile_user is None:  # auto: the host's decode when it fits
+            plan = plan_host_decode(job, int(budget.available), env.peaks, verdict)
+        if plan is None:
+            plan = plan_wan(job, int(budget.available), k_user, tile_user, env.peaks, plan_stats)
+            plan.exact, plan.reason = verdict.ok, verdict.describe()
     else:
         ratio_t = vae.upscale_ratio[0] if isinstance(getattr(vae, "upscale_ratio", None), tuple) else 4
         frames = int(round(ratio_t(t))) if callable(ratio_t) else int(ratio_t * t)
         r = int(vae.upscale_ratio[1]) if isinstance(vae.upscale_ratio, tuple) else 8
         oh, ow = h * r, w * r
         k = max(2, k_user or min(t, 4))
-        plan = VideoPlan(k, None, (1, 1), True, 0, 0, None, 0, exact=False)
+        plan = VideoPlan(k, None, (1, 1), True, 0, 0, None, 0, exact=False,
+                         reason="overlapping temporal chunks decoded independently and cross-faded (not a causal "
+                                "Wan VAE)")
     plan_seconds = time.perf_counter() - t0
 
     if hasattr(vae, "patcher") and env.load_weights is not None:
@@ -576,7 +636,9 @@ def decode_video(
     method, tracker = decode_tracker(job.device, env.measure_cpu_tensors)
     t1 = time.perf_counter()
     with torch.no_grad(), tracker if tracker is not None else contextlib.nullcontext():
-        if job.wan:
+        if plan.host_decode:
+            _host_decode(job, view, bar, env, stats)
+        elif job.wan:
             vc.decode_wan_chunked(
                 model, z, plan.k, plan.tile, halo=plan.halo, split=plan.split, out=view,
                 compute_device=job.device, dtype=job.dtype, store_device="cpu" if plan.store == "host" else None,
@@ -603,15 +665,23 @@ def _report(job: VideoJob, plan: VideoPlan, budget: Any, offload_text: str, stat
             plan_seconds: float, measured: int | None, method: str) -> Report:
     r = Report(REPORT_NODE, str(job.device))
     r.add("vae", f"{job.family} ({str(job.dtype).removeprefix('torch.')}); latent {tuple(job.z.shape)}")
-    if plan.exact:
+    if plan.host_decode:
+        r.add("path", f"exact: the host's own decode, as VAE Decode ({plan.reason})")
+    elif job.wan and plan.exact:
         r.add("path", "exact: causal caches carried across chunks (same frames as VAE Decode)")
+    elif job.wan:
+        r.add("path", f"APPROXIMATE: the chunked executor does not reproduce this host's decoder ({plan.reason})")
     else:
-        r.add("path", "APPROXIMATE: overlapping temporal chunks decoded independently and cross-faded "
-                      "(not a causal Wan VAE)")
+        r.add("path", f"APPROXIMATE: {plan.reason}")
+    if job.wan:
+        proto = vc.cache_protocol(job.vae.first_stage_model)
+        how = "carried by the host's blocks" if not proto.restores else "restored by the executor"
+        r.add("check", f"cache protocol {proto.name} (history {how}); "
+                       f"{plan.reason if not plan.host_decode else 'chunked executor not used'}")
     r.add("budget", budget.describe())
     r.add("offload", offload_text)
-    r.add("plan", plan.describe() if plan.exact else f"k = {plan.k} latent frames/chunk, overlap 1")
-    if plan.exact:
+    r.add("plan", plan.describe() if job.wan else f"k = {plan.k} latent frames/chunk, overlap 1")
+    if job.wan and not plan.host_decode:
         scope = "whole frame" if plan.tile is None else "one tile at a time (tile-major)"
         if plan.rollback:
             cache = f"{job.device}, {scope}, committed + next (an OOM resumes from the last chunk)"
@@ -620,11 +690,12 @@ def _report(job: VideoJob, plan: VideoPlan, budget: Any, offload_text: str, stat
         if plan.store is not None:
             cache += f"; global part of every frame stored on the {plan.store}"
         r.add("cache", cache)
+    if job.wan:
         avail = budget.available
         pct = plan.planned / avail if avail else math.inf
         over = " - OVER BUDGET (user setting)" if plan.over_budget else ""
         r.add("predicted", f"peak {fmt_bytes(plan.planned)} ({pct:.0%} of budget, meta sizing){over}; "
-                           f"planned in {fmt_seconds(plan_seconds)} (offload included)")
+                           f"planned in {fmt_seconds(plan_seconds)} (offload and self-check included)")
     r.add("measured", f"peak {fmt_bytes(measured)} ({method})" if measured is not None else method)
     r.add("time", f"{fmt_seconds(seconds)} ({stats.get('chunks', '?')} chunks)")
     if stats.get("shrinks") or stats.get("restarts"):

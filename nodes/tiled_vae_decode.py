@@ -18,6 +18,7 @@ import torch
 from comfy_api.v0_0_2 import io
 
 from ..memory import image_decode as idm
+from ..memory import self_check
 from ..memory.planner import ImpossibleBudgetError
 from . import _comfy
 
@@ -47,21 +48,34 @@ def _error(message: str) -> _comfy.NodeInputError:
 def _validate(vae: Any, samples: Any, tile_size: int, halo: int) -> idm.ImageJob:
     if vae is None or getattr(vae, "first_stage_model", None) is None:
         raise _error("the VAE is invalid (None); if it comes from a checkpoint loader, the checkpoint has no VAE")
-    z = samples.get("samples") if isinstance(samples, dict) else None
+    if not isinstance(samples, dict):
+        raise _error(f"samples must be a LATENT (a dict with a 'samples' tensor), got {type(samples).__name__}")
+    z, label = samples.get("samples"), "latent"
+    if getattr(z, "is_nested", False) and not isinstance(z, torch.Tensor):
+        # ComfyUI >= 0.33 NestedTensor (e.g. video + audio of LTX-2): decode the first stream, as core
+        # VAE Decode does; the other streams belong to other VAEs
+        streams = list(z.unbind())
+        z, label = (streams[0] if streams else None), f"first stream of a nested latent ({len(streams)} streams)"
+        log.info("nested latent: decoding its first stream of %d, as VAE Decode does", len(streams))
     if not isinstance(z, torch.Tensor):
-        raise _error(f"samples must be a LATENT with a 'samples' tensor, got {type(samples).__name__}")
+        raise _error(f"samples['samples'] must be a tensor, got {type(z).__name__}")
+    if z.is_nested:
+        raise _error("samples['samples'] is a torch nested (jagged) tensor; decode a regular LATENT")
     shape = tuple(z.shape)
     video_hint = "use the Temporal-Chunk Video Decode (VRAM Fit) node for video latents"
     if z.ndim == 5:
-        raise _error(f"latent {shape} is a 5-D video latent (B, C, T, H, W); this node decodes images: {video_hint}")
+        raise _error(f"{label} {shape} is a 5-D video latent (B, C, T, H, W); this node decodes images: {video_hint}")
     if z.ndim != 4:
-        raise _error(f"latent {shape} is not a 4-D image latent (B, C, H, W)")
+        raise _error(f"{label} {shape} is not a 4-D image latent (B, C, H, W)")
     if min(shape) < 1:
-        raise _error(f"latent {shape} is empty")
+        raise _error(f"{label} {shape} is empty")
     core_attrs = hasattr(vae, "latent_channels")
     if core_attrs and int(getattr(vae, "latent_dim", 2)) != 2:
         kind = "a video" if int(vae.latent_dim) == 3 else "an audio/1-D"
         raise _error(f"this is {kind} VAE (latent_dim {vae.latent_dim}); latent {shape}: {video_hint}")
+    if getattr(vae, "handles_tiling", False):  # ComfyUI >= 0.33: the model tiles internally
+        raise _error(f"this VAE ({type(vae.first_stage_model).__name__}) tiles internally (handles_tiling); "
+                     f"latent {shape}: decode it with ComfyUI's VAE Decode, which lets the model bound its memory")
     channels = int(shape[1])
     if core_attrs and int(vae.latent_channels) != channels:
         raise _error(
@@ -89,6 +103,7 @@ def comfy_env(node_id: str | None = None) -> idm.DecodeEnv:
         exact_cost_models=_comfy.exact_cost_store(),
         attention=_comfy.bounded_vae_attention,
         norm_params=_comfy.group_norm_params,
+        checks=self_check.store_at(_comfy.user_cache_file(self_check.FILE_NAME, "self-check")),
         fault_hook=_FAULT_HOOK,
         measure_cpu_tensors=MEASURE_CPU_TENSORS,
     )

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from comfy_api.v0_0_2 import io
 
+from ..memory import self_check
 from ..memory import video_decode as vd
 from ..memory.planner import ImpossibleBudgetError
 from . import _comfy
@@ -45,21 +46,35 @@ def _error(message: str) -> _comfy.NodeInputError:
 def _validate(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int) -> vd.VideoJob:
     if vae is None or getattr(vae, "first_stage_model", None) is None:
         raise _error("the VAE is invalid (None); if it comes from a checkpoint loader, the checkpoint has no VAE")
-    z = samples.get("samples") if isinstance(samples, dict) else None
+    if not isinstance(samples, dict):
+        raise _error(f"samples must be a LATENT (a dict with a 'samples' tensor), got {type(samples).__name__}")
+    z, label = samples.get("samples"), "latent"
+    if getattr(z, "is_nested", False) and not isinstance(z, torch.Tensor):
+        # ComfyUI >= 0.33 NestedTensor (video + audio of LTX-2, MiniMax H3): decode the video stream, as core
+        # VAE Decode does; the audio stream is decoded by the audio VAE
+        streams = list(z.unbind())
+        z, label = (streams[0] if streams else None), f"video stream of a nested latent ({len(streams)} streams)"
+        log.info("nested latent: decoding its first stream of %d, as VAE Decode does", len(streams))
     if not isinstance(z, torch.Tensor):
-        raise _error(f"samples must be a LATENT with a 'samples' tensor, got {type(samples).__name__}")
+        raise _error(f"samples['samples'] must be a tensor, got {type(z).__name__}")
+    if z.is_nested:
+        raise _error("samples['samples'] is a torch nested (jagged) tensor; decode a regular LATENT")
     shape = tuple(z.shape)
     hint = "use Tiled VAE Decode (VRAM Fit) for image latents"
     if z.ndim == 4:
-        raise _error(f"latent {shape} is a 4-D image latent (B, C, H, W); this node decodes video latents "
+        raise _error(f"{label} {shape} is a 4-D image latent (B, C, H, W); this node decodes video latents "
                      f"(B, C, T, H, W): {hint}")
     if z.ndim != 5:
-        raise _error(f"latent {shape} is not a 5-D video latent (B, C, T, H, W)")
+        raise _error(f"{label} {shape} is not a 5-D video latent (B, C, T, H, W)")
     if min(shape) < 1:
-        raise _error(f"latent {shape} is empty")
+        raise _error(f"{label} {shape} is empty")
     dim = int(getattr(vae, "latent_dim", 3))
     if dim != 3:
         raise _error(f"this VAE is not a video VAE (latent_dim {dim}); latent {shape}: {hint}")
+    if getattr(vae, "handles_tiling", False):  # ComfyUI >= 0.33 (MiniMax H3, SeedVR2): the model chunks itself
+        raise _error(f"this VAE ({type(vae.first_stage_model).__name__}) tiles and chunks internally "
+                     f"(handles_tiling); latent {shape}: decode it with ComfyUI's VAE Decode, which lets the model "
+                     "bound its memory")
     want = getattr(vae, "latent_channels", None)
     if want is not None and int(want) != int(shape[1]):
         raise _error(f"latent {shape} has {shape[1]} channels but the VAE expects {want}: wrong VAE for this "
@@ -87,6 +102,7 @@ def comfy_env(node_id: str | None = None) -> vd.VideoEnv:
         **_comfy.decode_env_callables(node_id),
         offload=lambda vae, need: _comfy.offload_others(vae, need, "needed" if need is not None else "all"),
         peaks=peak_store(),
+        checks=self_check.store_at(_comfy.user_cache_file(self_check.FILE_NAME, "self-check")),
         fault_hook=_FAULT_HOOK,
         measure_cpu_tensors=MEASURE_CPU_TENSORS,
     )

@@ -32,6 +32,28 @@ def reference(comfy: Any, fixture_vaes: dict, kind: str, shape: tuple[int, ...],
     if key not in _REFS:
         vae = comfy.VAELoader().load_vae(fixture_vaes[kind])[0]
         z = structured_latent(shape, seed=seed)
-        (ref,) = comfy.VAEDecode().decode(vae, {"samples": z})
+        with torch.inference_mode():  # as ComfyUI runs nodes (0.33's process_output works in place)
+            (ref,) = comfy.VAEDecode().decode(vae, {"samples": z})
         _REFS[key] = (vae, z, ref)
     return _REFS[key]
+
+
+def tiny_wan(version: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny Wan 2.1 / 2.2 ``first_stage_model`` from the host's own classes (``comfy.ldm.wan.vae`` /
+    ``vae2_2``, ``dim=8``: every layer and cache protocol of the host, 8-32 channels), weights initialised as
+    the fixture generator does. ComfyUI must be importable (``scripts.host.import_comfy``)."""
+    import importlib
+
+    from scripts import fixtures
+
+    mod = importlib.import_module("comfy.ldm.wan.vae" if version == "2.1" else "comfy.ldm.wan.vae2_2")
+    kw = dict(dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[], temperal_downsample=[False, True, True])
+    with torch.device("meta"):
+        if version == "2.1":
+            model = mod.WanVAE(dim=8, z_dim=4, **kw)
+        else:
+            model = mod.WanVAE(dim=8, dec_dim=8, z_dim=4, **kw)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        fixtures._materialise(model, torch.float32)
+    return model.eval()

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from scripts.fixtures import structured_latent
+from scripts.host import clone_node
 from tests.helpers import exact_tile_borders, psnr, seam_ratio
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
@@ -306,7 +307,7 @@ def test_input_errors_name_node_and_shape(mod, kl_vae, shape, kw, needle):
 
 def test_execute_returns_image_report_and_preview(node, pack, kl_vae):
     z = structured_latent((1, 4, 8, 8), seed=4)
-    cls = node.PREPARE_CLASS_CLONE({"UNIQUE_ID": "12"})
+    cls = clone_node(node, "12")
     out = cls.execute(samples={"samples": z}, vae=kl_vae, tile_size=32, halo=-1, budget_mb=0, unload_others=True)
     image, text = out.args
     assert image.shape == (1, 64, 64, 3)

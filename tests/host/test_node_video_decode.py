@@ -3,9 +3,10 @@
 The node comes from ComfyUI's registry (loaded by ComfyUI's own loader); hooks are set on the module
 ComfyUI imported. Thresholds (frames on [0, 1]):
 
-* Wan 2.1 / 2.2 vs core ``VAEDecode``: same shape (B*T, H, W, 3), max abs diff <= 1e-3 for k in {1, 2, 3}
-  (Wan 2.1; Wan 2.2: 9 frames, k in {1, 2}), whole frames and spatial tiles (Wan 2.2 k = 1 tiles and
-  Wan 2.1 k = 1 / 3 tiles are ``slow``), odd latent sizes;
+* Wan 2.1 / 2.2 vs core ``VAEDecode`` (run under ``torch.inference_mode``, as ComfyUI runs nodes): same
+  shape (B*T, H, W, 3), max abs diff <= 1e-5 for k in {1, 2, 3} (Wan 2.1; Wan 2.2: 9 frames, k in {1, 2}),
+  whole frames and spatial tiles (Wan 2.2 k = 1 tiles is ``slow``), odd latent sizes, under both cache
+  protocols (ComfyUI 0.3.x "carry", 0.33 "per_call": the report names the one detected);
 * budget sweep: tracked peak (live tensor bytes) <= the budget and the plan's meta-sized prediction
   within +-15 % of the tracked peak; tighter budgets give other plans; a second plan of the same input
   sizes nothing (the persisted peaks);
@@ -34,6 +35,8 @@ log = logging.getLogger("vramfit.tests.node_video_decode")
 
 NODE_ID = "VRAMFit_TemporalChunkVideoDecode"
 TOL = 1e-3
+FIDELITY = 1e-5
+"""Max abs diff (frames on [0, 1]) of an exact Wan decode vs core VAEDecode (measured <= 2.8e-6 on both hosts)."""
 MiB = 2**20
 
 
@@ -93,8 +96,7 @@ def test_schema_ids_and_tooltips(node):
 
 @pytest.mark.parametrize(
     "k,tile_px",
-    [(1, 0), (2, 0), (3, 0), (2, 24), pytest.param(1, 24, marks=pytest.mark.slow),
-     pytest.param(3, 24, marks=pytest.mark.slow)],
+    [(1, 0), (2, 0), (3, 0), (1, 24), (2, 24), (3, 24)],
 )
 def test_wan21_matches_core_vaedecode(mod, wan21, runs, k, tile_px):
     vae, z, ref = wan21
@@ -107,7 +109,9 @@ def test_wan21_matches_core_vaedecode(mod, wan21, runs, k, tile_px):
     assert r.plan.k == k and (r.plan.tile is None) == (tile_px == 0)
     if tile_px:
         assert r.plan.grid[0] * r.plan.grid[1] > 1
-    assert d <= TOL
+    rows = dict(r.report.rows)
+    assert rows["path"].startswith("exact") and "self-check passed" in rows["check"]
+    assert d <= FIDELITY
 
 
 @pytest.mark.parametrize(
@@ -123,7 +127,7 @@ def test_wan22_matches_core_vaedecode(mod, wan22, k, tile_px):
     assert r.plan.halo == 6  # the walked reach at the default split, not families.py's 4
     if tile_px:
         assert r.plan.grid[0] * r.plan.grid[1] > 1
-    assert d <= TOL
+    assert d <= FIDELITY
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ import pytest
 import torch
 from vramfit.memory import video_chunked as vc
 
+from scripts.host import core_decode_tiled
 from tests.video_refs import HUNYUAN, WAN21, WAN22, reference
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
@@ -122,7 +123,7 @@ def test_wan21_no_temporal_seam_unlike_core_vaedecodetiled(comfy, wan21):
     # covers the whole 24x40 frame, so only the temporal chunking differs from VAEDecode. 8/4 output
     # frames = chunks of 2 latent frames overlapping by 1: latent [0, 2), [1, 3), [2, 4) -> the 2nd and
     # 3rd chunks restart their caches and start at output frames 4 and 8.
-    tiled = comfy.VAEDecodeTiled().decode(vae, {"samples": z}, 64, 64, 8, 4)[0]
+    tiled = core_decode_tiled(comfy, vae, {"samples": z}, 64, 64, 8, 4)
     secs = time.perf_counter() - t0
     core_starts = [4 * p for p, _ in vc.overlap_chunks(4, 2, 1)]
     lay = vc.wan_layout(vae.first_stage_model)
@@ -228,5 +229,5 @@ def test_hunyuan_blend_equals_core_vaedecodetiled_temporal(comfy, hunyuan):
     if img is None:
         img, _ = _blend(vae, z, 3, 1)
     # temporal_size 12 / overlap 4 output frames = 3 / 1 latent frames; the 64 px tile covers the frame.
-    core = comfy.VAEDecodeTiled().decode(vae, {"samples": z}, 64, 64, 12, 4)[0]
+    core = core_decode_tiled(comfy, vae, {"samples": z}, 64, 64, 12, 4)
     assert _diff(img, core) <= 1e-5  # measured 6e-8

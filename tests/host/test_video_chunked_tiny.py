@@ -23,6 +23,8 @@ import torch
 from vramfit.memory import video_chunked as vc
 from vramfit.memory.reach import impulse_extent
 
+from tests.video_refs import tiny_wan
+
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]  # tiny tensors: one intra-op thread
 log = logging.getLogger("vramfit.tests.video_chunked_tiny")
 
@@ -37,30 +39,12 @@ class Stop(Exception):
     pass
 
 
-def _tiny(version: str, seed: int = 0) -> torch.nn.Module:
-    from scripts import fixtures
-
-    mod = importlib.import_module("comfy.ldm.wan.vae" if version == "2.1" else "comfy.ldm.wan.vae2_2")
-    kw = dict(
-        dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[], temperal_downsample=[False, True, True]
-    )
-    with torch.device("meta"):
-        if version == "2.1":
-            model = mod.WanVAE(dim=8, z_dim=4, **kw)
-        else:
-            model = mod.WanVAE(dim=8, dec_dim=8, z_dim=4, **kw)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        fixtures._materialise(model, torch.float32)
-    return model.eval()
-
-
 @pytest.fixture(scope="module", params=["2.1", "2.2"])
 def tiny(request, host_config):
     from scripts.host import import_comfy
 
     import_comfy(host_config)
-    return request.param, _tiny(request.param)
+    return request.param, tiny_wan(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +53,7 @@ def case21(host_config):
     from scripts.host import import_comfy
 
     import_comfy(host_config)
-    model = _tiny("2.1")
+    model = tiny_wan("2.1")
     z = _z((1, 4, 4, 5, 7))
     with torch.no_grad():
         ref = model.decode(z)
@@ -108,15 +92,17 @@ def test_layout_matches_comfy_decoder(tiny):
     assert lay.patch == (1 if version == "2.1" else 2) and lay.spatial_ratio == 8 * lay.patch
     assert lay.out_channels == 3
     mod = importlib.import_module(type(model).__module__)
-    assert lay.n_cache == mod.count_conv3d(model.decoder)
-    # Every cache entry ComfyUI's own decode leaves behind has the channels and scale the walk predicts.
+    count = getattr(mod, "count_conv3d", None) or mod.count_cache_layers  # renamed in ComfyUI 0.33
+    assert lay.n_cache == count(model.decoder)
+    # Every cache entry ComfyUI's own decoder leaves behind (frame 0 alone, then a call of two latent
+    # frames: full entries under both cache protocols) has the channels and scale the walk predicts.
     feat = [None] * lay.n_cache
     h, w = 3, 5
     x = model.conv2(_z((1, 4, 3, h, w)))
     with torch.no_grad():
-        for i in range(3):
-            kw = {"first_chunk": i == 0} if version == "2.2" else {}
-            model.decoder(x[:, :, i : i + 1], feat_cache=feat, feat_idx=[0], **kw)
+        for a, b in ((0, 1), (1, 3)):
+            kw = {"first_chunk": a == 0} if version == "2.2" else {}
+            model.decoder(x[:, :, a:b], feat_cache=feat, feat_idx=[0], **kw)
     used = [e for e in feat if e is not None]
     assert len(used) == len(lay.slots)
     total = 0
@@ -127,6 +113,27 @@ def test_layout_matches_comfy_decoder(tiny):
     assert lay.cache_bytes(h, w, 1, 4, part="all") == total
     # Default split: the last cut at scale <= 2.
     assert lay.split_info().scale <= 2 < lay.splits[lay.default_split + 1].scale
+
+
+def test_cache_protocol_probe_says_what_comfy_decoder_does(tiny):
+    """The probe (one block, two one-frame calls) agrees with ComfyUI's whole decoder driven by two one-frame
+    calls: its latent-scale entries then hold 2 frames ("carry": ComfyUI 0.3.x) or 1 ("per_call": 0.33's
+    Wan 2.1, whose own decode never makes two such calls in a row). Wan 2.2's blocks carry on every host."""
+    version, model = tiny
+    proto = vc.cache_protocol(model)
+    lay = vc.wan_layout(model)
+    feat = [None] * lay.n_cache
+    x = model.conv2(_z((1, 4, 2, 3, 5)))
+    with torch.no_grad():
+        for a in (0, 1):
+            kw = {"first_chunk": a == 0} if version == "2.2" else {}
+            model.decoder(x[:, :, a : a + 1], feat_cache=feat, feat_idx=[0], **kw)
+    kept = [int(feat[s.index].shape[2]) for s in lay.slots if s.frames == 1 and s.kind == "conv"]
+    log.info("Wan %s: cache protocol %s; latent-scale entries after two one-frame calls: %s", version, proto, kept)
+    assert len(set(kept)) == 1 and proto.name == {2: "carry", 1: "per_call"}[kept[0]]
+    assert proto.frames_kept == kept[0]
+    if version == "2.2":
+        assert proto.name == "carry" and not proto.views
 
 
 def test_impulse_extent_equals_structural_reach(tiny):
@@ -226,7 +233,7 @@ def test_tile_major_peak_scales_with_the_tile(host_config):
     from scripts.host import import_comfy
 
     import_comfy(host_config)
-    model = _tiny("2.1")
+    model = tiny_wan("2.1")
     z = _z((1, 4, 3, 16, 16), seed=4)
     out = torch.empty(1, 3, 9, 128, 128)  # outside the tracked blocks
     peaks, outs = {}, {}

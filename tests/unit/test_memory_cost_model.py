@@ -185,17 +185,37 @@ def test_phase_validation() -> None:
 
 def test_shipped_defaults_cover_known_families() -> None:
     models = default_models()
-    for family in FAMILIES:
-        key = ModelKey(family, "full", "float32", "cpu")
-        assert key in models, f"no shipped cost model for {key}"
-        m = models[key]
-        assert len(m.points) >= 5, "defaults must record the calibration points they were fitted on"
-        assert m.inputs, "defaults must record their calibration inputs"
-        # fit quality on its own points (meta sizing is exact; the model is a few % off at worst)
-        assert max(abs(e[3]) for e in m.errors()) < 0.15
-        # the real decodes the defaults were checked against (held out) are within 15 %
-        assert m.validation, f"{key}: no real-decode validation recorded"
-        for g, measured, predicted, err in m.errors(validation=True):
-            assert abs(err) <= 0.15, f"{key} {g.describe()}: predicted {predicted} vs measured {measured}"
+    for family, fam in FAMILIES.items():
+        keys = [k for k in models if (k.family, k.executor, k.dtype, k.device_type) == (family, "full", "float32",
+                                                                                     "cpu")]
+        if fam.host_keyed:  # one model per measured host behaviour (ComfyUI 0.3.75 and 0.33), none unkeyed
+            assert len({k.variant for k in keys}) >= 2 and all(k.variant for k in keys), keys
+        else:
+            assert keys == [ModelKey(family, "full", "float32", "cpu")], f"no shipped cost model for {family}"
+        for key in keys:
+            _check_shipped(models[key])
     store = CostModelStore(None)
     assert store.is_default(ModelKey("kl", "full", "float32", "cpu"))
+
+
+def _check_shipped(m: CostModel) -> None:
+    key = m.key
+    assert len(m.points) >= 5, "defaults must record the calibration points they were fitted on"
+    assert m.inputs, "defaults must record their calibration inputs"
+    # fit quality on its own points (meta sizing is exact; the model is a few % off at worst)
+    assert max(abs(e[3]) for e in m.errors()) < 0.15
+    # the real decodes the defaults were checked against (held out) are within 15 %
+    assert m.validation, f"{key}: no real-decode validation recorded"
+    for g, measured, predicted, err in m.errors(validation=True):
+        assert abs(err) <= 0.15, f"{key} {g.describe()}: predicted {predicted} vs measured {measured}"
+
+
+def test_model_key_variant_in_text_and_json() -> None:
+    k = ModelKey.make("wan21", "full", torch.float32, "cpu", "per_call-3406k")
+    assert str(k) == "wan21/full/float32/cpu/per_call-3406k" and k.slug() == "wan21.full.float32.cpu.per_call-3406k"
+    assert ModelKey("kl", "full", "float32", "cpu").slug() == "kl.full.float32.cpu"
+    m = CostModel(k, (Phase(("px",), (1.0,)),))
+    assert CostModel.from_dict(json.loads(json.dumps(m.to_dict()))).key == k
+    old = m.to_dict()
+    del old["key"]["variant"]  # files written before variants existed
+    assert CostModel.from_dict(old).key == ModelKey("wan21", "full", "float32", "cpu")

@@ -24,6 +24,7 @@ COEF_MAX = {
     "px_step": 8e3,
     "px_frames": 5e3,
     "px_cache2": 5e3,
+    "px_later": 8e3,
     "tokens_sq": 20.0,
     "latent": 5e3,
     "job_px": 50.0,
