@@ -8,6 +8,11 @@ builds the same ``first_stage_model`` it would for the real releases:
 * ``wan21``          Wan 2.1 ``comfy.ldm.wan.vae.WanVAE`` (16 channels, 8x spatial, 4x temporal), bfloat16.
 * ``wan22``          Wan 2.2 ``comfy.ldm.wan.vae2_2.WanVAE`` (48 channels, 16x spatial, 4x temporal), bfloat16.
 * ``hunyuan_video``  HunyuanVideo 3-D ``AutoencoderKL`` (16 channels, 8x spatial, 4x temporal), bfloat16.
+* ``flux``           FLUX.1 ``ae.safetensors``: ``AutoencodingEngine`` with the KL encoder/decoder at 16 latent
+                     channels and no quant convs (ComfyUI's ``VAELoader`` picks that branch from the keys), float32.
+* ``dcae_sana``      Sana's DC-AE (``dc-ae-f32c32-sana-1.0``: 32 channels, 32x spatial), diffusers'
+                     ``AutoencoderDC``, bfloat16; not a ComfyUI model: ComfyUI_ExtraModels' ``ExtraVAELoader``
+                     loads it into its own ``VAE`` subclass, which ``scripts/sana_vae.py`` mirrors.
 
 ``comfy.ops.disable_weight_init`` layers skip weight initialisation (their ``reset_parameters`` is a
 no-op), so every layer is re-initialised with the ``reset_parameters`` of the ``torch.nn`` class it
@@ -50,7 +55,9 @@ log = logging.getLogger("vramfit.fixtures")
 GENERATOR_VERSION = "vramfit-fixtures/2"
 """Stored in each file's metadata; bump it when the weights a seed produces change."""
 
-KINDS = ("kl_f8", "wan21", "wan22", "hunyuan_video")
+KINDS = ("kl_f8", "wan21", "wan22", "hunyuan_video", "flux", "dcae_sana")
+COMFY_KINDS = KINDS[:-1]
+"""The kinds ComfyUI's own ``VAELoader`` loads (``dcae_sana`` loads through ``scripts/sana_vae.py``)."""
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -67,6 +74,26 @@ _KL_DDCONFIG = {
     "num_res_blocks": 2,
     "attn_resolutions": [],
     "dropout": 0.0,
+}
+# dc-ae-f32c32-sana-1.0 (ComfyUI_ExtraModels VAE/conf.py "dcae-f32c32-sana-1.0-diffusers", as recorded in
+# scripts/workflow_declarations.json), in diffusers' AutoencoderDC argument names.
+DCAE_SANA_CONFIG = {
+    "in_channels": 3,
+    "latent_channels": 32,
+    "attention_head_dim": 32,
+    "encoder_block_types": ["ResBlock"] * 3 + ["EfficientViTBlock"] * 3,
+    "decoder_block_types": ["ResBlock"] * 3 + ["EfficientViTBlock"] * 3,
+    "encoder_block_out_channels": [128, 256, 512, 512, 1024, 1024],
+    "decoder_block_out_channels": [128, 256, 512, 512, 1024, 1024],
+    "encoder_layers_per_block": [2, 2, 2, 3, 3, 3],
+    "decoder_layers_per_block": [3, 3, 3, 3, 3, 3],
+    "encoder_qkv_multiscales": [[], [], [], [5], [5], [5]],
+    "decoder_qkv_multiscales": [[], [], [], [5], [5], [5]],
+    "upsample_block_type": "interpolate",
+    "downsample_block_type": "Conv",
+    "decoder_norm_types": "rms_norm",
+    "decoder_act_fns": "silu",
+    "scaling_factor": 0.41407,
 }
 _WAN_DDCONFIG = {
     "dim_mult": [1, 2, 4, 4],
@@ -114,6 +141,16 @@ class FixtureSpec:
             return dict(_WAN_DDCONFIG, dim=96, z_dim=16)
         if self.kind == "wan22":
             return dict(_WAN_DDCONFIG, dim=160, z_dim=48)
+        if self.kind == "flux":
+            dd = dict(_KL_DDCONFIG, z_channels=16)
+            module = "comfy.ldm.modules.diffusionmodules.model"
+            return {
+                "regularizer_config": {"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
+                "encoder_config": {"target": f"{module}.Encoder", "params": dd},
+                "decoder_config": {"target": f"{module}.Decoder", "params": dd},
+            }
+        if self.kind == "dcae_sana":
+            return dict(DCAE_SANA_CONFIG)
         raise KeyError(self.kind)
 
 
@@ -178,6 +215,34 @@ FIXTURES: dict[str, FixtureSpec] = {
         example_output=(1, 5, 32, 32, 3),
         description="HunyuanVideo 3-D KL VAE (z 16, time_compress 4)",
     ),
+    "flux": _spec(
+        "flux",
+        torch.float32,
+        latent_channels=16,
+        latent_dim=2,
+        spatial_ratio=8,
+        temporal_ratio=1,
+        model_class="AutoencodingEngine",
+        module="comfy.ldm.models.autoencoder",
+        params=83_819_683,
+        example_latent=(1, 16, 8, 8),
+        example_output=(1, 64, 64, 3),
+        description="FLUX.1 VAE (KL, z 16, no quant convs)",
+    ),
+    "dcae_sana": _spec(
+        "dcae_sana",
+        torch.bfloat16,
+        latent_channels=32,
+        latent_dim=2,
+        spatial_ratio=32,
+        temporal_ratio=1,
+        model_class="AutoencoderDC",
+        module="diffusers",
+        params=312_250_275,
+        example_latent=(1, 32, 2, 2),
+        example_output=(1, 64, 64, 3),
+        description="Sana DC-AE f32c32 (diffusers AutoencoderDC)",
+    ),
 }
 
 _META_KIND = "vramfit_fixture_kind"
@@ -217,7 +282,8 @@ def _import_comfy_module(name: str):
 
 
 def build_model(kind: str, device: str | torch.device = "meta") -> torch.nn.Module:
-    """The bare ComfyUI module for ``kind`` (weights uninitialised; on ``meta`` by default)."""
+    """The bare module for ``kind`` (ComfyUI's class; diffusers' for ``dcae_sana``), weights uninitialised,
+    on ``meta`` by default."""
     spec = FIXTURES[kind]
     mod = _import_comfy_module(spec.module)
     cls = getattr(mod, spec.model_class)
@@ -240,14 +306,17 @@ def _torch_reset(module: torch.nn.Module) -> bool:
 
 
 def _init_custom(module: torch.nn.Module) -> bool:
-    """Parameters of non-torch modules: Wan's ``RMS_norm`` (gamma 1, bias 0: its own constructor's values)."""
-    if type(module).__name__ == "RMS_norm":
-        with torch.no_grad():
-            module.gamma.fill_(1.0)
-            if getattr(module, "bias", None) is not None:
-                module.bias.zero_()
-        return True
-    return False
+    """Parameters of non-torch modules, set to their own constructors' values: Wan's ``RMS_norm``
+    (gamma 1, bias 0) and diffusers' ``RMSNorm`` (weight 1, bias 0)."""
+    scale = {"RMS_norm": "gamma", "RMSNorm": "weight"}.get(type(module).__name__)
+    if scale is None:
+        return False
+    with torch.no_grad():
+        if getattr(module, scale, None) is not None:
+            getattr(module, scale).fill_(1.0)
+        if getattr(module, "bias", None) is not None:
+            module.bias.zero_()
+    return True
 
 
 CURRENT_FRAME_SHARE = 0.9

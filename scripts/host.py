@@ -114,9 +114,25 @@ def comfyui_version(comfy: pathlib.Path) -> str:
 # --------------------------------------------------------------------------- in-process host
 
 
-def import_comfy(cfg: HostConfig | None = None, cpu: bool = True) -> HostConfig:
-    """Make ``import comfy.*`` work in this process (ComfyUI first on sys.path, ``--cpu``)."""
+DEVICE_ENV = "VRAMFIT_COMFY_DEVICE"
+"""``cpu`` (default: ComfyUI runs with ``--cpu``) or ``cuda`` (the GPU suite: ComfyUI picks the GPU)."""
+DYNAMIC_ENV = "VRAMFIT_DYNAMIC_VRAM"
+"""On an accelerator with ComfyUI >= 0.33: ``on`` (ComfyUI's default on NVIDIA) or ``off``
+(``--disable-dynamic-vram``)."""
+DYNAMIC_VRAM_STATUS = "not started"
+"""What :func:`load_comfy_in_process` found: ``on``, ``off (...)``, ``not on this host``, ``failed: ...``."""
+
+
+def wanted_cpu() -> bool:
+    """In-process hosts run ``--cpu`` unless ``$VRAMFIT_COMFY_DEVICE`` names an accelerator."""
+    return os.environ.get(DEVICE_ENV, "cpu").strip().lower() in ("", "cpu")
+
+
+def import_comfy(cfg: HostConfig | None = None, cpu: bool | None = None) -> HostConfig:
+    """Make ``import comfy.*`` work in this process (ComfyUI first on sys.path; ``--cpu`` unless
+    ``cpu=False`` or, by default, ``$VRAMFIT_COMFY_DEVICE`` names an accelerator)."""
     cfg = cfg or HostConfig.load()
+    cpu = wanted_cpu() if cpu is None else cpu
     path = str(cfg.comfyui_path)
     # ComfyUI's top-level modules (``nodes``, ``utils``, ...) must win over anything else on the path.
     if path in sys.path:
@@ -137,17 +153,79 @@ def import_comfy(cfg: HostConfig | None = None, cpu: bool = True) -> HostConfig:
         if "comfy.model_management" in sys.modules:
             raise RuntimeError("comfy.model_management was imported before --cpu could be set")
         args.cpu = True
+    if not cpu and "comfy.model_management" not in sys.modules:
+        _init_dynamic_vram(args)
     return cfg
+
+
+def _init_dynamic_vram(args: Any) -> None:
+    """main.py's first dynamic-VRAM step (ComfyUI >= 0.33), before ``comfy.model_management`` is imported:
+    ``--disable-dynamic-vram`` when ``$VRAMFIT_DYNAMIC_VRAM`` is ``off``, else ``comfy_aimdo.control.init``
+    when ComfyUI would enable it (same keyword fallbacks as main.py)."""
+    global DYNAMIC_VRAM_STATUS
+    import comfy.cli_args as cli
+
+    if not hasattr(cli, "enables_dynamic_vram"):
+        DYNAMIC_VRAM_STATUS = "not on this host"
+        return
+    if os.environ.get(DYNAMIC_ENV, "on").strip().lower() == "off":
+        args.disable_dynamic_vram = True
+    if not cli.enables_dynamic_vram():
+        DYNAMIC_VRAM_STATUS = "off (--disable-dynamic-vram or a flag that excludes it)"
+        return
+    import comfy_aimdo.control as control
+
+    headroom = None if getattr(args, "reserve_vram", None) is None else int(args.reserve_vram * 1024**3)
+    for kwargs in (
+        {"simple_vram_headroom": headroom, "nvml_pressure": not getattr(args, "disable_nvml_pressure", False)},
+        {"simple_vram_headroom": headroom},
+        {},
+    ):
+        try:
+            control.init(**kwargs)
+            break
+        except TypeError:
+            continue
+    DYNAMIC_VRAM_STATUS = "initialising"
+
+
+def _start_dynamic_vram() -> None:
+    """main.py's second dynamic-VRAM step, after ``comfy.model_management`` is imported: register the
+    devices with comfy-aimdo and switch ComfyUI to ``ModelPatcherDynamic``."""
+    global DYNAMIC_VRAM_STATUS
+    if DYNAMIC_VRAM_STATUS != "initialising":
+        return
+    import comfy.memory_management
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    import comfy_aimdo.control as control
+    from comfy.cli_args import args
+
+    if not mm.is_nvidia() or mm.torch_version_numeric < (2, 8):
+        DYNAMIC_VRAM_STATUS = "off (not supported: needs NVIDIA and torch >= 2.8)"
+        return
+    devices = mm.get_all_torch_devices()
+    try:
+        ok = control.init_devices((d.index, int(args.vram_headroom * 1024**3)) for d in devices)
+    except TypeError:
+        ok = control.init_devices(d.index for d in devices)
+    if not ok:
+        DYNAMIC_VRAM_STATUS = "failed: comfy-aimdo did not initialise (ComfyUI falls back to ModelPatcher)"
+        return
+    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+    comfy.memory_management.aimdo_enabled = True
+    DYNAMIC_VRAM_STATUS = "on"
 
 
 _NODES_MODULE: Any = None
 
 
-def load_comfy_in_process(cfg: HostConfig | None = None, cpu: bool = True) -> Any:
+def load_comfy_in_process(cfg: HostConfig | None = None, cpu: bool | None = None) -> Any:
     """Load a ComfyUI host in this process, every node included, and return its ``nodes`` module.
 
     Custom nodes (this pack among them, linked into ``custom_nodes/`` by the installer) are loaded
-    by ComfyUI's own ``init_extra_nodes``, exactly as ``main.py`` does at start-up.
+    by ComfyUI's own ``init_extra_nodes``, exactly as ``main.py`` does at start-up. On an accelerator
+    (``cpu=False`` or ``$VRAMFIT_COMFY_DEVICE``), dynamic VRAM is set up as main.py does.
     """
     global _NODES_MODULE
     if _NODES_MODULE is not None:
@@ -155,6 +233,7 @@ def load_comfy_in_process(cfg: HostConfig | None = None, cpu: bool = True) -> An
     cfg = import_comfy(cfg, cpu=cpu)
     import nodes  # ComfyUI's nodes.py
 
+    _start_dynamic_vram()
     asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True, init_api_nodes=False))
     _NODES_MODULE = nodes
     return nodes

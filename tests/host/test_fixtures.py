@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scripts import fixtures
-from scripts.fixtures import FIXTURES, KINDS, make_models, structured_latent, write_latent_file
+from scripts.fixtures import COMFY_KINDS, FIXTURES, KINDS, make_models, structured_latent, write_latent_file
 
 log = logging.getLogger("vramfit.tests.fixtures")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-@pytest.fixture(scope="module", params=KINDS)
+@pytest.fixture(scope="module", params=COMFY_KINDS)
 def loaded(request, comfy, fixture_vaes):
     """(spec, VAE, log messages of the load) via ComfyUI's own VAELoader; one kind in memory at a time."""
     spec = FIXTURES[request.param]
@@ -92,6 +92,9 @@ def test_loader_detects_the_real_architecture(loaded, fixture_vaes):
         assert "decoder.upsamples.0.upsamples.0.residual.2.weight" in keys
     if spec.kind == "hunyuan_video":
         assert fsm.decoder.conv_in.conv.weight.shape[1] == 16
+    if spec.kind == "flux":  # FLUX's ae.safetensors: no quant convs, so ComfyUI builds an AutoencodingEngine
+        assert not any("quant_conv" in k for k in keys)
+        assert fsm.decoder.conv_in.weight.shape[1] == 16
 
 
 @host

@@ -1,0 +1,397 @@
+"""GPU suite worker: one part (``image``, ``video`` or ``scenes``) on one ComfyUI host, in-process.
+
+Started by ``bench/gpu_suite.py`` (never by hand; see docs/BENCHMARKS.md "GPU suite") with
+``COMFYUI_PATH`` naming the host and ``VRAMFIT_COMFY_DEVICE`` / ``VRAMFIT_DYNAMIC_VRAM`` naming the mode.
+It loads the host as ``main.py`` would (dynamic VRAM included), generates the random-weight models it
+needs, runs ComfyUI's own nodes and this pack's side by side and appends one row per measured decode
+to ``--json`` after each row (a run stopped at its deadline keeps what it finished).
+
+Per row: wall seconds; on CUDA ``max_memory_allocated`` above the allocated bytes at entry (``peak``)
+and in absolute terms (``peak_abs``: resident weights included), and the driver-level used memory,
+sampled every 2 ms from ``mem_get_info`` (``device_peak``: sees comfy-aimdo's weight pages, which torch's
+allocator does not); on CPU the live-tensor peak (``PeakTracker`` dispatch count). Fidelity: PSNR and
+max abs diff against the reference decode named in the row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import json
+import logging
+import math
+import os
+import pathlib
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
+
+log = logging.getLogger("vramfit.bench.gpu_parts")
+MiB = 2**20
+IMAGE_NODE = "VRAMFit_TiledVAEDecode"
+VIDEO_NODE = "VRAMFit_TemporalChunkVideoDecode"
+
+IMAGE_SIZES = {"full": [2048, 4096, 8192], "small": [64]}
+IMAGE_BUDGET_24G_FROM_PX = 8192
+"""From this size on, the budgeted row uses 24 GB (the issue's 8192² case); below, 40 % of core's peak."""
+VIDEO_CASES = {
+    "full": [("wan21", (1, 16, 21, 60, 104), "832x480x81"), ("wan21", (1, 16, 21, 90, 160), "1280x720x81"),
+             ("wan22", (1, 48, 21, 30, 52), "832x480x81"), ("wan22", (1, 48, 21, 45, 80), "1280x720x81")],
+    "small": [("wan21", (1, 16, 2, 6, 6), "48x48x5")],
+}  # fmt: skip
+SCENE_SIZES = {
+    # (PixArt depth, DC-AE latent, FLUX double/single blocks, FLUX latent, bf16 Loader weight dtype)
+    "full": (75, (2, 32, 64, 64), (19, 38), (1, 16, 128, 128), "fp8_e4m3fn"),
+    "small": (2, (2, 32, 2, 2), (1, 0), (1, 16, 8, 8), "bf16"),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Measurement
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _DeviceUsedSampler:
+    """Highest driver-level used memory (``total - free`` from ``mem_get_info``) seen every 2 ms."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak, self._stop = device, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.peak = max(self.peak, total - free)
+            self._stop.wait(0.002)
+
+    def __enter__(self) -> _DeviceUsedSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def measure(device: torch.device, fn: Callable[[], Any], tracker: Any) -> tuple[Any, dict[str, Any]]:
+    """Run ``fn`` once; returns its result and the figures of the module docstring."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        t0 = time.perf_counter()
+        with _DeviceUsedSampler(device) as used:
+            out = fn()
+            _sync(device)
+        seconds = time.perf_counter() - t0
+        peak_abs = torch.cuda.max_memory_allocated(device)
+        return out, {"seconds": seconds, "peak_mib": (peak_abs - base) / MiB, "peak_abs_mib": peak_abs / MiB,
+                     "device_peak_mib": used.peak / MiB, "measure": "max_memory_allocated"}
+    t0 = time.perf_counter()
+    with tracker.PeakTracker("cpu", method="dispatch") as t:
+        out = fn()
+    return out, {"seconds": time.perf_counter() - t0, "peak_mib": t.peak_bytes / MiB, "peak_abs_mib": None,
+                 "device_peak_mib": None, "measure": "live tensors (dispatch)"}
+
+
+def fidelity(out: torch.Tensor | None, ref: torch.Tensor | None) -> dict[str, Any]:
+    if out is None or ref is None or out.shape != ref.shape:
+        return {"psnr_db": None, "max_abs": None}
+    diff = out.double() - ref.double()
+    mse = diff.pow(2).mean().item()
+    return {"psnr_db": math.inf if mse == 0 else 10 * math.log10(1.0 / mse), "max_abs": diff.abs().max().item()}
+
+
+@contextlib.contextmanager
+def log_watch(needle: str) -> Iterator[list[str]]:
+    """Collect log messages containing ``needle`` (e.g. core VAE Decode's fallback to tiles)."""
+    seen: list[str] = []
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            msg = record.getMessage()
+            if needle in msg:
+                seen.append(msg)
+
+    h = Handler()
+    logging.getLogger().addHandler(h)
+    try:
+        yield seen
+    finally:
+        logging.getLogger().removeHandler(h)
+
+
+class Rows:
+    """The worker's JSON file: ``{"meta": {...}, "rows": [...]}``, rewritten after every row."""
+
+    def __init__(self, path: pathlib.Path, meta: dict[str, Any]):
+        self.path, self.meta, self.rows = path, meta, []
+        self._write()
+
+    def add(self, **row: Any) -> None:
+        self.rows.append(row)
+        log.info("row: %s", json.dumps(row, default=str))
+        self._write()
+
+    def _write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"meta": self.meta, "rows": self.rows}, indent=1, default=str))
+        tmp.replace(self.path)
+
+
+def ours(rows: Rows, host: Host, common: dict[str, Any], label: str, budget: int, fn: Callable[[], Any],
+         ref: torch.Tensor | None, **extra: Any) -> None:
+    """Measure one VRAM Fit decode and add its row; a refused budget becomes a row saying why."""
+    try:
+        r, m = measure(host.device, fn, host.tracker)
+    except Exception as e:  # e.g. a budget below the smallest plan: the table says so
+        rows.add(**common, decode=f"VRAM Fit {label}", budget_mb=budget, error=f"{type(e).__name__}: {e}",
+                 path=f"refused: {str(e)[:200]}", **extra)
+        return
+    rows.add(**common, decode=f"VRAM Fit {label}", budget_mb=budget, **m, **fidelity(r.images, ref),
+             predicted_mib=getattr(r.plan, "planned", 0) / MiB, **_plan_of(r), **extra)
+
+
+def _plan_of(result: Any) -> dict[str, Any]:
+    rows = dict(result.report.rows)
+    return {"path": rows.get("path", ""), "plan": rows.get("plan", ""), "budget": rows.get("budget", "")}
+
+
+# --------------------------------------------------------------------------------------------------
+# The host
+
+
+class Host:
+    """The in-process ComfyUI: its ``nodes`` module, this pack's modules, the device and mode."""
+
+    def __init__(self) -> None:
+        from scripts import host as host_mod
+
+        self.host_mod = host_mod
+        self.cfg = host_mod.HostConfig.load()
+        self.nodes = host_mod.load_comfy_in_process(self.cfg)
+        import comfy.model_management as mm
+
+        self.mm = mm
+        self.device = torch.device(mm.get_torch_device())
+        pack = self.nodes.NODE_CLASS_MAPPINGS[IMAGE_NODE].__module__.rsplit(".nodes.", 1)[0]
+        self.tiled = importlib.import_module(pack + ".nodes.tiled_vae_decode")
+        self.video = importlib.import_module(pack + ".nodes.video_decode")
+        self.offload = importlib.import_module(pack + ".nodes.offload_manager")
+        self.bf16 = importlib.import_module(pack + ".nodes.bf16_loader")
+        self.tracker = importlib.import_module(pack + ".memory.tracker")
+
+    def meta(self, part: str, size: str) -> dict[str, Any]:
+        kitchen = "absent"
+        with contextlib.suppress(ImportError):
+            from comfy_kitchen.backends import cuda as ck_cuda
+
+            kitchen = "loaded" if getattr(ck_cuda, "_C", None) is not None else "not loaded (eager/triton backends)"
+        return {
+            "part": part, "size": size, "comfyui": self.cfg.version, "device": str(self.device),
+            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "dynamic_vram": self.host_mod.DYNAMIC_VRAM_STATUS,
+            "comfy_kitchen_cuda": kitchen, "date": time.strftime("%Y-%m-%d"),
+        }  # fmt: skip
+
+    def vae(self, kind: str) -> Any:
+        from scripts.fixtures import make_models
+
+        path = make_models(self.cfg.models_dir / "vae", seed=0, kinds=[kind])[kind]
+        return self.nodes.VAELoader().load_vae(path.name)[0]
+
+    def core_decode(self, vae: Any, z: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.nodes.VAEDecode().decode(vae, {"samples": z})[0].clone()
+
+    def core_tiled(self, vae: Any, z: torch.Tensor, *args: Any) -> torch.Tensor:
+        return self.host_mod.core_decode_tiled(self.nodes, vae, {"samples": z}, *args)
+
+    def unload_all(self) -> None:
+        self.mm.unload_all_models()
+        gc.collect()
+        self.mm.soft_empty_cache()
+
+
+# --------------------------------------------------------------------------------------------------
+# Parts
+
+
+def part_image(host: Host, rows: Rows, size: str) -> None:
+    """KL VAE at 2048²-8192²: core VAEDecode, core VAEDecodeTiled (512/64), VRAM Fit auto and budgeted."""
+    from scripts.fixtures import structured_latent
+
+    vae = host.vae("kl_f8")
+    # first use: the self-check and any cost-model calibration run here, not inside a measured row
+    host.tiled.decode(vae, {"samples": structured_latent((1, 4, 16, 16), seed=0)}, tile_size=64)
+    for px in IMAGE_SIZES[size]:
+        z = structured_latent((1, 4, px // 8, px // 8), seed=px)
+        common = {"case": f"KL {px}x{px}", "dtype": str(vae.vae_dtype).removeprefix("torch.")}
+        with log_watch("retrying with tiled") as fallback:
+            ref, m = measure(host.device, lambda z=z: host.core_decode(vae, z), host.tracker)
+        untiled = not fallback
+        ref_name = "core VAEDecode" + ("" if untiled else " (fell back to its tiled decode)")
+        rows.add(**common, decode=ref_name, **m, psnr_db=None, max_abs=None, reference="-")
+        core_peak = m["peak_mib"]
+        out, m = measure(host.device, lambda z=z: host.core_tiled(vae, z, 512, 64, 64, 8), host.tracker)
+        rows.add(**common, decode="core VAEDecodeTiled 512/64", **m, **fidelity(out, ref), reference=ref_name)
+        del out
+        budgets = [("auto", 0)]
+        budgets.append(("24 GB budget", 24576) if px >= IMAGE_BUDGET_24G_FROM_PX
+                       else ("40% of core's peak", max(16, int(0.4 * core_peak))))
+        for label, budget in budgets:
+            ours(rows, host, common, label, budget,
+                 lambda z=z, b=budget: host.tiled.decode(vae, {"samples": z}, budget_mb=b), ref, reference=ref_name)
+        del ref
+        gc.collect()
+
+
+def part_video(host: Host, rows: Rows, size: str, models: list[str]) -> None:
+    """Wan 2.1/2.2 at 480p/720p x 81 frames: core VAEDecode, core VAEDecodeTiled, VRAM Fit auto and at 40 %."""
+    from scripts.fixtures import structured_latent
+
+    for kind, shape, label in VIDEO_CASES[size]:
+        if kind not in models:
+            continue
+        host.unload_all()
+        vae = host.vae(kind)
+        tiny = structured_latent((1, shape[1], 3, 4, 4), seed=0)  # first use (self-check) outside the rows
+        host.video.decode(vae, {"samples": tiny}, frames_per_chunk=1, tile_size=2 * int(vae.upscale_ratio[-1]))
+        z = structured_latent(shape, seed=1)
+        common = {"case": f"{kind} {label}", "dtype": str(vae.vae_dtype).removeprefix("torch.")}
+        ref, m = measure(host.device, lambda z=z, vae=vae: host.core_decode(vae, z), host.tracker)
+        rows.add(**common, decode="core VAEDecode", **m, psnr_db=None, max_abs=None)
+        core_peak = m["peak_mib"]
+        out, m = measure(host.device, lambda z=z, vae=vae: host.core_tiled(vae, z, 512, 64, 64, 8), host.tracker)
+        rows.add(**common, decode="core VAEDecodeTiled 512/64, 64/8", **m, **fidelity(out, ref))
+        del out
+        for name, budget in (("auto", 0), ("40% of core's peak", max(16, int(0.4 * core_peak)))):
+            ours(rows, host, common, name, budget,
+                 lambda z=z, b=budget, vae=vae: host.video.decode(vae, {"samples": z}, budget_mb=b), ref)
+        del ref, vae
+        gc.collect()
+
+
+def part_scenes(host: Host, rows: Rows, size: str) -> None:
+    """The field's cases: (a) Sana-class model resident + DC-AE 2048² batch 2 decode, without and with
+    Offload Manager; (b) FLUX through the bf16 Loader, Offload Manager and Tiled VAE Decode (whole graph)."""
+    from scripts import diffusion_fixtures as dfx
+    from scripts.fixtures import make_models, structured_latent
+    from scripts.sana_vae import load_dcae
+
+    depth, dc_shape, (fd, fs), flux_shape, flux_dtype = SCENE_SIZES[size]
+    gen_device = "cuda" if host.device.type == "cuda" else "cpu"
+    dm_dir = host.cfg.models_dir / "diffusion_models"
+    offload = host.host_mod.clone_node(host.offload.OffloadManager, "scene-offload")
+
+    # (a) Sana 1600M-class transformer resident, then the DC-AE decode
+    pix = dfx.write("pixart_1600m", dm_dir / f"vramfit_pixart_d{depth}.safetensors", depth, device=gen_device)
+    dcae_path = make_models(host.cfg.models_dir / "vae", seed=0, kinds=["dcae_sana"])["dcae_sana"]
+    dc = load_dcae(str(dcae_path), torch.bfloat16 if host.device.type == "cuda" else torch.float32)
+    z = structured_latent(dc_shape, seed=3)
+    case = f"(a) PixArt-Sigma {pix['params'] / 1e9:.2f}B resident + DC-AE {dc_shape[2] * 32}² x{dc_shape[0]}"
+    model = host.nodes.UNETLoader().load_unet(pathlib.Path(pix["path"]).name, "default")[0]
+    host.tiled.decode(dc, {"samples": z[:1, :, :2, :2]})  # first use (cost-model calibration) outside the rows
+    variants = [
+        ("no offload: VAE Decode (ExtraModels' decode)", False, lambda: dc.decode(z)),
+        ("no offload: Tiled VAE Decode (unload_others off)", False,
+         lambda: host.tiled.decode(dc, {"samples": z}, unload_others=False).images),
+        ("Offload Manager -> VAE Decode (ExtraModels' decode)", True, lambda: dc.decode(z)),
+        ("Offload Manager -> Tiled VAE Decode", True, lambda: host.tiled.decode(dc, {"samples": z}).images),
+    ]
+    ref = first_peak = None
+    for name, with_offload, fn in variants:
+        host.mm.load_models_gpu([model])  # resident, as after sampling
+
+        def phase(fn: Callable[[], Any] = fn, with_offload: bool = with_offload) -> Any:
+            if with_offload:
+                offload.execute(value={"samples": z})
+            return fn()
+
+        out, m = measure(host.device, phase, host.tracker)
+        ref = out if ref is None else ref
+        first_peak = m["peak_abs_mib"] if first_peak is None else first_peak
+        cut = None if not (first_peak and m["peak_abs_mib"]) else 100 * (1 - m["peak_abs_mib"] / first_peak)
+        rows.add(case=case, decode=name, **m, **fidelity(out, ref), reference=variants[0][0],
+                 decode_phase_cut_pct=cut)
+        del out
+    model = dc = ref = None  # released before (b)
+    host.unload_all()
+
+    # (b) InfiniteYou-class FLUX on a 24 GB budget: bf16 Loader -> (one transformer step) -> Offload -> decode
+    flux = dfx.write("flux", dm_dir / f"vramfit_flux_d{fd}_{fs}.safetensors", fd, fs, device=gen_device)
+    vae = host.vae("flux")
+    zf = structured_latent(flux_shape, seed=4)
+    case = f"(b) FLUX {flux['params'] / 1e9:.1f}B ({fd}/{fs} blocks, {flux_dtype}) + FLUX VAE {flux_shape[2] * 8}²"
+    notes: list[str] = []
+
+    def graph() -> Any:
+        loader = host.host_mod.clone_node(host.bf16.Bf16Loader, "scene-loader").execute(
+            model=f"diffusion_models/{pathlib.Path(flux['path']).name}", weight_dtype=flux_dtype)
+        patcher = loader.result[0]
+        host.mm.load_models_gpu([patcher])
+        dm = patcher.model.diffusion_model
+        dtype = patcher.model.get_dtype_inference() if hasattr(patcher.model, "get_dtype_inference") else torch.bfloat16
+        x = torch.zeros(flux_shape, device=host.device, dtype=dtype)
+        ctx = torch.zeros((1, 256, 4096), device=host.device, dtype=dtype)
+        y = torch.zeros((1, 768), device=host.device, dtype=dtype)
+        t = torch.full((1,), 0.5, device=host.device, dtype=dtype)
+        try:
+            with torch.inference_mode():
+                dm(x, t, ctx, y=y, guidance=torch.full((1,), 3.5, device=host.device, dtype=dtype))
+            notes.append("one transformer step ran")
+        except Exception as e:  # recorded in the table: the decode part of the graph still runs
+            notes.append(f"transformer step failed: {type(e).__name__}: {e}")
+        offload.execute(value={"samples": zf}, keep=vae)
+        return host.tiled.decode(vae, {"samples": zf})
+
+    r, m = measure(host.device, graph, host.tracker)
+    within = None if m["peak_abs_mib"] is None else m["peak_abs_mib"] <= 24 * 1024
+    rows.add(case=case, decode="bf16 Loader -> step -> Offload Manager -> Tiled VAE Decode", **m,
+             within_24gb=within, notes="; ".join(notes), **_plan_of(r))
+
+
+PARTS = ("image", "video", "scenes")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_parts")
+    ap.add_argument("part", choices=PARTS)
+    ap.add_argument("--json", type=pathlib.Path, required=True)
+    ap.add_argument("--small", action="store_true", help="tiny sizes (the CPU dry run)")
+    ap.add_argument("--models", default="wan21,wan22", help="video part: which VAEs")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
+    size = "small" if args.small else "full"
+    host = Host()
+    rows = Rows(args.json, host.meta(args.part, size))
+    log.info("part %s (%s) on ComfyUI %s, %s, dynamic VRAM: %s", args.part, size, host.cfg.version,
+             host.device, host.host_mod.DYNAMIC_VRAM_STATUS)
+    if args.part == "image":
+        part_image(host, rows, size)
+    elif args.part == "video":
+        part_video(host, rows, size, args.models.split(","))
+    else:
+        part_scenes(host, rows, size)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
