@@ -3,6 +3,10 @@
 ``scripts/workflows.py`` builds each description into the UI workflow, the API twin, the thumbnail and
 the README of ``workflows/``. Widgets not given here take the node's declared default. Links are
 ``node.out(slot)``. Node ids follow the order of ``add`` (the API twin uses the same ids).
+
+Each workflow's ``template`` is its card in the template browser (the UI file's name, which the frontend
+shows as the title), numbered in the order of :func:`all_workflows`: the CPU variants first (they run on
+any install), then the GPU workflows.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ FLUX_TE = "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main
 SANA = "ComfyUI_ExtraModels (Sana)"
 INFINITEYOU = "ComfyUI_InfiniteYou"
 FIXTURES_HOW = "random-weight fixture: `python -m scripts.fixtures` (or the tests) writes it"
+DEMO_BUDGET_MB = 256
+"""The demo template's decode budget: below what the untiled decode of its 320×256 image needs, so it tiles."""
 
 WAN_NEGATIVE = (
     "blurry, low quality, static, overexposed, washed-out colors, jpeg artifacts, deformed, extra limbs, "
@@ -35,14 +41,15 @@ def _tiled_decode(wf: WorkflowDesc, samples: Any, vae: Any) -> Any:
                   unload_others=True)  # fmt: skip
 
 
-def _monitor(wf: WorkflowDesc, value: Any, label: str) -> Any:
-    return wf.add("VRAMFit_VRAMMonitor", value=value, label=label, plot_width=768, plot_height=384)
+def _monitor(wf: WorkflowDesc, value: Any, label: str, plot: tuple[int, int] = (768, 384)) -> Any:
+    return wf.add("VRAMFit_VRAMMonitor", value=value, label=label, plot_width=plot[0], plot_height=plot[1])
 
 
 def wan21_t2v(resolution: str) -> WorkflowDesc:
     width, height = {"480p": (832, 480), "720p": (1280, 720)}[resolution]
     wf = WorkflowDesc(
         name=f"vramfit_wan21_t2v_1_3b_{resolution}",
+        template=f"VRAM Fit {7 if resolution == '480p' else 8} - Wan 2.1 T2V {resolution}",
         title=f"Wan 2.1 T2V 1.3B, {width}×{height}, 81 frames",
         summary=(
             f"Text to video with Wan 2.1 T2V 1.3B at {width}×{height}, 81 frames (5 s at 16 fps). After "
@@ -86,6 +93,7 @@ def wan21_t2v(resolution: str) -> WorkflowDesc:
 def sana_2048_batch2() -> WorkflowDesc:
     wf = WorkflowDesc(
         name="vramfit_sana_1600m_2048_batch2",
+        template="VRAM Fit 6 - Sana 2K, batch 2",
         title="Sana 1600M, 2048×2048, batch 2",
         summary=(
             "Sana 1600M 2K (BF16) through the ComfyUI_ExtraModels Sana nodes, two 2048×2048 images. The seed "
@@ -135,6 +143,7 @@ def sana_2048_batch2() -> WorkflowDesc:
 def infiniteyou_flux() -> WorkflowDesc:
     wf = WorkflowDesc(
         name="vramfit_infiniteyou_flux",
+        template="VRAM Fit 5 - InfiniteYou FLUX",
         title="InfiniteYou (FLUX.1-dev), bf16 Loader + Offload + Tiled Decode",
         summary=(
             "Identity-preserving portrait with InfiniteYou-FLUX (sim_stage1, empty face-pose control image). "
@@ -200,6 +209,7 @@ def infiniteyou_flux() -> WorkflowDesc:
 def decode_8k() -> WorkflowDesc:
     wf = WorkflowDesc(
         name="vramfit_8k_decode_sdxl_vae",
+        template="VRAM Fit 4 - 8K SDXL decode",
         title="8K decode (8192×8192) with the SDXL KL VAE",
         summary=(
             "An 8192×8192 decode: SDXL samples at 1024×1024, the latent is upscaled 8× (bislerp) to 1024×1024 "
@@ -236,27 +246,35 @@ def decode_8k() -> WorkflowDesc:
 
 
 def demo_cpu() -> WorkflowDesc:
-    """The README's main job (scripts/demo.sh); node ids 1-8 are those demo.py edits by class type."""
+    """The CPU demo: ComfyUI's own example image encoded, then decoded in tiles under a small budget."""
     wf = WorkflowDesc(
         name="vramfit_demo_cpu",
-        title="VRAM Fit demo (CPU): structured latent → Tiled VAE Decode",
+        template="VRAM Fit 1 - Tiled demo (CPU)",
+        title=f"VRAM Fit demo (CPU): Tiled VAE Decode under a {DEMO_BUDGET_MB} MiB budget",
         summary=(
-            "The README's demo (`bash scripts/demo.sh`): a structured SD/SDXL latent from the input folder, "
-            "VRAM Monitor → Offload Manager → Tiled VAE Decode → VRAM Monitor, the image and the memory "
-            "timeline saved. Runs on CPU with the random-weight KL VAE."
+            "ComfyUI's example image (`input/example.png`, in every install) scaled to 320×256 and encoded by the "
+            "random-weight SD/SDXL KL VAE, then VRAM Monitor → Offload Manager → Tiled VAE Decode → VRAM Monitor, "
+            f"the image and the memory timeline saved. The decode runs under a {DEMO_BUDGET_MB} MiB budget, less "
+            "than the untiled decode needs, so its report shows the tiled plan on the exact path (the same image "
+            "as VAE Decode, no seams). Runs on CPU in seconds; random weights decode to noise-like images."
         ),
         cpu=True,
         files=[
             FileDecl("vramfit_fixture_kl_f8.safetensors", "vae", None, FIXTURES_HOW),
-            FileDecl("vramfit_demo.latent", "input", None, "written by `scripts/demo.py` (a structured 4-channel latent)"),
+            FileDecl("example.png", "input", None, "ships with ComfyUI (every install has it)"),
         ],  # fmt: skip
     )
     vae = wf.add("VAELoader", vae_name="vramfit_fixture_kl_f8.safetensors")
-    latent = wf.add("LoadLatent", latent="vramfit_demo.latent")
-    before = _monitor(wf, latent.out(), "before offload")
+    photo = wf.add("LoadImage", image="example.png")
+    scaled = wf.add("ImageScale", image=photo.out(), upscale_method="area", width=320, height=256, crop="center")
+    latent = wf.add("VAEEncode", pixels=scaled.out(), vae=vae.out())
+    before = _monitor(wf, latent.out(), "before offload", plot=(512, 256))
     offload = _offload(wf, before.out(), keep=vae.out())
-    images = _tiled_decode(wf, offload.out(), vae.out())
-    after = _monitor(wf, images.out(), "after decode")
+    images = wf.add(
+        "VRAMFit_TiledVAEDecode", samples=offload.out(), vae=vae.out(),
+        tile_size=0, halo=-1, budget_mb=DEMO_BUDGET_MB, unload_others=True,
+    )  # fmt: skip
+    after = _monitor(wf, images.out(), "after decode", plot=(512, 256))
     wf.add("SaveImage", images=after.out(0), filename_prefix="vramfit_demo")
     wf.add("SaveImage", title="Save VRAM timeline", images=after.out(2), filename_prefix="vramfit_vram_timeline")
     return wf
@@ -265,6 +283,7 @@ def demo_cpu() -> WorkflowDesc:
 def image_cpu() -> WorkflowDesc:
     wf = WorkflowDesc(
         name="vramfit_image_cpu",
+        template="VRAM Fit 2 - Image decode (CPU)",
         title="Image decode (CPU variant): bf16 Loader → Offload → Tiled VAE Decode",
         summary=(
             "The CPU variant of the image workflows (Sana, InfiniteYou, 8K): the random-weight SD/SDXL KL VAE "
@@ -292,6 +311,7 @@ def image_cpu() -> WorkflowDesc:
 def video_cpu() -> WorkflowDesc:
     wf = WorkflowDesc(
         name="vramfit_video_cpu",
+        template="VRAM Fit 3 - Video decode (CPU)",
         title="Wan 2.1 video decode (CPU variant): Offload → Temporal-Chunk Decode → MP4",
         summary=(
             "The CPU variant of the Wan 2.1 workflows: the random-weight Wan 2.1 VAE, a 64×64 latent video of 9 "
@@ -315,16 +335,20 @@ def video_cpu() -> WorkflowDesc:
 
 
 def all_workflows() -> list[WorkflowDesc]:
+    """Every example workflow, in the order of their template numbers."""
     return [
-        wan21_t2v("480p"),
-        wan21_t2v("720p"),
-        sana_2048_batch2(),
-        infiniteyou_flux(),
-        decode_8k(),
         demo_cpu(),
         image_cpu(),
         video_cpu(),
+        decode_8k(),
+        infiniteyou_flux(),
+        sana_2048_batch2(),
+        wan21_t2v("480p"),
+        wan21_t2v("720p"),
     ]
 
 
 CPU_WORKFLOWS = ("vramfit_demo_cpu", "vramfit_image_cpu", "vramfit_video_cpu")
+"""Names (API twins ``workflows/api/<name>.json``) of the workflows that run on CPU with the fixture VAEs."""
+CPU_TEMPLATES = tuple(d.template_name for d in all_workflows() if d.name in CPU_WORKFLOWS)
+"""The same workflows' template names (UI files ``workflows/<template>.json``, the cards' titles)."""

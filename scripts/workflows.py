@@ -9,13 +9,18 @@ Without ``--url`` a headless ComfyUI (the host of ``scripts/setup_host.sh``) is 
 One source of truth: ``scripts/workflow_graphs.py`` describes each graph (node types, widget values by
 input name, links); this module turns a description into
 
-* the UI-format workflow (ComfyUI frontend JSON, version 0.4) served as a template from ``workflows/``,
-* its API-format twin in ``workflows/api/`` (what ``POST /prompt`` and ``scripts/run_workflow.py`` take),
-* a thumbnail ``workflows/<name>.jpg`` (the frontend requests ``<name>.jpg`` for custom-node templates),
+* the UI-format workflow (ComfyUI frontend JSON, version 0.4) served as a template from
+  ``workflows/<template>.json`` (the template browser shows a custom-node template under its file name),
+* its API-format twin ``workflows/api/<name>.json`` (what ``POST /prompt`` and ``scripts/run_workflow.py`` take),
+* a thumbnail ``workflows/<template>.jpg`` (the frontend requests ``<template>.jpg`` for custom-node templates),
 * ``workflows/README.md`` (every workflow, the files it expects and the folder each goes in),
 
 using the node schemas of the live ``/object_info`` plus the third-party node packs declared in
 ``scripts/workflow_declarations.json`` (read from their source; each with its repository and commit).
+
+The layout leaves free the room below each node that it grows by after a run (image previews, VRAM Fit
+report boxes), and ``extra.ds`` opens on the whole graph below the toolbars of a 1280x720 canvas
+(:func:`layout_problems`, part of ``check``).
 
 The validator (:func:`validate_workflow`) checks a UI workflow and its API twin against those schemas:
 every node type exists on the host, is frontend-only, or belongs to a declared pack the workflow names;
@@ -43,6 +48,8 @@ import json
 import logging
 import math
 import pathlib
+import re
+import shutil
 import sys
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -60,6 +67,36 @@ DYNAMIC_COMBO = "COMFY_DYNAMICCOMBO_V3"
 """A combo whose selected option adds inputs (ComfyUI 0.33+, e.g. ``SaveVideo.format``)."""
 PACK_PREFIX = "VRAMFit_"
 THUMB_SIZE = (640, 400)
+
+SHIPPED_INPUTS = ("example.png",)
+"""Files in ComfyUI's own ``input/`` folder (its repository; ComfyUI 0.3.75 and 0.33): on every fresh install,
+so a CPU template may load them (every other file a CPU template needs is a fixture model)."""
+
+TEMPLATE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 .,()+-]*[A-Za-z0-9)]")
+"""A template (UI) file name, which the template browser shows as the card's title: ASCII letters, digits,
+spaces and ``.,()+-`` only (no ``:``, ``?`` or ``#``: not valid in Windows file names, and the frontend puts
+the name into the template's URL unescaped)."""
+
+# Layout (canvas units). Measured in Chromium with frontends 1.32.9 (ComfyUI 0.3.75) and 1.49.6 (0.33.0).
+TITLE_HEIGHT = 30
+"""``LiteGraph.NODE_TITLE_HEIGHT``: a node's title bar is drawn above its ``pos``."""
+NODE_GAP = 40
+"""Between a node (with the room below it) and the title bar of the next node in its column."""
+COLUMN_GAP = 60
+NOTE_POS, NOTE_SIZE = (40, 60), (440, 620)
+REPORT_ROOM = 360
+"""What a VRAM Fit node grows by after a run: the pack's web extension (web/js/vramfit.js) adds the report
+box, at most 22 rows of 15 px, and grows the node to fit it (measured: +231 to +308 px)."""
+IMAGE_ROOM = {"SaveImage": 300, "PreviewImage": 300, "SaveVideo": 340, "VRAMFit_VRAMMonitor": REPORT_ROOM + 240}
+"""What a node that shows images grows by below its widgets once it has them (after a run): the image
+preview, scaled to the node's width (measured: SaveImage of a 320x256 image +192 px, SaveVideo of 64x64
+frames +288 px, VRAM Monitor with its 512x256 plot under the report box +514 px)."""
+LOADED_IMAGE_ROOM = {"LoadImage": 340}
+"""Nodes that show their image as soon as the workflow opens (LoadImage's preview): written into their size."""
+VIEW_CANVAS = (1280, 720)
+VIEW_SAFE = (70, 140, 1270, 710)
+"""Left, top, right, bottom of the part of a 1280x720 canvas no toolbar covers: the side bar (left), the top
+menu, workflow tabs and the floating Run toolbar (top; frontend 1.32.9)."""
 
 
 def load_declarations(path: pathlib.Path = DECLARATIONS_PATH) -> dict:
@@ -329,13 +366,21 @@ class FileDecl:
 @dataclasses.dataclass
 class WorkflowDesc:
     name: str
+    """Slug: the API twin ``workflows/api/<name>.json`` and the workflow's README entry."""
     title: str
     summary: str
+    template: str = ""
+    """The template card's title, which is the UI file's name (``workflows/<template>.json`` and ``.jpg``):
+    both supported frontends show a custom-node template under its file name (:data:`TEMPLATE_NAME`)."""
     cpu: bool = False
     files: list[FileDecl] = dataclasses.field(default_factory=list)
     packs: list[str] = dataclasses.field(default_factory=list)
     notes: str = ""
     nodes: list[NodeDesc] = dataclasses.field(default_factory=list)
+
+    @property
+    def template_name(self) -> str:
+        return self.template or self.name
 
     def add(self, node_type: str, title: str | None = None, control: str = "fixed", **values: Any) -> NodeDesc:
         node = NodeDesc(id=len(self.nodes) + 1, type=node_type, values=values, title=title, control=control)
@@ -393,13 +438,115 @@ def types_compatible(src: str, dst: str) -> bool:
 
 
 def _node_size(schema: NodeSchema, desc: NodeDesc, widgets: list[InputSpec], outputs: int) -> list[int]:
-    """Size of a node with these widgets (as written) and ``outputs`` listed outputs."""
+    """Size of a node with these widgets (as written) and ``outputs`` listed outputs (LoadImage: with its
+    image preview, shown as soon as the workflow opens)."""
     linked_widgets = sum(1 for w in schema.widgets if isinstance(desc.values.get(w.name), Out))
     sockets = len(schema.sockets) + linked_widgets
     multiline = any(w.type == "STRING" and w.opts.get("multiline") for w in widgets)
-    width = 400 if multiline else 320
+    title = desc.title or schema.display_name
+    width = max(400 if multiline else 320, math.ceil((len(title) * 7.7 + 40) / 10) * 10)  # a long title widens it
     height = 30 + 22 * max(sockets, outputs, 1) + 26 * len(widgets) + (110 if multiline else 0)
-    return [width, height]
+    return [width, height + LOADED_IMAGE_ROOM.get(desc.type, 0)]
+
+
+def preview_room(node_type: str) -> int:
+    """Height a node grows by below its size after a run: image previews, VRAM Fit report boxes."""
+    if node_type in IMAGE_ROOM:
+        return IMAGE_ROOM[node_type]
+    return REPORT_ROOM if node_type.startswith(PACK_PREFIX) else 0
+
+
+def _columns(order: list[int], deps: dict[int, set[int]]) -> dict[int, int]:
+    """Column of each node: one after its latest input; a node without inputs (loader, empty latent) sits
+    right before its first consumer, so that it does not pile up in the first column."""
+    depth: dict[int, int] = {}
+    for nid in order:
+        depth[nid] = 1 + max((depth[d] for d in deps[nid]), default=-1)
+    for nid in order:
+        consumers = [depth[k] for k, v in deps.items() if nid in v]
+        if not deps[nid] and consumers:
+            depth[nid] = min(consumers) - 1
+    return depth
+
+
+def _layout(nodes: list[NodeDesc], depth: dict[int, int], sizes: dict[int, list[int]]) -> dict[int, list[int]]:
+    """Node positions: the note's column, then one column per dependency depth; the nodes of a column are
+    stacked (those with inputs first, so that the main chain runs along the top; then by id) with the room
+    each grows by after a run (:func:`preview_room`) left free below it."""
+    col_x: dict[int, int] = {}
+    x = NOTE_POS[0] + NOTE_SIZE[0] + COLUMN_GAP
+    for d in sorted(set(depth.values())):
+        col_x[d] = x
+        x += max(sizes[i][0] for i in depth if depth[i] == d) + COLUMN_GAP
+    col_y: dict[int, int] = {}
+    pos = {}
+    for n in sorted(nodes, key=lambda n: (not any(isinstance(v, Out) for v in n.values.values()), n.id)):
+        d = depth[n.id]
+        y = col_y.get(d, NOTE_POS[1])
+        pos[n.id] = [col_x[d], y]
+        col_y[d] = y + sizes[n.id][1] + preview_room(n.type) + NODE_GAP + TITLE_HEIGHT
+    return pos
+
+
+Rect = tuple[float, float, float, float]
+"""x0, y0, x1, y1 in canvas units."""
+
+
+def node_rect(node: dict, grown: bool = False) -> Rect:
+    """A UI node's rectangle, title bar included; ``grown``: with the room it takes after a run."""
+    (x, y), (w, h) = node["pos"], node["size"]
+    return (x, y - TITLE_HEIGHT, x + w, y + h + (preview_room(node["type"]) if grown else 0))
+
+
+def graph_bounds(nodes: list[dict], groups: list[dict]) -> Rect:
+    """The rectangle around the nodes (as the workflow opens) and the groups."""
+    rects = [node_rect(n) for n in nodes] + [
+        (g["bounding"][0], g["bounding"][1], g["bounding"][0] + g["bounding"][2], g["bounding"][1] + g["bounding"][3])
+        for g in groups
+    ]  # fmt: skip
+    return (min(r[0] for r in rects), min(r[1] for r in rects), max(r[2] for r in rects), max(r[3] for r in rects))
+
+
+def view_for(bounds: Rect) -> dict:
+    """``extra.ds`` (LiteGraph's view: screen = (canvas + offset) * scale) showing ``bounds`` in the
+    :data:`VIEW_SAFE` part of a :data:`VIEW_CANVAS` canvas: as large as fits (at most 1:1), centred across,
+    from the top of that part down (nodes grow downwards after a run)."""
+    left, top, right, bottom = VIEW_SAFE
+    x0, y0, x1, y1 = bounds
+    scale = math.floor(min((right - left) / (x1 - x0), (bottom - top) / (y1 - y0), 1.0) * 1000) / 1000
+    offset_x = (left + (right - left - (x1 - x0) * scale) / 2) / scale - x0
+    offset_y = top / scale - y0
+    return {"scale": scale, "offset": [round(offset_x, 1), round(offset_y, 1)]}
+
+
+def _overlap(a: Rect, b: Rect) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def layout_problems(name: str, ui: dict) -> list[str]:
+    """Why a UI workflow's layout is wrong: two nodes overlap, each with the room it grows by after a run
+    (image previews, report boxes: :func:`preview_room`), or a node or group lies outside the view that
+    ``extra.ds`` opens on (:data:`VIEW_SAFE`)."""
+    problems = []
+    nodes = sorted(ui.get("nodes", []), key=lambda n: n["id"])
+    for i, a in enumerate(nodes):
+        for b in nodes[i + 1:]:
+            if _overlap(node_rect(a, grown=True), node_rect(b, grown=True)):
+                problems.append(f"{name}: node {a['id']} ({a['type']}) and node {b['id']} ({b['type']}) overlap "
+                                "(with the room below each for previews and reports)")  # fmt: skip
+    ds = (ui.get("extra") or {}).get("ds")
+    if not ds:
+        return problems + [f"{name}: no extra.ds (the view the workflow opens on)"]
+    scale, (ox, oy) = ds["scale"], ds["offset"]
+    left, top, right, bottom = VIEW_SAFE
+    items = [(f"node {n['id']} ({n['type']})", node_rect(n)) for n in nodes]
+    items += [(f"group {g.get('title')!r}", graph_bounds([], [g])) for g in ui.get("groups", [])]
+    for what, (x0, y0, x1, y1) in items:
+        sx0, sy0, sx1, sy1 = ((x0 + ox) * scale, (y0 + oy) * scale, (x1 + ox) * scale, (y1 + oy) * scale)
+        if sx0 < left - 1 or sy0 < top - 1 or sx1 > right + 1 or sy1 > bottom + 1:
+            problems.append(f"{name}: {what} is at ({sx0:.0f}, {sy0:.0f})-({sx1:.0f}, {sy1:.0f}) on a "
+                            f"{VIEW_CANVAS[0]}x{VIEW_CANVAS[1]} canvas, outside the part no toolbar covers {VIEW_SAFE}")  # fmt: skip
+    return problems
 
 
 def _widgets_values(schema: NodeSchema, desc: NodeDesc, schemas: Schemas) -> tuple[list, list[InputSpec]]:
@@ -472,9 +619,7 @@ def build_ui(desc: WorkflowDesc, schemas: Schemas) -> dict:
                 raise KeyError(f"{desc.name}: node {n.id} input {key!r} links to missing node {value.node}")
     deps = {n.id: {v.node for v in n.values.values() if isinstance(v, Out)} for n in desc.nodes}
     order = _toposort(deps)
-    depth: dict[int, int] = {}
-    for nid in order:
-        depth[nid] = 1 + max((depth[d] for d in deps[nid]), default=-1)
+    depth = _columns(order, deps)
 
     node_types = {n.id: n.type for n in desc.nodes}
     links_in = {(n.id, k): (v.node, v.slot) for n in desc.nodes for k, v in n.values.items() if isinstance(v, Out)}
@@ -483,21 +628,8 @@ def build_ui(desc: WorkflowDesc, schemas: Schemas) -> dict:
         linked_slots.setdefault(source[0], set()).add(source[1])
     widgets = {n.id: _widgets_values(node_schemas[n.id], n, schemas) for n in desc.nodes}
     n_outputs = {n.id: ui_output_count(node_schemas[n.id], linked_slots.get(n.id, ())) for n in desc.nodes}
-    # layout: a note column, then one column per dependency depth
     sizes = {n.id: _node_size(node_schemas[n.id], n, widgets[n.id][1], n_outputs[n.id]) for n in desc.nodes}
-    note_w = 440
-    col_x: dict[int, int] = {}
-    x = 40 + note_w + 60
-    for d in range(max(depth.values()) + 1):
-        col_x[d] = x
-        x += max(sizes[i][0] for i in by_id if depth[i] == d) + 60
-    col_y: dict[int, int] = {}
-    pos = {}
-    for nid in sorted(by_id):
-        d = depth[nid]
-        y = col_y.get(d, 60)
-        pos[nid] = [col_x[d], y]
-        col_y[d] = y + sizes[nid][1] + 50
+    pos = _layout(desc.nodes, depth, sizes)
 
     links: list[list] = []
     ui_nodes = []
@@ -547,7 +679,7 @@ def build_ui(desc: WorkflowDesc, schemas: Schemas) -> dict:
 
     note_id = len(desc.nodes) + 1
     ui_nodes.append({
-        "id": note_id, "type": "MarkdownNote", "pos": [40, 60], "size": [note_w, 620], "flags": {},
+        "id": note_id, "type": "MarkdownNote", "pos": list(NOTE_POS), "size": list(NOTE_SIZE), "flags": {},
         "order": len(desc.nodes), "mode": 0, "inputs": [], "outputs": [], "title": "Read me: models and folders",
         "properties": {}, "widgets_values": [_note_markdown(desc, schemas)], "color": "#432", "bgcolor": "#653",
     })  # fmt: skip
@@ -575,9 +707,10 @@ def build_ui(desc: WorkflowDesc, schemas: Schemas) -> dict:
         "groups": groups,
         "config": {},
         "extra": {
-            "ds": {"scale": 0.75, "offset": [0, 0]},
+            "ds": view_for(graph_bounds(ui_nodes, groups)),
             "vramfit": {
-                "name": desc.name, "title": desc.title, "summary": desc.summary, "cpu": desc.cpu,
+                "name": desc.name, "template": desc.template_name, "title": desc.title, "summary": desc.summary,
+                "cpu": desc.cpu,
                 "custom_node_packs": [{"name": p, "url": schemas.packs[p]["url"]} for p in desc.packs],
                 "files": files,
             },
@@ -957,8 +1090,9 @@ def render_thumbnail(ui: dict, path: pathlib.Path) -> None:
     draw = ImageDraw.Draw(img)
     meta = (ui.get("extra") or {}).get("vramfit") or {}
     draw.rectangle([0, 0, width, 62], fill=(24, 60, 78))
-    # the default font has no multiplication sign
-    draw.text((16, 9), meta.get("title", "").replace("×", "x"), fill=(240, 240, 240), font=_font(21))
+    title = meta.get("title", "").replace("×", "x").replace("→", "->")  # glyphs the default font lacks
+    size = next((z for z in range(21, 13, -1) if draw.textlength(title, font=_font(z)) <= width - 32), 14)
+    draw.text((16, 9 + (21 - size) // 2), title, fill=(240, 240, 240), font=_font(size))
     tag = "CPU variant · random-weight fixtures" if meta.get("cpu") else "VRAM Fit example workflow"
     packs = ", ".join(p["name"] for p in meta.get("custom_node_packs", []))
     draw.text((16, 38), tag + (f" · needs {packs}" if packs else ""), fill=(170, 205, 220), font=_font(12))
@@ -1024,11 +1158,23 @@ def workflows_readme(descs: Iterable[WorkflowDesc], schemas: Schemas) -> str:
         "Generated by `python -m scripts.workflows build` from `scripts/workflow_graphs.py`; do not edit the",
         "JSON by hand (`python -m scripts.workflows check` and `tests/server/test_workflows.py` fail on drift).",
         "",
-        "- `workflows/<name>.json`: UI format, shown by ComfyUI as templates (Workflow → Browse Templates →",
-        "  ComfyUI-VRAM-Fit); `workflows/<name>.jpg` is its thumbnail (the frontend loads `<name>.jpg` for",
-        "  custom-node templates).",
+        "- `workflows/<template>.json`: UI format, shown by ComfyUI as templates (Workflow → Browse Templates →",
+        "  ComfyUI-VRAM-Fit); `workflows/<template>.jpg` is its thumbnail (the frontend loads `<template>.jpg`",
+        "  for custom-node templates).",
         "- `workflows/api/<name>.json`: the same graph in API format, for `POST /prompt` or",
         "  `python -m scripts.run_workflow workflows/api/<name>.json --url http://127.0.0.1:8188`.",
+        "",
+        "The template browser (frontends 1.32 and 1.49) shows a custom-node template under its file name: it",
+        "reads no title, description or order for custom-node templates. So the UI files are named as the cards",
+        "should read, numbered in the order to try them: the browser's *Alphabetical (A-Z)* sort follows the",
+        "numbers; its default sort keeps the server's listing, which is the folder's directory order.",
+        "",
+        "Each template opens with the whole graph in view: `extra.ds` fits it into a 1280×720 canvas below the",
+        "top bar and the Run toolbar (frontend 1.32 applies it; 1.49 fits the view to the graph itself when it",
+        "opens a template), with room left below the nodes that show images or VRAM Fit reports after a run.",
+        "The CPU templates need no file that only a script writes into ComfyUI's input folder: besides the",
+        "random-weight fixture VAEs (`python -m scripts.fixtures` writes them), only ComfyUI's own",
+        "`input/example.png`, which every install has.",
         "",
         "Thumbnails are diagrams of the graph (VRAM Fit nodes teal, third-party nodes orange), drawn with",
         "Pillow from the UI JSON: deterministic, ~20–40 KB, and true for the GPU workflows too, whose real",
@@ -1041,6 +1187,8 @@ def workflows_readme(descs: Iterable[WorkflowDesc], schemas: Schemas) -> str:
     ]
     for d in descs:
         lines += [f"## `{d.name}`: {d.title}", "", d.summary, ""]
+        lines += [f"Template **{d.template_name}** (`workflows/{d.template_name}.json`); API format: "
+                  f"`workflows/api/{d.name}.json`.", ""]  # fmt: skip
         if d.packs:
             lines.append(
                 "Custom nodes: " + ", ".join(f"[{p}]({schemas.packs[p]['url']})" for p in d.packs) + "."
@@ -1075,8 +1223,10 @@ def expected_files(schemas: Schemas, out_dir: pathlib.Path = WORKFLOWS_DIR) -> d
     files: dict[pathlib.Path, str] = {}
     descs = all_workflows()
     for desc in descs:
+        if not TEMPLATE_NAME.fullmatch(desc.template_name):
+            raise ValueError(f"{desc.name}: template name {desc.template_name!r} is not {TEMPLATE_NAME.pattern}")
         ui, api = build(desc, schemas)
-        files[out_dir / f"{desc.name}.json"] = dumps(ui)
+        files[out_dir / f"{desc.template_name}.json"] = dumps(ui)
         files[out_dir / "api" / f"{desc.name}.json"] = api_dumps(api)
     files[out_dir / "README.md"] = workflows_readme(descs, schemas)
     return files
@@ -1117,17 +1267,29 @@ def check_all(schemas: Schemas, out_dir: pathlib.Path = WORKFLOWS_DIR, tolerance
                 problems.append(f"missing: {thumb.relative_to(ROOT)}")
             elif (diff := thumbnail_difference(thumb, fresh)) > tolerance:
                 problems.append(f"thumbnail differs from the build (mean diff {diff:.1f}): {thumb.relative_to(ROOT)}")
-    known = {p.name for p in expected}
-    for path in list(out_dir.glob("*.json")) + list((out_dir / "api").glob("*.json")):
-        if path.name not in known:
+            problems += layout_problems(path.stem, json.loads(text))
+    built = set(expected) | {p.with_suffix(".jpg") for p in expected if p.parent == out_dir and p.suffix == ".json"}
+    for path in sorted(out_dir.glob("*.json")) + sorted(out_dir.glob("*.jpg")) + sorted((out_dir / "api").glob("*.json")):
+        if path not in built:
             problems.append(f"not built by scripts/workflow_graphs.py: {path.relative_to(ROOT)}")
     return problems
 
 
 def committed_workflows(out_dir: pathlib.Path = WORKFLOWS_DIR) -> Iterator[tuple[str, dict, dict | None]]:
+    """``(name, UI workflow, API twin or None)`` of each template in ``out_dir``; the twin is
+    ``api/<extra.vramfit.name>.json``."""
     for path in sorted(out_dir.glob("*.json")):
-        api_path = out_dir / "api" / path.name
-        yield path.stem, json.loads(path.read_text()), json.loads(api_path.read_text()) if api_path.is_file() else None
+        ui = json.loads(path.read_text())
+        name = ((ui.get("extra") or {}).get("vramfit") or {}).get("name") or path.stem
+        api_path = out_dir / "api" / f"{name}.json"
+        yield name, ui, json.loads(api_path.read_text()) if api_path.is_file() else None
+
+
+def copy_shipped_inputs(comfyui_path: pathlib.Path, input_dir: pathlib.Path) -> list[pathlib.Path]:
+    """Copy :data:`SHIPPED_INPUTS` from a ComfyUI tree's ``input/`` into ``input_dir``, so that a server
+    started with its own ``--input-directory`` lists what a fresh install lists."""
+    input_dir.mkdir(parents=True, exist_ok=True)
+    return [pathlib.Path(shutil.copy2(comfyui_path / "input" / name, input_dir / name)) for name in SHIPPED_INPUTS]
 
 
 # ---------------------------------------------------------------------------------- CLI
@@ -1140,7 +1302,10 @@ def _object_info(url: str | None) -> Iterator[dict]:
     if url:
         yield ComfyClient(url, timeout=120).object_info()
         return
-    with ComfyServer(HostConfig.load()) as server:
+    cfg = HostConfig.load()
+    server = ComfyServer(cfg)
+    copy_shipped_inputs(cfg.comfyui_path, server.input_dir)  # what a fresh install's input folder lists
+    with server:
         yield server.client(timeout=120).object_info()
 
 

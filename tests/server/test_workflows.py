@@ -1,5 +1,7 @@
-"""The example workflows (issue 7) against a real ComfyUI: built from one description, valid against
-the live /object_info, served as templates, and the CPU variants run headless end to end."""
+"""The example workflows (issues 7 and 13) against a real ComfyUI: built from one description, valid against
+the live /object_info, served as templates under readable names, laid out so that nothing overlaps after a
+run and opening with the whole graph in view, and the CPU variants run headless end to end on what a fresh
+install has (the fixture VAEs and ComfyUI's own input/example.png)."""
 
 from __future__ import annotations
 
@@ -8,47 +10,55 @@ import json
 import pathlib
 import subprocess
 import sys
+import urllib.parse
 import urllib.request
 
 import pytest
 
 from scripts.host import ROOT, output_files
-from scripts.workflow_graphs import CPU_WORKFLOWS, all_workflows
+from scripts.workflow_graphs import CPU_TEMPLATES, CPU_WORKFLOWS, DEMO_BUDGET_MB, all_workflows
 from scripts.workflows import (
     API_DIR,
+    SHIPPED_INPUTS,
+    TEMPLATE_NAME,
+    VIEW_SAFE,
     WORKFLOWS_DIR,
     Schemas,
     WorkflowDesc,
     build,
     check_all,
     committed_workflows,
+    copy_shipped_inputs,
+    layout_problems,
     ui_to_api,
     validate_workflow,
 )
 
 pytestmark = pytest.mark.server
 
-NAMES = [d.name for d in all_workflows()]
-DEMO_LATENT = "vramfit_demo.latent"
+DESCS = {d.name: d for d in all_workflows()}
+NAMES = list(DESCS)
+TEMPLATES = [d.template_name for d in DESCS.values()]
+CARD_TITLE_CHARS = 31
+"""A card's title is one line: at 1280x720 (three cards a row) 1.32.9 shows 31 characters before the ellipsis."""
 
 
 @pytest.fixture(scope="module")
-def demo_latent(server):
-    """The structured latent the demo workflow loads, in the server's input folder."""
-    from scripts.fixtures import structured_latent, write_latent_file
-
-    write_latent_file(server.input_dir / DEMO_LATENT, structured_latent((1, 4, 32, 40), seed=0))
-    return DEMO_LATENT
+def shipped_inputs(server, host_config):
+    """The server's input folder as on a fresh install: the files ComfyUI ships in its own input/."""
+    return [p.name for p in copy_shipped_inputs(host_config.comfyui_path, server.input_dir)]
 
 
 @pytest.fixture(scope="module")
-def schemas(client, demo_latent):
-    """The live /object_info (read after the demo latent is in the input folder) and the declarations."""
+def schemas(client, shipped_inputs):
+    """The live /object_info (read after the shipped inputs are in the input folder) and the declarations."""
     return Schemas(client.object_info())
 
 
 def _load(name: str) -> tuple[dict, dict]:
-    return json.loads((WORKFLOWS_DIR / f"{name}.json").read_text()), json.loads((API_DIR / f"{name}.json").read_text())
+    """The UI workflow (``workflows/<template>.json``) and the API twin of workflow ``name``."""
+    ui_path = WORKFLOWS_DIR / f"{DESCS[name].template_name}.json"
+    return json.loads(ui_path.read_text()), json.loads((API_DIR / f"{name}.json").read_text())
 
 
 def _reports(entry: dict) -> str:
@@ -65,15 +75,46 @@ def test_committed_files_are_the_builder_output(schemas):
 
 def test_every_workflow_has_ui_api_thumbnail_and_readme_entry():
     readme = (WORKFLOWS_DIR / "README.md").read_text()
-    committed = sorted(p.stem for p in WORKFLOWS_DIR.glob("*.json"))
-    assert committed == sorted(NAMES)
-    for name in NAMES:
-        assert (API_DIR / f"{name}.json").is_file()
-        thumb = WORKFLOWS_DIR / f"{name}.jpg"
+    assert sorted(p.stem for p in WORKFLOWS_DIR.glob("*.json")) == sorted(TEMPLATES)
+    assert sorted(p.stem for p in API_DIR.glob("*.json")) == sorted(NAMES)
+    for name, desc in DESCS.items():
+        thumb = WORKFLOWS_DIR / f"{desc.template_name}.jpg"
         assert thumb.read_bytes()[:3] == b"\xff\xd8\xff" and thumb.stat().st_size <= 60_000, thumb
-        assert f"`{name}`" in readme
+        assert f"`{name}`" in readme and f"**{desc.template_name}**" in readme
         ui, _ = _load(name)
         assert ui["version"] == 0.4 and any(n["type"] == "MarkdownNote" for n in ui["nodes"])
+        assert ui["extra"]["vramfit"]["name"] == name and ui["extra"]["vramfit"]["template"] == desc.template_name
+
+
+def test_template_names_read_as_card_titles_in_order():
+    """Both frontends title a custom-node template's card with its file name and sort cards alphabetically by
+    it on request: readable, safe names, numbered in the order of all_workflows(), CPU variants first."""
+    assert all(TEMPLATE_NAME.fullmatch(t) and len(t) <= CARD_TITLE_CHARS for t in TEMPLATES), TEMPLATES
+    assert all(t != d.name and not t.startswith("vramfit_") for t, d in zip(TEMPLATES, DESCS.values(), strict=True))
+    assert sorted(TEMPLATES) == TEMPLATES and len(set(TEMPLATES)) == len(TEMPLATES)
+    assert [t.split(" - ")[0] for t in TEMPLATES] == [f"VRAM Fit {i}" for i in range(1, len(TEMPLATES) + 1)]
+    cpu = [DESCS[n].cpu for n in NAMES]
+    assert cpu == sorted(cpu, reverse=True) and set(CPU_WORKFLOWS) == {n for n in NAMES if DESCS[n].cpu}
+    assert CPU_TEMPLATES == tuple(DESCS[n].template_name for n in CPU_WORKFLOWS)
+
+
+def test_cpu_templates_need_no_input_file_a_script_writes(host_config):
+    """On a fresh install the CPU templates find every input file they load: ComfyUI ships it in input/.
+    (Their models are the random-weight fixtures; no LoadLatent of a latent only the demo script writes.)"""
+    from scripts.fixtures import FIXTURES
+
+    fixtures = {f.filename for f in FIXTURES.values()}
+    input_widgets = {"LoadImage": "image", "LoadLatent": "latent"}
+    for name in CPU_WORKFLOWS:
+        desc = DESCS[name]
+        for f in desc.files:
+            if f.directory == "input":
+                assert f.name in SHIPPED_INPUTS and (host_config.comfyui_path / "input" / f.name).is_file(), (name, f)
+            else:
+                assert f.name in fixtures, (name, f)
+        _, api = _load(name)
+        loaded = [n["inputs"][input_widgets[n["class_type"]]] for n in api.values() if n["class_type"] in input_widgets]
+        assert all(value in SHIPPED_INPUTS for value in loaded), (name, loaded)
 
 
 def _chain(ui: dict, *types: str) -> bool:
@@ -114,6 +155,11 @@ def test_workflows_have_the_graphs_the_issue_asks_for():
     ui, api = _load("vramfit_8k_decode_sdxl_vae")
     assert next(n["inputs"]["scale_by"] for n in api.values() if n["class_type"] == "LatentUpscaleBy") * 1024 == 8192
     assert _chain(ui, "LatentUpscaleBy", "VRAMFit_OffloadManager", "VRAMFit_VRAMMonitor", "VRAMFit_TiledVAEDecode")
+    ui, api = _load("vramfit_demo_cpu")
+    assert _chain(ui, "LoadImage", "ImageScale", "VAEEncode", "VRAMFit_VRAMMonitor", "VRAMFit_OffloadManager",
+                  "VRAMFit_TiledVAEDecode", "VRAMFit_VRAMMonitor", "SaveImage")  # fmt: skip
+    decode = next(n["inputs"] for n in api.values() if n["class_type"] == "VRAMFit_TiledVAEDecode")
+    assert decode["budget_mb"] == DEMO_BUDGET_MB > 0 and decode["tile_size"] == 0  # tiles sized to that budget
     cpu_types = set()
     for name in CPU_WORKFLOWS:
         cpu_types |= {n["class_type"] for n in _load(name)[1].values()}
@@ -127,14 +173,46 @@ def test_workflows_have_the_graphs_the_issue_asks_for():
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_workflow_is_valid_against_object_info(name, schemas, demo_latent):
+def test_workflow_is_valid_against_object_info(name, schemas):
     ui, api = _load(name)
     assert validate_workflow(name, ui, api, schemas) == []
 
 
-def test_committed_workflows_listing_matches(schemas, demo_latent):
-    problems = [p for name, ui, api in committed_workflows() for p in validate_workflow(name, ui, api, schemas)]
+def test_committed_workflows_listing_matches(schemas):
+    committed = list(committed_workflows())
+    assert sorted(name for name, _, api in committed if api is not None) == sorted(NAMES)
+    problems = [p for name, ui, api in committed for p in validate_workflow(name, ui, api, schemas)]
     assert problems == []
+
+
+# ------------------------------------------------------------------------------ layout and view
+
+
+def test_layout_leaves_room_for_previews_and_opens_on_the_whole_graph():
+    for name in NAMES:
+        assert layout_problems(name, _load(name)[0]) == []
+
+
+def _by_title(ui: dict, title: str) -> dict:
+    return next(n for n in ui["nodes"] if n.get("title") == title)
+
+
+def test_layout_check_finds_a_covered_preview_and_a_view_under_the_toolbars():
+    """The layout issue 13 reported: the timeline's SaveImage right below the image's SaveImage, whose
+    preview then covers it, and the view [0, 0] at 0.75, which puts titles under the top bar."""
+    ui, _ = _load("vramfit_demo_cpu")
+    save = next(n for n in ui["nodes"] if n["type"] == "SaveImage" and "title" not in n)
+    timeline = _by_title(ui, "Save VRAM timeline")
+    timeline["pos"] = [save["pos"][0], save["pos"][1] + save["size"][1] + 50]
+    problems = layout_problems("demo", ui)
+    assert problems == [f"demo: node {save['id']} (SaveImage) and node {timeline['id']} (SaveImage) overlap "
+                        "(with the room below each for previews and reports)"]  # fmt: skip
+    ui, _ = _load("vramfit_demo_cpu")
+    ui["extra"]["ds"] = {"scale": 0.75, "offset": [0, 0]}
+    problems = layout_problems("demo", ui)
+    note = _by_title(ui, "Read me: models and folders")
+    assert any(p.startswith(f"demo: node {note['id']} (MarkdownNote) is at (30, 22)-") for p in problems), problems
+    assert all(str(VIEW_SAFE) in p for p in problems)
 
 
 def _node(ui: dict, node_type: str) -> dict:
@@ -210,11 +288,13 @@ def test_validator_requires_third_party_packs_and_model_files_declared(schemas):
     assert any("input 'model': value 'loras/flux1-dev.safetensors' is not 'folder/file'" in e for e in validate_workflow("infu", ui, None, schemas))
 
 
-def test_validator_rejects_an_api_twin_that_drifted(schemas, demo_latent):
+def test_validator_rejects_an_api_twin_that_drifted(schemas):
     ui, api = _load("vramfit_demo_cpu")
-    api["5"]["inputs"]["tile_size"] = 512
+    decode = next(k for k, v in api.items() if v["class_type"] == "VRAMFit_TiledVAEDecode")
+    api[decode]["inputs"]["tile_size"] = 512
     errors = validate_workflow("demo", ui, api, schemas)
-    assert len(errors) == 1 and errors[0].startswith("demo: node 5: the API twin") and "'tile_size': 512" in errors[0]
+    assert len(errors) == 1 and errors[0].startswith(f"demo: node {decode}: the API twin"), errors
+    assert "'tile_size': 512" in errors[0]
 
 
 # ------------------------------------------------------------------------------ 0.33 schema shapes
@@ -318,20 +398,23 @@ def test_validator_accepts_trailing_optional_widgets_and_output_node_outputs_eit
 
 
 def test_server_lists_and_serves_the_templates(server):
+    """Listed by their names; served at the URLs the frontend builds from a name (unescaped: the browser's
+    URL parser encodes only the spaces)."""
     with urllib.request.urlopen(server.url + "/workflow_templates", timeout=30) as resp:
         listing = json.loads(resp.read())
-    assert sorted(listing.get("ComfyUI-VRAM-Fit", [])) == sorted(NAMES)
-    for suffix, ctype in ((".json", "application/json"), (".jpg", "image/jpeg")):
-        url = f"{server.url}/api/workflow_templates/ComfyUI-VRAM-Fit/vramfit_wan21_t2v_1_3b_480p{suffix}"
-        with urllib.request.urlopen(url, timeout=30) as resp:
-            assert resp.headers["Content-Type"].startswith(ctype)
-            assert resp.read() == (WORKFLOWS_DIR / f"vramfit_wan21_t2v_1_3b_480p{suffix}").read_bytes()
+    assert sorted(listing.get("ComfyUI-VRAM-Fit", [])) == sorted(TEMPLATES)
+    for template in TEMPLATES:
+        for suffix, ctype in ((".json", "application/json"), (".jpg", "image/jpeg")):
+            path = urllib.parse.quote(f"/api/workflow_templates/ComfyUI-VRAM-Fit/{template}{suffix}", safe="/(),+-.")
+            with urllib.request.urlopen(server.url + path, timeout=30) as resp:
+                assert resp.headers["Content-Type"].startswith(ctype)
+                assert resp.read() == (WORKFLOWS_DIR / f"{template}{suffix}").read_bytes()
 
 
 # ------------------------------------------------------------------------------ CPU variants run
 
 
-def test_image_cpu_variant_runs_end_to_end(server, client):
+def test_image_cpu_variant_runs_end_to_end(server, client, shipped_inputs):
     from PIL import Image
 
     entry = client.run(_load("vramfit_image_cpu")[1], timeout=300)
@@ -346,7 +429,7 @@ def test_image_cpu_variant_runs_end_to_end(server, client):
     assert "exact" in text and "(2, 4, 16, 16)" in text
 
 
-def test_video_cpu_variant_runs_end_to_end(server, client):
+def test_video_cpu_variant_runs_end_to_end(server, client, shipped_inputs):
     import av
 
     entry = client.run(_load("vramfit_video_cpu")[1], timeout=300)
@@ -369,8 +452,11 @@ def _run_cli(server, workflow: pathlib.Path) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def test_demo_cpu_variant_runs_through_the_headless_runner(server, demo_latent):
+def test_demo_cpu_variant_runs_through_the_headless_runner(server, shipped_inputs):
+    """ComfyUI's example image, encoded, decoded in tiles under the demo's budget: the exact tiled plan."""
     from PIL import Image
+
+    from memory.report import Report
 
     proc = _run_cli(server, API_DIR / "vramfit_demo_cpu.json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -380,6 +466,11 @@ def test_demo_cpu_variant_runs_through_the_headless_runner(server, demo_latent):
     assert any(p.name.startswith("vramfit_vram_timeline_") and p.is_file() for p in outs)
     for title in ("VRAM Monitor", "Offload Manager", "Tiled VAE Decode"):
         assert f"VRAM Fit | {title}" in proc.stdout
+    lines = proc.stdout[proc.stdout.index("VRAM Fit | Tiled VAE Decode"):].splitlines()
+    end = next(i for i, line in enumerate(lines[1:], 1) if not line.startswith("  "))  # rows are indented
+    rows = dict(Report.parse("\n".join(lines[:end])).rows)
+    assert rows["path"].startswith("exact: layer-synchronous tiles"), rows
+    assert "tiles" in rows["plan"] and f"{DEMO_BUDGET_MB} MiB" in rows["budget"], rows
 
 
 def test_runner_exits_nonzero_with_comfy_error_on_a_bad_node_input(server, tmp_path):
