@@ -8,7 +8,11 @@ therefore ComfyUI only when ComfyUI itself calls it.
 
 from __future__ import annotations
 
-__all__ = ["comfy_entrypoint"]
+__all__ = ["WEB_DIRECTORY", "comfy_entrypoint"]
+
+WEB_DIRECTORY = "./web"
+"""The pack's frontend extension (``web/js/vramfit.js``: the reports on the nodes), served by ComfyUI's
+loader from this module attribute under ``/extensions/<pack folder>/`` (the V3 API has no web entry)."""
 
 
 async def comfy_entrypoint():

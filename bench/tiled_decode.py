@@ -123,6 +123,7 @@ def _ours_row(px: int, label: str, m: dict[str, Any], ref: torch.Tensor) -> dict
 
 def bench_size(nodes: Any, mod: Any, vae: Any, px: int, default: bool) -> list[dict[str, Any]]:
     from scripts.fixtures import structured_latent
+    from scripts.host import core_decode_tiled
 
     z = structured_latent((1, 4, px // 8, px // 8), seed=5)
     rows: list[dict[str, Any]] = []
@@ -137,7 +138,7 @@ def bench_size(nodes: Any, mod: Any, vae: Any, px: int, default: bool) -> list[d
                  "tensor_peak": full.predict_tracked(g), "plan": "untiled"})
     log.info("core VAEDecode: %.1f s wall, %.1f s CPU, RSS +%.0f MiB", core["wall"], core["cpu"], core["rss"] / MiB)
 
-    tiled = _measure(lambda: nodes.VAEDecodeTiled().decode(vae, {"samples": z}, 512, 64, 64, 8)[0])
+    tiled = _measure(lambda: core_decode_tiled(nodes, vae, {"samples": z}, 512, 64, 64, 8))
     rows.append({"decode": "core VAEDecodeTiled 512/64", "px": px, **_public(tiled), "psnr": _psnr(tiled["out"], ref),
                  "tensor_peak": None, "plan": "3 offset grids of 512-px tiles, averaged"})
     log.info("core VAEDecodeTiled: %.1f s wall, %.1f s CPU, RSS +%.0f MiB, PSNR %.1f dB", tiled["wall"],

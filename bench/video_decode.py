@@ -81,6 +81,7 @@ def _measure(tracker_mod: Any, fn: Callable[[], Any]) -> dict:
 def bench_size(nodes: Any, mod: Any, tracker_mod: Any, vae: Any, px: int, frames: int, store_dir: pathlib.Path,
                tiled_max: int = 1 << 30) -> list[dict]:
     from scripts.fixtures import structured_latent
+    from scripts.host import core_decode_tiled
 
     t = (frames - 1) // 4 + 1
     z = structured_latent((1, 16, t, px // 8, px // 8), seed=0)
@@ -102,7 +103,7 @@ def bench_size(nodes: Any, mod: Any, tracker_mod: Any, vae: Any, px: int, frames
     log.info("== Wan 2.1 fixture, %d x %d px x %d frames (latent %s) ==", px, px, frames, tuple(z.shape))
     row("core VAEDecode", core)
     if px <= tiled_max:
-        tiled = _measure(tracker_mod, lambda: nodes.VAEDecodeTiled().decode(vae, {"samples": z}, 64, 32, 8, 4)[0])
+        tiled = _measure(tracker_mod, lambda: core_decode_tiled(nodes, vae, {"samples": z}, 64, 32, 8, 4))
         row("core VAEDecodeTiled 64/32, 8/4", tiled)
     # Plan first, cold then warm, so the tracked decode below counts only the decode, as in the node (its
     # tracker starts after planning); the planning times are reported.

@@ -49,6 +49,12 @@ class NodeInputError(ValueError):
         super().__init__(f"[VRAM Fit · {node}] {message}")
 
 
+# ComfyUI reports a failed node's exception type as ``<class __module__>.<qualname>`` (/history's
+# ``exception_type``, the frontend's error dialog). Its custom-node loader names this package's modules
+# after their folder path (``/…/custom_nodes/ComfyUI-VRAM-Fit.nodes._comfy``): a stable name instead.
+NodeInputError.__module__ = "vramfit"
+
+
 def oom_exceptions() -> tuple[type[BaseException], ...]:
     """The exception types ComfyUI treats as out-of-memory on this machine."""
     exc = getattr(mm, "OOM_EXCEPTION", None) or torch.cuda.OutOfMemoryError

@@ -356,9 +356,13 @@ class Bf16Loader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, model: str, weight_dtype: str = "bf16") -> bool | str:
+    def validate_inputs(cls, model: str) -> bool | str:
+        """Checks ``model`` (any listed file, also one added since the list was built).
+
+        Takes only ``model``: ComfyUI files a failed check under every input this method takes (so one bad
+        name would also be reported under ``weight_dtype``), and checks the inputs it does not take itself
+        (``weight_dtype``: its combo list)."""
         try:
-            _check_dtype(weight_dtype)
             resolve(model)
         except NodeInputError as e:
             return str(e)

@@ -11,7 +11,9 @@
 #   COMFYUI_PATH      existing ComfyUI checkout to use instead of downloading one
 #   VRAMFIT_PYTHON    python of an existing ComfyUI install (default: its venv/.venv, else python3)
 #   VRAMFIT_CACHE     cache folder (default: <repo>/.cache)
-#   VRAMFIT_FRONTEND  1 = also install comfyui-frontend-package (the web UI); default 0 (API only)
+#   VRAMFIT_FRONTEND  1 (default) = also install ComfyUI's web frontend (comfyui-frontend-package, the
+#                     version its requirements.txt pins), served by the servers the tests start (the
+#                     browser tests need it); 0 = API only (servers get an empty --front-end-root)
 #
 # Idempotent: a second run checks a stamp and the imports, then returns in seconds.
 # Writes the host's env file (COMFYUI_PATH, VRAMFIT_PYTHON, VRAMFIT_FRONT_END_ROOT, VRAMFIT_HOST_VERSION)
@@ -57,7 +59,7 @@ else
   PY="$CACHE/venv/bin/python"
   OWN_HOST=1
 fi
-FRONTEND="${VRAMFIT_FRONTEND:-0}"
+FRONTEND="${VRAMFIT_FRONTEND:-1}"
 src_id() {  # what the unpacked tree was made from: a tarball's hash, a folder's path and newest mtime
   if [[ -z "$SRC" ]]; then echo "horde"; elif [[ -d "$SRC" ]]; then
     echo "$SRC@$(stat -c %Y "$SRC/comfyui_version.py" "$SRC/main.py" 2>/dev/null | tr '\n' '.')"
@@ -89,10 +91,11 @@ link_pack() {
 }
 
 host_ok() {
-  "$PY" - "$COMFY" <<'PYCHK' >/dev/null 2>&1
+  "$PY" - "$COMFY" "$FRONTEND" <<'PYCHK' >/dev/null 2>&1
 import sys, importlib
 sys.path.insert(0, sys.argv[1])
-for m in ("torch", "torchvision", "torchaudio", "safetensors", "aiohttp", "requests", "psutil", "yaml", "einops", "av"):
+mods = ["torch", "torchvision", "torchaudio", "safetensors", "aiohttp", "requests", "psutil", "yaml", "einops", "av"]
+for m in mods + (["comfyui_frontend_package"] if sys.argv[2] == "1" else []):
     importlib.import_module(m)
 PYCHK
 }
@@ -145,7 +148,7 @@ CONSTRAINTS="$(dirname "$STAMP")/constraints.txt"
 echo "torch==$TORCH_VER" > "$CONSTRAINTS"
 
 # 4. ComfyUI's requirements under that torch. torchvision/torchaudio have no CPU build for this
-#    torch on PyPI, so they are handled apart; the web frontend is optional for API use.
+#    torch on PyPI, so they are handled apart; the web frontend is left out with VRAMFIT_FRONTEND=0.
 REQS="$(dirname "$STAMP")/requirements.filtered.txt"
 grep -vE '^\s*(torch|torchvision|torchaudio)\s*($|[<>=~!;])' "$COMFY/requirements.txt" \
   | { if [[ "$FRONTEND" == 1 ]]; then cat; else grep -v '^comfyui-frontend-package'; fi; } > "$REQS"

@@ -22,6 +22,7 @@ reqs = re.findall(r'"([^"]+)"', block)
 subprocess.check_call([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *reqs])
 PY
 "$VRAMFIT_PYTHON" -m ruff check .
+bash "$ROOT/scripts/setup_browser.sh" || echo "[vramfit-test] no chromium: tests/browser skip (fail if VRAMFIT_REQUIRE_BROWSER is set)" >&2
 set +e
 "$VRAMFIT_PYTHON" -m pytest "$@"
 rc=$?

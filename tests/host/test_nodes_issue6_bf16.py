@@ -252,7 +252,7 @@ def test_bad_files_and_names_give_clear_errors(comfy, bad_files) -> None:
     assert "folder 'loras'" in error("loras/x.safetensors")
     assert "weight_dtype must be one of" in error(f"vae/{bad_files['truncated']}", weight_dtype="int4")
     # the same messages reach ComfyUI's prompt validation
-    msg = cls.validate_inputs(model="vae/../x.safetensors", weight_dtype="bf16")
+    msg = cls.validate_inputs(model="vae/../x.safetensors")
     assert isinstance(msg, str) and "bf16 Loader" in msg and "vae/../x.safetensors" in msg
     # the combo lists only safetensors files of the three folders
     options = cls.GET_SCHEMA().inputs[0].options

@@ -1,0 +1,133 @@
+"""The pack in a real browser (issue 13): templates load from the template browser, the CPU templates run
+from the Run button, and every pack node shows its report on the canvas (VRAM Monitor: with its plot).
+
+Screenshots: ``outputs/browser/<ComfyUI version>/<template>_loaded.png``, ``<template>_run.png`` (whole
+graph) and ``<template>_<node id>_report.png`` (each pack node at 100 %); see tests/browser/conftest.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import urllib.request
+
+import pytest
+
+from scripts.host import ROOT
+from scripts.workflow_graphs import CPU_TEMPLATES
+from tests.browser.comfy_page import PACK_PREFIX, REPORT_WIDGET, PageError, is_inside
+
+pytestmark = pytest.mark.server
+
+WORKFLOWS_DIR = ROOT / "workflows"
+TEMPLATES = sorted(p.stem for p in WORKFLOWS_DIR.glob("*.json"))
+FRONTEND_ONLY_TYPES = {"MarkdownNote", "Note", "Reroute", "PrimitiveNode"}
+"""Node types the frontend defines itself (never in /object_info)."""
+
+# Report title and the rows each pack node's report must show on the node (memory/report.py format).
+REPORTS = {
+    "VRAMFit_TiledVAEDecode": ("Tiled VAE Decode", ("path", "budget", "plan", "predicted", "measured", "time")),
+    "VRAMFit_TemporalChunkVideoDecode": (
+        "Temporal-Chunk Video Decode",
+        ("path", "budget", "plan", "predicted", "measured", "time"),
+    ),
+    "VRAMFit_OffloadManager": ("Offload Manager", ("request", "before", "unloaded", "freed", "after", "time")),
+    "VRAMFit_Bf16Loader": ("bf16 Loader", ("file", "before", "dtype", "after")),
+    "VRAMFit_VRAMMonitor": ("VRAM Monitor", ("allocated", "peak", "timeline")),
+}
+
+
+def _template(name: str) -> dict:
+    return json.loads((WORKFLOWS_DIR / f"{name}.json").read_text())
+
+
+def _file_part(name: str) -> str:
+    """``name`` made safe for a screenshot's file name."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
+
+
+def _settled(reports: list[dict]) -> bool:
+    """Every pack node shows a report and every VRAM Monitor's plot image has loaded."""
+    plots = [r["images"] for r in reports if r["type"] == "VRAMFit_VRAMMonitor"]
+    return all(r["text"] for r in reports) and all(p and all(i["complete"] and i["width"] for i in p) for p in plots)
+
+
+def _has_row(text: str, key: str) -> bool:
+    return re.search(rf"^  {re.escape(key)}\s* : +\S", text, re.M) is not None
+
+
+def test_pack_extension_is_served(ui_server):
+    """ComfyUI lists the pack's web extension (``WEB_DIRECTORY``) and serves it."""
+    client = ui_server.client()
+    listed = client.get("/extensions")
+    url = f"/extensions/{ui_server.cfg.pack_dir.name}/js/vramfit.js"
+    assert url in listed
+    with urllib.request.urlopen(ui_server.url + url, timeout=30) as resp:
+        assert b"registerExtension" in resp.read()
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_template_loads_from_the_template_browser(page, ui_server, shots_dir, name):
+    """Workflow menu → Browse Templates → ComfyUI-VRAM-Fit → the template: the canvas holds the JSON's
+    nodes and links, every pack node is known to the frontend, and no missing-node warning names a pack
+    node (templates needing third-party packs warn about exactly those packs' nodes; the missing-models
+    warning of the templates whose models are not installed is fine)."""
+    ui = _template(name)
+    page.open_template(name)
+    graph = page.graph()
+    page.fit_view()
+    page.screenshot(shots_dir / f"{_file_part(name)}_loaded.png")
+    warnings = page.overlays()
+
+    assert len(graph["nodes"]) == len(ui["nodes"])
+    assert graph["links"] == len(ui["links"])
+    assert sorted(n["type"] for n in graph["nodes"]) == sorted(n["type"] for n in ui["nodes"])
+    known = set(ui_server.client().object_info()) | FRONTEND_ONLY_TYPES
+    missing = {n["type"] for n in graph["nodes"] if not n["registered"]}
+    assert missing == {n["type"] for n in ui["nodes"] if n["type"] not in known}
+    assert not any(t.startswith(PACK_PREFIX) for t in missing)
+    assert not [w for w in warnings if PACK_PREFIX in w]
+    if not missing:
+        assert not [w for w in warnings if re.search(r"missing node", w, re.I)], warnings
+
+
+@pytest.mark.parametrize("name", CPU_TEMPLATES)
+def test_cpu_template_runs_and_shows_reports(page, ui_server, shots_dir, name):
+    """The CPU template runs from the Run button; each pack node then shows its report (the same text as
+    ``/history``) in a box on the node, and VRAM Monitor also shows its plot image."""
+    page.open_template(name)
+    done = page.run()
+    with contextlib.suppress(PageError):  # the assertions below say what is missing
+        page.wait("every report and plot on the canvas", lambda: _settled(page.reports()), timeout=20)
+    page.fit_view()
+    page.screenshot(shots_dir / f"{_file_part(name)}_run.png")
+
+    history = ui_server.client().get(f"/history/{done['prompt_id']}")[done["prompt_id"]]
+    reports = page.reports()
+    assert {r["type"] for r in reports} == {n["type"] for n in _template(name)["nodes"] if n["type"] in REPORTS}
+    for r in reports:
+        title, rows = REPORTS[r["type"]]
+        text = r["text"]
+        assert text, f"no report on node {r['id']} ({r['type']})"
+        assert text.startswith(f"VRAM Fit | {title}"), text
+        assert [k for k in rows if not _has_row(text, k)] == [], text
+        assert text == "\n".join(history["outputs"][r["id"]]["text"])
+        if r["type"] == "VRAMFit_VRAMMonitor":
+            images = history["outputs"][r["id"]]["images"]
+            assert len(r["images"]) == len(images) == 1
+            assert r["images"][0]["complete"] and r["images"][0]["width"] > 0
+            assert images[0]["filename"] in r["images"][0]["src"]
+
+    # the report boxes are display only: not saved with the workflow, not sent with the next prompt
+    forms = page.saved_forms()
+    for node in _template(name)["nodes"]:
+        if node["type"] in REPORTS:
+            assert forms["widgets"][str(node["id"])] == node["widgets_values"]
+            assert REPORT_WIDGET not in forms["inputs"][str(node["id"])]
+
+    for r in reports:
+        box, node_rect = page.show_report(r["id"])
+        page.screenshot(shots_dir / f"{_file_part(name)}_{r['id']}_report.png")
+        assert box.is_displayed(), f"report box of node {r['id']} is not displayed"
+        assert box.rect["height"] >= 40 and is_inside(box.rect, node_rect), (box.rect, node_rect)
