@@ -11,7 +11,11 @@ Nothing is imported here (no import-time side effects); import the submodules:
 * ``calibration``: ``calibrate_vae``, ``cost_model_for``, ``fit_grid``, ``real_grid``;
 * ``planner``: ``plan_decode``, ``Plan``, ``ImpossibleBudgetError``;
 * ``budget``: ``compute_budget``, ``Budget``;
-* ``offload``: ``offload_for_decode``, ``OffloadReport``.
+* ``offload``: ``offload_for_decode``, ``OffloadReport``, dynamic-VRAM residency;
+* ``self_check``: first-use exactness check of an executor against the host's own decode;
+* ``json_store``: the atomic, versioned JSON file behind the persisted stores;
+* executors: ``tiled_exact``, ``tiled_generic``, ``video_chunked``; orchestration: ``image_decode``,
+  ``video_decode``.
 
 See docs/MEMORY.md.
 """
