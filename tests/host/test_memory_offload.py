@@ -15,6 +15,10 @@ pytestmark = pytest.mark.host
 def two_loaded(comfy, fixture_vaes):
     import comfy.model_management as mm
 
+    # start from an empty device: the assertions below name what was unloaded (models other tests left
+    # loaded, e.g. another AutoencoderKL, would be unloaded too and named alike)
+    mm.unload_all_models()
+    gc.collect()
     keep = comfy.VAELoader().load_vae(fixture_vaes["kl_f8"])[0]
     other = comfy.VAELoader().load_vae(fixture_vaes["wan21"])[0]
     mm.load_models_gpu([keep.patcher, other.patcher])
