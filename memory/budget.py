@@ -6,6 +6,8 @@ free + torch's cached-but-unused bytes; on CPU and MPS, ``psutil.virtual_memory(
 the user's budget in MB when given (it *replaces* free memory and ``evictable``, so low-VRAM
 behaviour can be exercised on any machine). ``vae_weights_to_load`` is the part of the VAE's weights
 not yet on the device (they will be loaded before decoding and are not part of a decode's peak).
+A user budget caps the decode's working memory only: the nodes pass no weights with it
+(``nodes/_comfy.vae_budget``), so it plans the same whether the VAE is loaded yet or not.
 
 ``evictable`` (ComfyUI >= 0.33 with dynamic VRAM on, else 0): the aimdo pages holding other dynamic
 models' weights on the device (``memory.offload.evictable_bytes``). They are not in ``free`` (the
@@ -77,17 +79,17 @@ class Budget:
         def mib(n: int | None) -> str:
             return "?" if n is None else f"{n / MiB:,.0f} MiB"
 
-        head = (
-            f"user budget {mib(self.user_override)}"
-            if self.user_override is not None
-            else f"free {mib(self.free_bytes)}" + (f" of {mib(self.total_bytes)}" if self.total_bytes else "")
-        )
-        if self.evictable_bytes and self.user_override is None:
+        user = self.user_override is not None
+        if user:  # the nodes' user budget caps working memory: no weights in it (see module docstring)
+            head = f"user budget {mib(self.user_override)}"
+            if not self.vae_weights_to_load:
+                head += " of working memory (VAE weights not counted)"
+        else:
+            head = f"free {mib(self.free_bytes)}" + (f" of {mib(self.total_bytes)}" if self.total_bytes else "")
+        if self.evictable_bytes and not user:
             head += f" + evictable {mib(self.evictable_bytes)} (dynamic VRAM: other models' weights aimdo evicts)"
-        text = (
-            f"{self.device}: {head} - VAE weights to load {mib(self.vae_weights_to_load)} "
-            f"- reserve {mib(self.reserve)} = {mib(self.available)} available for decoding"
-        )
+        weights = f" - VAE weights to load {mib(self.vae_weights_to_load)}" if self.vae_weights_to_load or not user else ""
+        text = f"{self.device}: {head}{weights} - reserve {mib(self.reserve)} = {mib(self.available)} available for decoding"
         if self.psutil_available is not None and self.user_override is None:
             text += f" (psutil: {mib(self.psutil_available)} RAM available)"
         return text

@@ -27,6 +27,7 @@ geometries under a :class:`.tracker.PeakTracker`; the measured points are stored
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -193,8 +194,11 @@ class CostModel:
     def from_dict(cls, d: Mapping[str, Any]) -> CostModel:
         if d.get("schema") != SCHEMA:
             raise ValueError(f"cost model schema {d.get('schema')!r} is not {SCHEMA}")
+        key = ModelKey(**d["key"])
+        if not all(isinstance(v, str) for v in dataclasses.astuple(key)):
+            raise TypeError(f"cost model key fields must be strings: {d['key']!r}")
         return cls(
-            key=ModelKey(**d["key"]),
+            key=key,
             phases=tuple(
                 Phase(tuple(p["features"]), tuple(float(c) for c in p["coefs"])) for p in d["phases"]
             ),
@@ -382,9 +386,8 @@ class CostModelStore:
         self._cache: dict[ModelKey, CostModel] = {}
         if self.cache_path is not None and self.cache_path.is_file():
             try:
-                for m in _read_models(self.cache_path):
-                    self._cache[m.key] = m
-            except (ValueError, KeyError, TypeError) as e:  # a broken cache is ignored, not fatal
+                self._cache = {m.key: m for m in _read_models(self.cache_path)}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # ignored, never fatal
                 log.warning("ignoring unreadable cost-model cache %s: %s", self.cache_path, e)
 
     def keys(self) -> list[ModelKey]:
@@ -398,17 +401,25 @@ class CostModelStore:
         return key in self._defaults and key not in self._cache
 
     def put(self, model: CostModel) -> None:
+        """Keep ``model`` (in memory always; in the cache file when it can be written: a file that
+        cannot be written is logged, never raised, so a cache problem never fails a decode)."""
         with self._lock:
             self._cache[model.key] = model
-            if self.cache_path is not None:
-                self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = self.cache_path.with_suffix(self.cache_path.suffix + ".tmp")
+            if self.cache_path is None:
+                return
+            tmp = self.cache_path.with_suffix(self.cache_path.suffix + ".tmp")
+            try:
                 payload = {
                     "schema": SCHEMA,
                     "models": [m.to_dict() for m in sorted(self._cache.values(), key=lambda m: m.key)],
                 }
+                self.cache_path.parent.mkdir(parents=True, exist_ok=True)
                 tmp.write_text(json.dumps(payload, indent=1))
                 tmp.replace(self.cache_path)
+            except (OSError, TypeError, ValueError) as e:
+                log.warning("could not write the cost-model cache %s (kept in memory): %s", self.cache_path, e)
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
 
     def get_or_calibrate(self, key: ModelKey, calibrate_fn: Callable[[], CostModel]) -> CostModel:
         """The stored model for ``key``, or calibrate once (``calibrate_fn``) and cache the result."""

@@ -53,7 +53,6 @@ Nothing here imports ComfyUI.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -351,17 +350,11 @@ def structure_signature(model: Any) -> str:
     return f"{len(plan.segments)}seg-{digest:x}"
 
 
-_EXECUTOR_DIGEST: str | None = None
-
-
 def executor_digest() -> str:
-    """Short hash of the exact executor's source: a cached model is re-calibrated when the code changes."""
-    global _EXECUTOR_DIGEST
-    if _EXECUTOR_DIGEST is None:
-        from . import tiled_exact
+    """The exact executor's version (``tiled_exact.EXECUTOR_VERSION``), part of every exact cost-model key."""
+    from . import tiled_exact
 
-        _EXECUTOR_DIGEST = hashlib.sha256(pathlib.Path(tiled_exact.__file__).read_bytes()).hexdigest()[:10]
-    return _EXECUTOR_DIGEST
+    return tiled_exact.EXECUTOR_VERSION
 
 
 def exact_key(

@@ -99,6 +99,46 @@ def _ratios(vae: Any) -> tuple[int, int]:
     return int(up), 1
 
 
+KL_DECODER = {
+    "ch": 128,
+    "widths": (128, 256, 512, 512),
+    "res_blocks": 2,
+    "up_attn": False,
+    "mid_attn": True,
+    "out_ch": 3,
+    "kernel": (3, 3),
+    "tanh_out": False,
+}
+"""The decoder the shipped ``kl`` cost models were measured on (``ch`` 128, ``ch_mult`` (1, 2, 4, 4), 2 res
+blocks per level, mid attention only, RGB out, 2-D convs): SD1.x/SD2/SDXL (z 4) and SD3/FLUX (z 16) share it."""
+
+
+def kl_decoder_structure(decoder: Any) -> dict[str, Any] | None:
+    """What of ComfyUI's KL ``Decoder`` (``comfy.ldm.modules.diffusionmodules.model``) fixes its memory
+    (:data:`KL_DECODER`'s fields plus ``z_channels``), or ``None`` if ``decoder`` does not expose it."""
+    try:
+        up = list(decoder.up)
+        res_blocks = int(decoder.num_res_blocks)
+        return {
+            "ch": int(decoder.ch),
+            "widths": tuple(int(level.block[-1].out_channels) for level in up),
+            "res_blocks": res_blocks if all(len(level.block) == res_blocks + 1 for level in up) else None,
+            "up_attn": any(len(level.attn) for level in up),
+            "mid_attn": hasattr(decoder.mid, "attn_1"),
+            "out_ch": int(decoder.conv_out.out_channels),
+            "kernel": tuple(decoder.conv_in.kernel_size),
+            "tanh_out": bool(getattr(decoder, "tanh_out", False)),
+            "z_channels": int(decoder.conv_in.in_channels),
+        }
+    except (AttributeError, TypeError, ValueError, IndexError):
+        return None
+
+
+def _is_shipped_kl(decoder: Any, channels: int) -> bool:
+    found = kl_decoder_structure(decoder)
+    return found is not None and found == dict(KL_DECODER, z_channels=channels)
+
+
 def identify(vae: Any) -> str | None:
     """The known family of a ComfyUI ``VAE`` object, or ``None``."""
     model = getattr(vae, "first_stage_model", None)
@@ -124,6 +164,7 @@ def identify(vae: Any) -> str | None:
             and temporal == 1
             and channels in (4, 16)
             and decoder_name == "Decoder"
+            and _is_shipped_kl(decoder, channels)  # another KL variant is calibrated, not given these models
         ):
             return "kl"
         if (

@@ -459,9 +459,15 @@ def fallback(job: ImageJob, p: DecodePlan, planner: ExactPlanner | None, full: C
             nxt = (c.recompute, c.store_on_device, max(te.MIN_TILE, c.tile // 2))
         rec, on_dev, tile = nxt
         pk = planner.predict(rec, on_dev, tile)
-        choice = dataclasses.replace(c, tile=tile, recompute=rec, store_on_device=on_dev, peak=pk,
-                                     whole=tile >= max(job.out_hw))
-        return DecodePlan("exact", choice.describe(), p.planned, p.tracked, exact=choice, over_budget=p.over_budget)
+        # The figures of the configuration that runs now, as choose_exact computes them.
+        extra, post = buffer_bytes(job), item_image_bytes(job)
+        planned = extra + max(pk.with_overhead(getattr(planner, "overhead", 0.0)), post)
+        tracked = extra + max(pk.tracked, post)
+        side = max(job.out_hw)
+        choice = dataclasses.replace(c, tile=tile, recompute=rec, store_on_device=on_dev, peak=pk, planned=planned,
+                                     tracked=tracked, score=dp._score(tile, side, rec, on_dev),
+                                     fits=planned <= budget, whole=tile >= side)
+        return DecodePlan("exact", choice.describe(), planned, tracked, exact=choice, over_budget=not choice.fits)
     g = p.generic
     assert g is not None
     return plan_generic(job, full, budget // 2, max(8 * job.ratio, g.tile_h * job.ratio // 2), p.halo, p.feather)
@@ -481,10 +487,13 @@ class _Run:
         self.out: torch.Tensor | None = None
         self.oom_events: list[str] = []
         self.passes = 0
-        self.driver = OomResume(env.oom_exceptions, should_stop=env.should_stop, on_oom=env.on_oom,
+        self.oom = te.oom_types(env.oom_exceptions)
+        """What counts as out of memory on every level (a bare ``Exception``, ComfyUI's ``OOM_EXCEPTION``
+        without CUDA, is dropped: a bug propagates at once)."""
+        self.driver = OomResume(self.oom, should_stop=env.should_stop, on_oom=env.on_oom,
                                 max_retries=MAX_RETRIES)
         """Re-plans outside a tile; its ``check_stop`` is the executors' ``should_stop``, so a cancel
-        propagates through every level even where any ``Exception`` counts as out of memory."""
+        propagates through every level."""
 
     def _tile_hook(self) -> Callable[[int], None] | None:
         hook = self.env.fault_hook
@@ -543,7 +552,7 @@ class _Run:
                 progress=cb,
                 should_stop=self.driver.check_stop,
                 fault_hook=self._tile_hook(),
-                oom_exceptions=self.env.oom_exceptions,
+                oom_exceptions=self.oom,
                 on_oom=self._tile_oom,
                 norm_params=self.env.norm_params,
             )
@@ -578,7 +587,7 @@ class _Run:
             progress=cb,
             should_stop=self.driver.check_stop,
             fault_hook=self._tile_hook(),
-            oom_exceptions=self.env.oom_exceptions,
+            oom_exceptions=self.oom,
             on_oom=self._tile_oom,
         )
         images = job.vae.process_output(img) if job.core else img

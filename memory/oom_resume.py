@@ -64,15 +64,18 @@ class OomResume:
         self.on_oom = on_oom
         self.max_retries = max_retries
         self.retries = 0
-        self._in_stop = False
 
     def check_stop(self) -> None:
         """Call the caller's ``should_stop``; an exception it raises is never treated as out of memory."""
         if self.should_stop is None:
             return
-        self._in_stop = True
-        self.should_stop()
-        self._in_stop = False
+        try:
+            self.should_stop()
+        except BaseException as e:
+            # The mark travels with this exception only: a check that raised (and was caught by the
+            # caller) leaves no state behind that could turn a later, genuine OOM into a re-raise.
+            e._vramfit_from_stop = True  # type: ignore[attr-defined]
+            raise
 
     def run(
         self,
@@ -87,7 +90,9 @@ class OomResume:
             try:
                 return attempt()
             except self.oom_exceptions as e:
-                if self._in_stop or (self.max_retries is not None and self.retries >= self.max_retries):
+                if getattr(e, "_vramfit_from_stop", False) or (
+                    self.max_retries is not None and self.retries >= self.max_retries
+                ):
                     raise
                 if not can_recover(e):
                     raise

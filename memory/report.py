@@ -8,14 +8,20 @@ in ``/history`` for API runs and in logs; :meth:`Report.to_dict` gives the same 
       plan      : 2x3 tiles of 64x96 latent px, 1 image/pass, exact
       predicted : peak 5.10 GiB (77% of budget)
       measured  : peak 5.02 GiB in 12.3 s
+
+A decode report whose measured peak exceeds the budget gets an ``over budget`` row and a logged warning
+(:func:`flag_measured_overrun`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 TITLE_PREFIX = "VRAM Fit"
+OVER_BUDGET_ROW = "over budget"
+log = logging.getLogger("vramfit.memory.report")
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -49,6 +55,12 @@ class Report:
 
     def add(self, key: str, value: Any) -> Report:
         self.rows.append((str(key), str(value)))
+        return self
+
+    def insert_after(self, after: str, key: str, value: Any) -> Report:
+        """Add a row right after the first row named ``after`` (at the end when there is none)."""
+        at = next((i + 1 for i, (k, _) in enumerate(self.rows) if k == after), len(self.rows))
+        self.rows.insert(at, (str(key), str(value)))
         return self
 
     def extend(self, rows: list[tuple[str, Any]]) -> Report:
@@ -96,3 +108,19 @@ class Report:
                 k, v = report.rows[-1]
                 report.rows[-1] = (k, v + "\n" + line.strip())
         return report
+
+
+def flag_measured_overrun(report: Report, measured: int | None, method: str, budget: int,
+                          logger: logging.Logger | None = None) -> bool:
+    """When the measured peak (bytes above the decode's start, measured by ``method``: live tensors,
+    process RSS or ``max_memory_allocated``) exceeds ``budget`` bytes, add an ``over budget`` row after
+    ``measured`` and log a warning; returns whether it did."""
+    if measured is None or measured <= budget:
+        return False
+    over = measured - budget
+    pct = f" (+{over / budget:.0%})" if budget > 0 else ""
+    text = (f"measured peak {fmt_bytes(measured)} ({method}) > budget {fmt_bytes(budget)} available for "
+            f"decoding, by {fmt_bytes(over)}{pct}")
+    report.insert_after("measured", OVER_BUDGET_ROW, text)
+    (logger or log).warning("VRAM Fit · %s: over budget: %s", report.node, text)
+    return True

@@ -5,8 +5,9 @@
   of a ComfyUI VAE, i.e. the ``full`` executor), dropping the output.
 * :class:`MetaSizer` is a tracker (it has ``peak_bytes``) that runs the block on *fake tensors*:
   ``torch._subclasses.FakeTensorMode`` with the modules' parameters swapped for fake ones of the
-  requested dtype. Every op runs its shape/dtype logic on ``meta`` storage, nothing is computed or
-  allocated, and a :class:`.tracker.PeakTracker` inside the fake mode counts the storages exactly as
+  requested dtype, in the sizing thread only (every other reader of the live model, e.g. the VRAM
+  monitor or another thread, still sees its real tensors). Every op runs its shape/dtype logic on
+  ``meta`` storage, nothing is computed or allocated, and a :class:`.tracker.PeakTracker` inside the fake mode counts the storages exactly as
   it would for a real run. Fake tensors keep their device (``cpu``), so device-dependent code in the
   decoder (ComfyUI's split attention asks ``get_free_memory`` of the tensor's device) takes the
   same path as a real CPU decode. Measured on the fixture VAEs: the counted peak equals the real
@@ -19,6 +20,7 @@ for sizes far too large (or dtypes too slow) to decode on this machine.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -60,12 +62,55 @@ def decode_run(
     return run
 
 
+class _SizingView(dict):
+    """A module's ``_parameters`` or ``_buffers`` while a :class:`MetaSizer` runs. It holds the real tensors
+    (what other threads, ``gc`` walks and ``dict`` methods see); a sizing thread reads its own fake ones
+    through ``[]``, ``get``, ``items`` and ``values``, the accessors ``torch.nn.Module`` uses."""
+
+    def __init__(self, real: dict[str, Any]) -> None:
+        super().__init__(real)
+        self.real = real
+        """The module's own dict, put back when the last sizing thread leaves."""
+        self.fakes: dict[int, dict[str, Any]] = {}
+        """Thread id -> name -> fake tensor."""
+
+    def _mine(self) -> dict[str, Any] | None:
+        return self.fakes.get(threading.get_ident())
+
+    def __getitem__(self, name: str) -> Any:
+        mine = self._mine()
+        if mine is not None and name in mine:
+            return mine[name]
+        return dict.__getitem__(self, name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        mine = self._mine()
+        if mine is not None and name in mine:
+            mine[name] = value
+        else:
+            dict.__setitem__(self, name, value)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self[name] if name in self else default
+
+    def items(self) -> Any:
+        mine = self._mine()
+        if mine is None:
+            return dict.items(self)
+        return [(k, mine.get(k, v)) for k, v in dict.items(self)]
+
+    def values(self) -> Any:
+        return [v for _, v in self.items()]
+
+
 @contextlib.contextmanager
 def _swapped_tensors(
     modules: Sequence[torch.nn.Module], make: Callable[[torch.Tensor], torch.Tensor]
 ) -> Iterator[None]:
-    """Temporarily replace every parameter and buffer of ``modules`` with ``make(tensor)``."""
-    saved: list[tuple[dict[str, Any], str, Any]] = []
+    """For this thread only, replace every parameter and buffer of ``modules`` with ``make(tensor)``: the
+    live model keeps its tensors for everyone else (another thread, a ``gc`` walk of the VRAM monitor)."""
+    me = threading.get_ident()
+    installed: list[tuple[torch.nn.Module, str, _SizingView, dict[str, Any] | None]] = []
     seen: set[int] = set()
     try:
         for root in modules:
@@ -73,28 +118,40 @@ def _swapped_tensors(
                 if id(mod) in seen:
                     continue
                 seen.add(id(mod))
-                for store in (mod._parameters, mod._buffers):
-                    for name, t in list(store.items()):
+                for attr in ("_parameters", "_buffers"):
+                    store = mod.__dict__[attr]
+                    view = store if isinstance(store, _SizingView) else _SizingView(store)
+                    fakes = {}
+                    for name, t in dict.items(view):  # the real tensors, also under an outer sizer
                         if t is None:
                             continue
-                        saved.append((store, name, t))
                         new = make(t)
-                        store[name] = (
+                        fakes[name] = (
                             torch.nn.Parameter(new, requires_grad=False)
                             if isinstance(t, torch.nn.Parameter)
                             else new
                         )
+                    installed.append((mod, attr, view, view.fakes.get(me)))
+                    view.fakes[me] = fakes
+                    mod.__dict__[attr] = view
         yield
     finally:
-        for store, name, t in reversed(saved):
-            store[name] = t
+        for mod, attr, view, outer in reversed(installed):
+            if outer is not None:  # nested sizer: the outer one's fakes again
+                view.fakes[me] = outer
+                continue
+            view.fakes.pop(me, None)
+            if not view.fakes and mod.__dict__.get(attr) is view:
+                view.real.clear()
+                view.real.update(dict.items(view))  # writes made meanwhile by other threads are kept
+                mod.__dict__[attr] = view.real
 
 
 class MetaSizer:
     """A tracker whose block runs on fake tensors (see module docstring). ``peak_bytes`` after exit.
 
-    ``modules``: models whose weights the block uses (swapped for fake tensors of ``dtype`` for
-    floating-point weights; other dtypes kept). ``device``: the device the fake tensors claim.
+    ``modules``: models whose weights the block uses (swapped, for this thread only, for fake tensors of
+    ``dtype`` for floating-point weights; other dtypes kept). ``device``: the device the fake tensors claim.
     """
 
     method = "meta"

@@ -78,7 +78,7 @@ Memory
 Out of memory mid-decode
 ------------------------
 An exception of one of ``oom_exceptions`` (default: ``torch.OutOfMemoryError``, which is CUDA's
-``torch.cuda.OutOfMemoryError``) raised inside a tile is caught, the ``except`` block is left first
+``torch.cuda.OutOfMemoryError``; a bare ``Exception`` is dropped, :func:`oom_types`) raised inside a tile is caught, the ``except`` block is left first
 (so the failed frame and its tensors are released, as ComfyUI's own ``VAE.decode`` does), ``on_oom``
 is called (e.g. ``comfy.model_management.soft_empty_cache``), the tile size is halved, and the
 decode resumes: finished segments are kept, and in the current segment the tiles already written
@@ -111,6 +111,11 @@ from .oom_resume import OomEvent, OomResume
 
 log = logging.getLogger("vramfit.memory.tiled_exact")
 
+EXECUTOR_VERSION = "v1"
+"""Version of this executor's allocation pattern, part of every exact cost-model key (shipped and cached).
+Bump it when a change alters what the executor holds at its peak, then re-ship ``memory/data/exact``
+(``bench/tiled_decode.py --write-defaults``); edits that do not (comments, error handling) keep the key."""
+
 __all__ = [
     "ExactPlan",
     "RowStep",
@@ -120,6 +125,7 @@ __all__ = [
     "default_oom_exceptions",
     "estimate_exact_peak",
     "find_decoder",
+    "oom_types",
     "plan_exact",
     "split_even",
     "store_schedule",
@@ -139,6 +145,20 @@ def default_oom_exceptions() -> tuple[type[BaseException], ...]:
     """``torch.OutOfMemoryError`` (alias of ``torch.cuda.OutOfMemoryError``) where torch has it."""
     oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
     return (oom,) if oom is not None else ()
+
+
+def oom_types(given: Sequence[type[BaseException]] | None) -> tuple[type[BaseException], ...]:
+    """The exception types every executor treats as out-of-memory: ``given`` without a bare
+    ``Exception``/``BaseException`` (ComfyUI's ``OOM_EXCEPTION`` without CUDA; catching it would turn a bug
+    or a cancel into re-plans), :func:`default_oom_exceptions` when ``given`` is None or held nothing else."""
+    if given is None:
+        return default_oom_exceptions()
+    given = tuple(given)
+    kept = tuple(t for t in given if t not in (Exception, BaseException))
+    if len(kept) == len(given):
+        return kept
+    log.debug("ignoring Exception/BaseException as an out-of-memory type")
+    return kept or default_oom_exceptions()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1337,8 +1357,9 @@ def decode_exact(
     block (2 stored activations instead of 3, ~1.5x the resnet conv work). ``progress(done, total)``
     after each unit (``total`` may grow after an OOM shrink). ``should_stop()`` before each unit; its
     exception propagates. ``fault_hook(k)`` inside tile step ``k`` (0-based, counting every tile
-    attempt; tests raise an OOM there). ``oom_exceptions``: what counts as out-of-memory (default
-    :func:`default_oom_exceptions`). ``on_oom()`` after an OOM, before resuming with half the tile.
+    attempt; tests raise an OOM there). ``oom_exceptions``: what counts as out-of-memory (through
+    :func:`oom_types`: default ``torch.OutOfMemoryError``; a bare ``Exception`` is dropped). ``on_oom()``
+    after an OOM, before resuming with half the tile.
     ``norm_params(norm, x) -> (weight, bias)``: GroupNorm affine parameters as float32 on ``x``'s
     device (default: the module's ``weight``/``bias``; pass ComfyUI's casting for patched weights).
     """
@@ -1361,7 +1382,7 @@ def decode_exact(
         progress,
         should_stop,
         fault_hook,
-        default_oom_exceptions() if oom_exceptions is None else tuple(oom_exceptions),
+        oom_types(oom_exceptions),
         on_oom,
         min_tile,
         pin_memory,

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .oom_resume import OomEvent, OomResume
-from .tiled_exact import default_oom_exceptions, split_even
+from .tiled_exact import oom_types, split_even
 
 log = logging.getLogger("vramfit.memory.tiled_generic")
 
@@ -261,7 +261,7 @@ def decode_generic(
         progress,
         should_stop,
         fault_hook,
-        default_oom_exceptions() if oom_exceptions is None else tuple(oom_exceptions),
+        oom_types(oom_exceptions),
         on_oom,
         min_tile,
     )

@@ -71,9 +71,13 @@ from typing import Any
 import torch
 
 from .oom_resume import OomEvent, OomResume
-from .tiled_exact import default_oom_exceptions, split_even
+from .tiled_exact import default_oom_exceptions, oom_types, split_even
 
 log = logging.getLogger("vramfit.memory.video_chunked")
+
+EXECUTOR_VERSION = "v1"
+"""Version of the chunked executor's allocation pattern, part of every persisted video peak's key: bump it
+when a change alters what the executor holds at its peak (the persisted peaks are then re-sized)."""
 
 __all__ = [
     "CacheSlot",
@@ -99,15 +103,9 @@ ProgressFn = Callable[[int, int], None]
 
 
 def _oom_types(given: Sequence[type[BaseException]] | None) -> tuple[type[BaseException], ...]:
-    """The exception types treated as out-of-memory. ``Exception``/``BaseException`` are dropped: ComfyUI
-    sets ``model_management.OOM_EXCEPTION = Exception`` when CUDA is unavailable, and catching that
-    would turn an interrupt (``should_stop``) or a bug into a re-plan."""
-    if given is None:
-        return default_oom_exceptions()
-    kept = tuple(t for t in given if t not in (Exception, BaseException))
-    if len(kept) != len(tuple(given)):
-        log.debug("ignoring Exception/BaseException as an out-of-memory type")
-    return kept
+    """The exception types treated as out-of-memory: :func:`.tiled_exact.oom_types` (a bare ``Exception``,
+    ComfyUI's ``OOM_EXCEPTION`` without CUDA, is dropped), shared by every executor."""
+    return oom_types(given)
 
 
 def _driver(

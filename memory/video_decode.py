@@ -10,7 +10,8 @@ callables in a :class:`VideoEnv`).
   otherwise the auto plan takes the host's own decode when it fits (exact by construction), and any other
   plan is reported APPROXIMATE with the verdict.
 * **Other video VAEs** (approximate): :func:`.video_chunked.decode_overlap_blend`: overlapping temporal
-  chunks decoded independently and cross-faded; reported as approximate.
+  chunks decoded independently and cross-faded; reported as approximate. :func:`plan_blend` takes the
+  largest chunk (at most :data:`BLEND_MAX_K` latent frames) whose meta-sized peak fits the budget.
 
 Planning (Wan). Candidates (whole frames or a tile grid x split x store placement x ``k`` x cache mode) are
 sorted by an estimated speed; the first whose predicted peak fits the budget wins. A candidate's peak is
@@ -40,10 +41,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import math
-import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -64,17 +63,20 @@ from .tracker import decode_tracker
 log = logging.getLogger("vramfit.memory.video_decode")
 
 __all__ = [
+    "BLEND_MAX_K",
     "MAX_AUTO_K",
     "PeakStore",
     "VideoDecodeResult",
     "VideoEnv",
     "VideoJob",
     "VideoPlan",
+    "blend_ratios",
     "check_chunked",
     "decode_video",
     "lower_bound",
     "make_job",
     "peak_key",
+    "plan_blend",
     "plan_wan",
 ]
 
@@ -85,6 +87,8 @@ CALL_OVERHEAD = {"cuda": 0.3, "cpu": 0.0}
 """Relative cost of one executor call vs one latent frame of work, for the speed order of candidates
 (GPU: fewer, larger calls pay; CPU: measured k = 1 fastest, see docs/VIDEO_DECODE.md)."""
 IMPOSSIBLE_SIZINGS = 4
+BLEND_MAX_K = 4
+"""Largest chunk the auto plan of the overlap-blend path (other video VAEs) considers (latent frames)."""
 """Candidates sized (beyond those the plan sized) for the message when no plan fits."""
 
 ProgressFn = Callable[[int, int], None]
@@ -109,15 +113,9 @@ class PeakStore(JsonStore):
         return int(value)
 
 
-_EXECUTOR_DIGEST: str | None = None
-
-
 def executor_digest() -> str:
-    """Short hash of ``video_chunked.py``'s source: a persisted peak is re-sized when the executor changes."""
-    global _EXECUTOR_DIGEST
-    if _EXECUTOR_DIGEST is None:
-        _EXECUTOR_DIGEST = hashlib.sha256(pathlib.Path(vc.__file__).read_bytes()).hexdigest()[:10]
-    return _EXECUTOR_DIGEST
+    """The chunked executor's version (``video_chunked.EXECUTOR_VERSION``), part of every persisted peak's key."""
+    return vc.EXECUTOR_VERSION
 
 
 # --------------------------------------------------------------------------------------------------
@@ -516,6 +514,86 @@ def plan_host_decode(job: VideoJob, budget: int, peaks: PeakStore, verdict: Verd
 
 
 # --------------------------------------------------------------------------------------------------
+# Planning (other video VAEs: overlap-blend)
+
+
+def blend_ratios(vae: Any) -> tuple[Callable[[int], Any] | int | float, Callable[[int], Any] | int | None, int]:
+    """``(frames, index_formula, spatial)`` of ``vae.upscale_ratio`` for :func:`.video_chunked.decode_overlap_blend`:
+    a ComfyUI video VAE's ``(frames of l latent frames, h, w)`` tuple, or an int (spatial only: one output
+    frame per latent frame). Raises ValueError naming the value when it is neither."""
+    up = getattr(vae, "upscale_ratio", None)
+    if isinstance(up, (tuple, list)) and len(up) >= 2:
+        frames, spatial = up[0], up[1]
+        idx = getattr(vae, "upscale_index_formula", None)
+        index = idx[0] if isinstance(idx, (tuple, list)) and idx else None
+    else:
+        frames, spatial, index = 1, up, None
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+    ok_frames = callable(frames) or number(frames)
+    ok_spatial = number(spatial) and spatial >= 1 and float(spatial).is_integer()
+    if not (ok_frames and ok_spatial):
+        raise ValueError(f"{REPORT_NODE}: cannot use the VAE's upscale_ratio {up!r} ({type(vae).__name__}): "
+                         "expected (frames of a latent chunk, h ratio, w ratio) or an int spatial ratio")
+    return frames, index, int(spatial)
+
+
+def _blend_fn(job: VideoJob) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One chunk's decode as ``VAE.decode`` feeds it (the VAE's dtype and device), float32 frames."""
+    model = job.vae.first_stage_model
+
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        return model.decode(a.to(job.dtype).to(job.device)).float()
+
+    return fn
+
+
+def blend_chunk_peak(job: VideoJob, k: int, peaks: PeakStore) -> int:
+    """Meta-sized peak bytes of one chunk of ``min(k, T)`` latent frames (its float32 frames included),
+    persisted in ``peaks``."""
+    b, c, t, h, w = (int(v) for v in job.z.shape)
+    kk = min(int(k), t)
+    key = f"{_model_key(job)}/{b}x{c}x{kk}x{h}x{w}/blend"
+    peak = peaks.get(key)
+    if peak is None:
+        with MetaSizer([job.vae.first_stage_model], job.dtype, job.device) as sizer:
+            out = _blend_fn(job)(torch.empty((b, c, kk, h, w), dtype=job.dtype, device=job.device))
+            del out
+        peak = int(sizer.peak_bytes)
+        peaks.put(key, peak)
+    return peak
+
+
+def plan_blend(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> VideoPlan:
+    """The largest chunk (at most :data:`BLEND_MAX_K`, or the user's ``k``) whose meta-sized peak plus the
+    output buffer fits ``budget``; the smallest, marked over budget, when none does. When meta sizing
+    fails: the largest chunk, not predicted (``planned`` 0)."""
+    frames_of, _, r = blend_ratios(job.vae)
+    b, _, t, h, w = (int(v) for v in job.z.shape)
+    frames = int(round(frames_of(t))) if callable(frames_of) else int(round(frames_of * t))
+    out_b = out_bytes(job, frames, h * r, w * r)
+    post = 2 * b * 3 * h * w * r * r * 4  # process_output per output frame: two float32 temporaries
+    ks = [max(2, k_user)] if k_user else list(range(max(2, min(t, BLEND_MAX_K)), 1, -1))
+    reason = "overlapping temporal chunks decoded independently and cross-faded (not a causal Wan VAE)"
+    plan = None
+    try:
+        for k in ks:
+            plan = VideoPlan(k, None, (1, 1), True, 0, 0, None, out_b + max(blend_chunk_peak(job, k, peaks), post),
+                             exact=False, reason=reason)
+            if plan.planned <= budget:
+                return plan
+    except Exception as e:  # noqa: BLE001 - an op without a fake kernel: the chunk is not predicted
+        log.warning("meta sizing of %s failed (%s: %s); chunk not predicted", job.family, type(e).__name__, e)
+        return VideoPlan(ks[0], None, (1, 1), True, 0, 0, None, 0, exact=False, reason=reason)
+    finally:
+        peaks.flush()
+    assert plan is not None
+    plan.over_budget = True
+    return plan
+
+
+# --------------------------------------------------------------------------------------------------
 # Decode
 
 
@@ -588,12 +666,14 @@ def decode_video(
 
     offload_text = "off (unload_others disabled)"
     if unload_others and hasattr(vae, "patcher") and env.offload is not None:
-        if budget_mb:
-            need: int | None = int(budget_mb * 2**20)
-        elif job.wan:  # the fastest plan's peak (sized once, kept for the plan below)
-            need = plan_wan(job, 1 << 62, k_user, tile_user, env.peaks).planned
+        # The fastest plan's peak (sized once, kept for the plan below), at most the budget, as the image path.
+        if job.wan:
+            ideal: int | None = plan_wan(job, 1 << 62, k_user, tile_user, env.peaks).planned
         else:
-            need = None
+            ideal = plan_blend(job, 1 << 62, k_user, env.peaks).planned or None  # 0: not predicted
+        need = int(budget_mb * 2**20) if budget_mb else None
+        if ideal is not None:
+            need = ideal if need is None else min(ideal, need)
         if need is not None:
             patcher = vae.patcher
             need += max(0, int(patcher.model_size()) - int(patcher.loaded_size()))
@@ -617,14 +697,10 @@ def decode_video(
             plan = plan_wan(job, int(budget.available), k_user, tile_user, env.peaks, plan_stats)
             plan.exact, plan.reason = verdict.ok, verdict.describe()
     else:
-        ratio_t = vae.upscale_ratio[0] if isinstance(getattr(vae, "upscale_ratio", None), tuple) else 4
-        frames = int(round(ratio_t(t))) if callable(ratio_t) else int(ratio_t * t)
-        r = int(vae.upscale_ratio[1]) if isinstance(vae.upscale_ratio, tuple) else 8
+        frames_of, index_formula, r = blend_ratios(vae)
+        frames = int(round(frames_of(t))) if callable(frames_of) else int(round(frames_of * t))
         oh, ow = h * r, w * r
-        k = max(2, k_user or min(t, 4))
-        plan = VideoPlan(k, None, (1, 1), True, 0, 0, None, 0, exact=False,
-                         reason="overlapping temporal chunks decoded independently and cross-faded (not a causal "
-                                "Wan VAE)")
+        plan = plan_blend(job, int(budget.available), k_user, env.peaks)
     plan_seconds = time.perf_counter() - t0
 
     if hasattr(vae, "patcher") and env.load_weights is not None:
@@ -644,16 +720,11 @@ def decode_video(
                 compute_device=job.device, dtype=job.dtype, store_device="cpu" if plan.store == "host" else None,
                 rollback=plan.rollback, progress=bar, should_stop=env.should_stop, fault_hook=env.fault_hook,
                 oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
-        else:
-            def fn(a: torch.Tensor) -> torch.Tensor:
-                return model.decode(a.to(job.dtype).to(job.device)).float()
-
-            res = vc.decode_overlap_blend(
-                fn, z, plan.k, 1, upscale_ratio=vae.upscale_ratio[0], index_formula=vae.upscale_index_formula[0],
-                out_device=job.out_device, progress=bar, should_stop=env.should_stop,
-                oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
-            view.copy_(res)
-            del res
+        else:  # accumulated in the output buffer itself (the plan counts one output)
+            vc.decode_overlap_blend(
+                _blend_fn(job), z, plan.k, 1, upscale_ratio=frames_of, index_formula=index_formula, out=view,
+                progress=bar, should_stop=env.should_stop, oom_exceptions=env.oom_exceptions, on_oom=env.on_oom,
+                stats=stats)
         _post(vae, view)
     seconds = time.perf_counter() - t1
     measured = int(tracker.peak_bytes) if tracker is not None else None
@@ -690,12 +761,15 @@ def _report(job: VideoJob, plan: VideoPlan, budget: Any, offload_text: str, stat
         if plan.store is not None:
             cache += f"; global part of every frame stored on the {plan.store}"
         r.add("cache", cache)
-    if job.wan:
+    if job.wan or plan.planned:
         avail = budget.available
         pct = plan.planned / avail if avail else math.inf
-        over = " - OVER BUDGET (user setting)" if plan.over_budget else ""
+        why = "user setting" if job.wan else f"chunks of {plan.k} latent frames"
+        over = f" - OVER BUDGET ({why})" if plan.over_budget else ""
         r.add("predicted", f"peak {fmt_bytes(plan.planned)} ({pct:.0%} of budget, meta sizing){over}; "
                            f"planned in {fmt_seconds(plan_seconds)} (offload and self-check included)")
+    else:
+        r.add("predicted", "not predicted (meta sizing of the decoder failed; see the log)")
     r.add("measured", f"peak {fmt_bytes(measured)} ({method})" if measured is not None else method)
     r.add("time", f"{fmt_seconds(seconds)} ({stats.get('chunks', '?')} chunks)")
     if stats.get("shrinks") or stats.get("restarts"):

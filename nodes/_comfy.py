@@ -35,6 +35,7 @@ from ..memory.offload import (
     offload_for_decode,
     residency,
 )
+from ..memory.report import flag_measured_overrun
 
 log = logging.getLogger("vramfit")
 
@@ -85,17 +86,20 @@ def vae_patcher(vae: Any) -> Any:
 
 
 def vae_budget(vae: Any, budget_mb: float | None) -> Budget:
-    """Bytes a decode with ``vae`` may use on its device (user budget in MB overrides free memory).
+    """Bytes of working memory a decode with ``vae`` may use on its device.
 
-    ``free + evictable - VAE weights to load - reserve``: ``evictable`` is the dynamic-VRAM pages of
-    every *other* model on the device (ComfyUI >= 0.33 with comfy-aimdo; 0 elsewhere), which aimdo
-    evicts when the decode allocates. See docs/MEMORY.md, "Dynamic VRAM".
+    ``budget_mb`` > 0 caps the decode's working memory: what it allocates beyond the VAE's weights,
+    which are not counted whether they are loaded yet or not (the same budget then gives the same plan
+    either way). 0: ``free + evictable - VAE weights to load - reserve``, where ``evictable`` is the
+    dynamic-VRAM pages of every *other* model on the device (ComfyUI >= 0.33 with comfy-aimdo; 0
+    elsewhere), which aimdo evicts when the decode allocates. See docs/MEMORY.md, "Budget".
     """
     device = torch.device(vae.device)
     patcher = vae_patcher(vae)
+    user = budget_mb if budget_mb and budget_mb > 0 else None
     to_load = 0
     evictable = 0
-    if hasattr(patcher, "model_size") and hasattr(patcher, "loaded_size"):
+    if user is None and hasattr(patcher, "model_size") and hasattr(patcher, "loaded_size"):
         to_load = weights_to_load(patcher.model_size(), patcher.loaded_size())
         evictable = evictable_bytes(mm, device, exclude=[patcher])
     return compute_budget(
@@ -104,7 +108,7 @@ def vae_budget(vae: Any, budget_mb: float | None) -> Budget:
         get_total_memory=mm.get_total_memory,
         vae_weights_to_load=to_load,
         reserve_floor=int(mm.extra_reserved_memory()) if device.type != "cpu" else 0,
-        user_budget_mb=budget_mb if budget_mb and budget_mb > 0 else None,
+        user_budget_mb=user,
         evictable_bytes=evictable,
     )
 
@@ -396,8 +400,9 @@ def budget_inputs() -> list[Any]:
     """The decode nodes' shared inputs: ``budget_mb`` and ``unload_others``."""
     return [
         io.Int.Input("budget_mb", default=0, min=0, max=1 << 22, step=64,
-                     tooltip="Memory the decode may use on the VAE's device, in MB. 0 = the free memory "
-                     "ComfyUI reports, minus a safety reserve."),
+                     tooltip="Working memory the decode may use on the VAE's device, in MB: what it "
+                     "allocates beyond the VAE's weights (the weights are not counted, loaded or not). 0 = the "
+                     "free memory ComfyUI reports, minus the VAE weights still to load and a safety reserve."),
         io.Boolean.Input("unload_others", default=True,
                          tooltip="Offload other models (diffusion model, text encoders) from the VAE's "
                          "device first, as far as this decode needs the room."),
@@ -407,6 +412,13 @@ def budget_inputs() -> list[Any]:
 def report_output(tooltip: str) -> Any:
     """The decode nodes' STRING ``report`` output."""
     return io.String.Output("report", display_name="report", tooltip=tooltip)
+
+
+def flag_overrun(result: Any, logger: logging.Logger) -> Any:
+    """Flag (report row + warning) a decode ``result`` whose measured peak exceeded its budget."""
+    flag_measured_overrun(result.report, result.measured_peak, result.measure_method,
+                          int(result.budget.available), logger)
+    return result
 
 
 def decode_output(result: Any, logger: logging.Logger) -> io.NodeOutput:

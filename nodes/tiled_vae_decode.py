@@ -122,10 +122,11 @@ def decode(
     t_plan = time.perf_counter()
     job = _validate(vae, samples, int(tile_size), int(halo))
     try:
-        return idm.decode_image(job, comfy_env(node_id), tile_size=int(tile_size), halo=int(halo),
-                                budget_mb=int(budget_mb), unload_others=bool(unload_others), t_start=t_plan)
+        result = idm.decode_image(job, comfy_env(node_id), tile_size=int(tile_size), halo=int(halo),
+                                  budget_mb=int(budget_mb), unload_others=bool(unload_others), t_start=t_plan)
     except ImpossibleBudgetError as e:
         raise _error(str(e)) from e
+    return _comfy.flag_overrun(result, log)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -121,11 +121,12 @@ def decode(
     t_plan = time.perf_counter()
     job = _validate(vae, samples, int(frames_per_chunk), int(tile_size))
     try:
-        return vd.decode_video(job, comfy_env(node_id), frames_per_chunk=int(frames_per_chunk),
-                               tile_size=int(tile_size), budget_mb=int(budget_mb), unload_others=bool(unload_others),
-                               t_start=t_plan)
+        result = vd.decode_video(job, comfy_env(node_id), frames_per_chunk=int(frames_per_chunk),
+                                 tile_size=int(tile_size), budget_mb=int(budget_mb),
+                                 unload_others=bool(unload_others), t_start=t_plan)
     except ImpossibleBudgetError as e:
         raise _error(str(e)) from e
+    return _comfy.flag_overrun(result, log)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -97,3 +97,15 @@ def one_thread():
 def kl_vae(comfy, fixture_vaes):
     """The random-weight fixture SD KL VAE loaded by ComfyUI's own ``VAELoader`` (one per session)."""
     return comfy.VAELoader().load_vae(fixture_vaes["kl_f8"])[0]
+
+
+@pytest.fixture(scope="module")
+def flux_vae(comfy, fixture_vaes):
+    """The random-weight FLUX VAE (16-channel KL) by ``VAELoader``; unloaded after the module, since later
+    tests count the models ComfyUI has loaded."""
+    import comfy.model_management as mm
+
+    vae = comfy.VAELoader().load_vae(fixture_vaes["flux"])[0]
+    yield vae
+    others = [lm for lm in mm.current_loaded_models if lm.model is not vae.patcher]
+    mm.free_memory(1e30, vae.patcher.load_device, keep_loaded=others)

@@ -37,17 +37,6 @@ def tiled(comfy):
 
 
 @pytest.fixture(scope="module")
-def flux_vae(comfy, fixture_vaes):
-    import comfy.model_management as mm
-
-    vae = comfy.VAELoader().load_vae(fixture_vaes["flux"])[0]
-    yield vae
-    # later tests count the models ComfyUI has loaded: leave none of ours behind
-    others = [lm for lm in mm.current_loaded_models if lm.model is not vae.patcher]
-    mm.free_memory(1e30, vae.patcher.load_device, keep_loaded=others)
-
-
-@pytest.fixture(scope="module")
 def dcae(host_config, fixture_vaes):
     from scripts.sana_vae import load_dcae
 

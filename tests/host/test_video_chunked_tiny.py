@@ -449,7 +449,7 @@ def test_lower_bound_is_below_every_sized_peak(case21):
 
 def test_planner_persists_sized_peaks_and_a_new_key_resizes(case21, tmp_path, monkeypatch):
     """A second plan (a new store read from the file the first wrote) sizes nothing and gives the same plan;
-    another executor digest (the key) sizes again. The tight budget makes the planner tile."""
+    another executor version (the key) sizes again. The tight budget makes the planner tile."""
     from vramfit.memory import video_decode as vd
 
     _, model, _, _ = case21
@@ -475,7 +475,7 @@ def test_planner_persists_sized_peaks_and_a_new_key_resizes(case21, tmp_path, mo
     assert len(calls) == n and st2["sized"] == 0
     assert (second.k, second.tile, second.split, second.rollback, second.planned) == (
         first.k, first.tile, first.split, first.rollback, first.planned)
-    monkeypatch.setattr(vd, "_EXECUTOR_DIGEST", "changed000")
+    monkeypatch.setattr(vd.vc, "EXECUTOR_VERSION", "v-changed")
     third = vd.plan_wan(job, budget, 0, None, vd.PeakStore(path))
     assert len(calls) > n and third.planned == first.planned
 

@@ -120,6 +120,13 @@ def _fake_vae(
     model_cls = type(cls_name, (), {"__module__": module})
     model = model_cls()
     model.decoder = dec_cls()
+    if decoder == "Decoder" and latent_dim == 2:  # the shipped KL decoder's structure (families.KL_DECODER)
+        ns = types.SimpleNamespace
+        model.decoder.__dict__.update(
+            ch=128, num_res_blocks=2, tanh_out=False, mid=ns(attn_1=ns()),
+            up=[ns(block=[ns(out_channels=w)] * 3, attn=[]) for w in (128, 256, 512, 512)],
+            conv_in=ns(in_channels=channels, kernel_size=(3, 3)), conv_out=ns(out_channels=3, kernel_size=(3, 3)),
+        )  # fmt: skip
     return types.SimpleNamespace(
         first_stage_model=model, upscale_ratio=upscale_ratio, latent_dim=latent_dim, latent_channels=channels
     )
