@@ -49,7 +49,7 @@ from .geometry import Geometry, VaeGeometry
 from .oom_resume import OomEvent, OomResume
 from .planner import ImpossibleBudgetError, Plan, plan_decode
 from .reach import ReachReport, default_halo, traced_reach
-from .report import Report, fmt_bytes, fmt_seconds
+from .report import Report, flag_measured_overrun, fmt_bytes, fmt_seconds
 from .self_check import CheckStore, Verdict, code_fingerprint, memory_store, verify
 from .sizing import MetaSizer, decode_run
 from .tracker import decode_tracker
@@ -796,6 +796,7 @@ def _report(job: ImageJob, plan: DecodePlan, budget: Any, offload_text: str, rea
     r.add("predicted", f"peak {fmt_bytes(plan.planned)} ({pct:.0%} of budget){over}; tensor-level "
                        f"{fmt_bytes(plan.tracked)}{where}")
     r.add("measured", f"peak {fmt_bytes(measured)} ({method})" if measured is not None else method)
+    flag_measured_overrun(r, measured, method, int(budget.available), log)
     r.add("time", f"{fmt_seconds(seconds)} decoding ({run.passes} pass{'es' if run.passes != 1 else ''}), "
                   f"{fmt_seconds(plan_seconds)} planning")
     if calibrated:

@@ -55,7 +55,7 @@ from .cost_model import dtype_name
 from .families import identify, model_name
 from .json_store import JsonStore
 from .planner import ImpossibleBudgetError
-from .report import Report, fmt_bytes, fmt_seconds
+from .report import Report, flag_measured_overrun, fmt_bytes, fmt_seconds
 from .self_check import CheckStore, Verdict, code_fingerprint, memory_store, verify
 from .sizing import MetaSizer
 from .tracker import decode_tracker
@@ -771,6 +771,7 @@ def _report(job: VideoJob, plan: VideoPlan, budget: Any, offload_text: str, stat
     else:
         r.add("predicted", "not predicted (meta sizing of the decoder failed; see the log)")
     r.add("measured", f"peak {fmt_bytes(measured)} ({method})" if measured is not None else method)
+    flag_measured_overrun(r, measured, method, int(budget.available), log)
     r.add("time", f"{fmt_seconds(seconds)} ({stats.get('chunks', '?')} chunks)")
     if stats.get("shrinks") or stats.get("restarts"):
         r.add("oom", f"{stats.get('shrinks', 0)} re-plan(s), {stats.get('restarts', 0)} restart(s): finished with "

@@ -35,7 +35,6 @@ from ..memory.offload import (
     offload_for_decode,
     residency,
 )
-from ..memory.report import flag_measured_overrun
 
 log = logging.getLogger("vramfit")
 
@@ -54,6 +53,32 @@ class NodeInputError(ValueError):
 # ``exception_type``, the frontend's error dialog). Its custom-node loader names this package's modules
 # after their folder path (``/…/custom_nodes/ComfyUI-VRAM-Fit.nodes._comfy``): a stable name instead.
 NodeInputError.__module__ = "vramfit"
+
+
+def latent_tensor(node: str, vae: Any, samples: Any, stream: str) -> tuple[torch.Tensor, str]:
+    """The VAE and LATENT checks both decode nodes share: ``(latent tensor, label for the report)``.
+
+    A ComfyUI >= 0.33 NestedTensor (e.g. video + audio of LTX-2) gives its first stream, as core VAE
+    Decode does (the other streams belong to other VAEs), labelled ``"<stream> of a nested latent"``.
+    """
+    if vae is None or getattr(vae, "first_stage_model", None) is None:
+        raise NodeInputError(
+            node, "the VAE is invalid (None); if it comes from a checkpoint loader, the checkpoint has no VAE"
+        )
+    if not isinstance(samples, dict):
+        raise NodeInputError(
+            node, f"samples must be a LATENT (a dict with a 'samples' tensor), got {type(samples).__name__}"
+        )
+    z, label = samples.get("samples"), "latent"
+    if getattr(z, "is_nested", False) and not isinstance(z, torch.Tensor):
+        streams = list(z.unbind())
+        z, label = (streams[0] if streams else None), f"{stream} of a nested latent ({len(streams)} streams)"
+        log.info("nested latent: decoding its first stream of %d, as VAE Decode does", len(streams))
+    if not isinstance(z, torch.Tensor):
+        raise NodeInputError(node, f"samples['samples'] must be a tensor, got {type(z).__name__}")
+    if z.is_nested:
+        raise NodeInputError(node, "samples['samples'] is a torch nested (jagged) tensor; decode a regular LATENT")
+    return z, label
 
 
 def oom_exceptions() -> tuple[type[BaseException], ...]:
@@ -412,13 +437,6 @@ def budget_inputs() -> list[Any]:
 def report_output(tooltip: str) -> Any:
     """The decode nodes' STRING ``report`` output."""
     return io.String.Output("report", display_name="report", tooltip=tooltip)
-
-
-def flag_overrun(result: Any, logger: logging.Logger) -> Any:
-    """Flag (report row + warning) a decode ``result`` whose measured peak exceeded its budget."""
-    flag_measured_overrun(result.report, result.measured_peak, result.measure_method,
-                          int(result.budget.available), logger)
-    return result
 
 
 def decode_output(result: Any, logger: logging.Logger) -> io.NodeOutput:

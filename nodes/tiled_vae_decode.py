@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from comfy_api.v0_0_2 import io
 
 from ..memory import image_decode as idm
@@ -46,21 +45,7 @@ def _error(message: str) -> _comfy.NodeInputError:
 
 
 def _validate(vae: Any, samples: Any, tile_size: int, halo: int) -> idm.ImageJob:
-    if vae is None or getattr(vae, "first_stage_model", None) is None:
-        raise _error("the VAE is invalid (None); if it comes from a checkpoint loader, the checkpoint has no VAE")
-    if not isinstance(samples, dict):
-        raise _error(f"samples must be a LATENT (a dict with a 'samples' tensor), got {type(samples).__name__}")
-    z, label = samples.get("samples"), "latent"
-    if getattr(z, "is_nested", False) and not isinstance(z, torch.Tensor):
-        # ComfyUI >= 0.33 NestedTensor (e.g. video + audio of LTX-2): decode the first stream, as core
-        # VAE Decode does; the other streams belong to other VAEs
-        streams = list(z.unbind())
-        z, label = (streams[0] if streams else None), f"first stream of a nested latent ({len(streams)} streams)"
-        log.info("nested latent: decoding its first stream of %d, as VAE Decode does", len(streams))
-    if not isinstance(z, torch.Tensor):
-        raise _error(f"samples['samples'] must be a tensor, got {type(z).__name__}")
-    if z.is_nested:
-        raise _error("samples['samples'] is a torch nested (jagged) tensor; decode a regular LATENT")
+    z, label = _comfy.latent_tensor(REPORT_NODE, vae, samples, "first stream")
     shape = tuple(z.shape)
     video_hint = "use the Temporal-Chunk Video Decode (VRAM Fit) node for video latents"
     if z.ndim == 5:
@@ -126,7 +111,7 @@ def decode(
                                   budget_mb=int(budget_mb), unload_others=bool(unload_others), t_start=t_plan)
     except ImpossibleBudgetError as e:
         raise _error(str(e)) from e
-    return _comfy.flag_overrun(result, log)
+    return result
 
 
 # --------------------------------------------------------------------------------------------------

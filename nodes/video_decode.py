@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from comfy_api.v0_0_2 import io
 
 from ..memory import self_check
@@ -44,21 +43,7 @@ def _error(message: str) -> _comfy.NodeInputError:
 
 
 def _validate(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int) -> vd.VideoJob:
-    if vae is None or getattr(vae, "first_stage_model", None) is None:
-        raise _error("the VAE is invalid (None); if it comes from a checkpoint loader, the checkpoint has no VAE")
-    if not isinstance(samples, dict):
-        raise _error(f"samples must be a LATENT (a dict with a 'samples' tensor), got {type(samples).__name__}")
-    z, label = samples.get("samples"), "latent"
-    if getattr(z, "is_nested", False) and not isinstance(z, torch.Tensor):
-        # ComfyUI >= 0.33 NestedTensor (video + audio of LTX-2, MiniMax H3): decode the video stream, as core
-        # VAE Decode does; the audio stream is decoded by the audio VAE
-        streams = list(z.unbind())
-        z, label = (streams[0] if streams else None), f"video stream of a nested latent ({len(streams)} streams)"
-        log.info("nested latent: decoding its first stream of %d, as VAE Decode does", len(streams))
-    if not isinstance(z, torch.Tensor):
-        raise _error(f"samples['samples'] must be a tensor, got {type(z).__name__}")
-    if z.is_nested:
-        raise _error("samples['samples'] is a torch nested (jagged) tensor; decode a regular LATENT")
+    z, label = _comfy.latent_tensor(REPORT_NODE, vae, samples, "video stream")
     shape = tuple(z.shape)
     hint = "use Tiled VAE Decode (VRAM Fit) for image latents"
     if z.ndim == 4:
@@ -126,7 +111,7 @@ def decode(
                                  unload_others=bool(unload_others), t_start=t_plan)
     except ImpossibleBudgetError as e:
         raise _error(str(e)) from e
-    return _comfy.flag_overrun(result, log)
+    return result
 
 
 # --------------------------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ def test_a_decode_over_its_budget_is_flagged_one_within_is_not() -> None:
         over = _decode(tile_size=16, budget_mb=budget_mb)
         within = _decode(budget_mb=1024)
     assert over.plan.over_budget and over.measured_peak > over.budget.available
+    assert OVER_BUDGET_ROW in dict(over.report.rows)  # the engine's own report flags it
     assert flag_measured_overrun(over.report, over.measured_peak, over.measure_method, over.budget.available)
     assert "live tensor bytes" in dict(over.report.rows)[OVER_BUDGET_ROW]
     assert within.measured_peak <= within.budget.available
