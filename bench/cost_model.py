@@ -2,7 +2,7 @@
 
 For each family (fixture VAEs with the real ComfyUI architectures, loaded through ``comfy.sd.VAE``):
 
-1. **meta calibration** (``memory.calibration.calibrate_vae``): the decoder runs on fake tensors over
+1. **meta calibration** (``memory.cost.calibration.calibrate_vae``): the decoder runs on fake tensors over
    ``fit_grid`` (64 px to 1.5-3 Kpx), no compute; one model per dtype (float32, bfloat16, float16);
 2. **real sweep** (float32 on this CPU, the dtype ComfyUI uses on CPU): decodes at sizes *not* in
    the fit grid under the dispatch tracker; for each: measured peak, the model's prediction, the
@@ -13,7 +13,7 @@ For each family (fixture VAEs with the real ComfyUI architectures, loaded throug
    the families benched becomes ``CostModel.overhead`` of every CPU model (without ``--rss``: 0).
 
 ``--write`` stores the models, with their fit points, real checks and inputs, in
-``memory/data/<family>.json`` (the shipped defaults), replacing only the models of the same key: a family
+``memory/cost/data/<family>.json`` (the shipped defaults), replacing only the models of the same key: a family
 whose memory depends on the host (``Family.host_keyed``, Wan) keeps one set of models per host variant
 (``calibration.host_variant``: run the bench on each host). Run from the repo root with the host's python::
 
@@ -83,12 +83,12 @@ def _mib(n: float) -> str:
 def bench_family(family: str, real: bool, rss: bool) -> tuple[list[Any], float | None, str]:
     """The family's models (one per dtype), the measured RSS overhead (or None) and its note."""
     import torch
-    from vramfit.memory.calibration import calibrate_vae
-    from vramfit.memory.cost_model import FitPoint
-    from vramfit.memory.families import FAMILIES, identify
+    from vramfit.memory.cost.calibration import calibrate_vae
+    from vramfit.memory.cost.phases import FitPoint
     from vramfit.memory.geometry import Geometry
-    from vramfit.memory.sizing import MetaSizer, decode_run
-    from vramfit.memory.tracker import PeakTracker, rss_supported
+    from vramfit.memory.measure.sizing import MetaSizer, decode_run
+    from vramfit.memory.measure.tracker import PeakTracker, rss_supported
+    from vramfit.memory.vae.families import FAMILIES, identify
 
     kind = KIND_OF_FAMILY[family]
     vae, path = _load_vae(kind)
@@ -203,12 +203,12 @@ def bench_family(family: str, real: bool, rss: bool) -> tuple[list[Any], float |
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="+", default=list(KIND_OF_FAMILY), choices=list(KIND_OF_FAMILY))
-    parser.add_argument("--write", action="store_true", help="write memory/data/<family>.json")
+    parser.add_argument("--write", action="store_true", help="write memory/cost/data/<family>.json")
     parser.add_argument("--rss", action="store_true", help="measure process RSS overhead (Linux)")
     parser.add_argument("--no-real", action="store_true", help="meta calibration only (no real decodes)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    for noisy in ("root", "vramfit.memory.cost_model"):
+    for noisy in ("root", "vramfit.memory.cost.phases"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if str(ROOT) not in sys.path:
         sys.path.append(str(ROOT))
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     # families not benched now (their shipped CPU models). At these small sizes the RSS of one family alone
     # is too noisy (fixed costs and allocator reuse dominate), and the planner must not under-predict the
     # process on any of them.
-    from vramfit.memory.cost_model import DATA_DIR, SCHEMA, load_models_dir
+    from vramfit.memory.cost.phases import DATA_DIR, SCHEMA, load_models_dir
 
     measured = {f: r[1] for f, r in results.items() if r[1] is not None}
     shipped = {m.key.family: m.overhead for m in load_models_dir(DATA_DIR).values()

@@ -195,7 +195,7 @@ class Host:
         self.video = importlib.import_module(pack + ".nodes.video_decode")
         self.offload = importlib.import_module(pack + ".nodes.offload_manager")
         self.bf16 = importlib.import_module(pack + ".nodes.bf16_loader")
-        self.tracker = importlib.import_module(pack + ".memory.tracker")
+        self.tracker = importlib.import_module(pack + ".memory.measure.tracker")
 
     def meta(self, part: str, size: str) -> dict[str, Any]:
         kitchen = "absent"

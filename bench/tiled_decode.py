@@ -18,7 +18,7 @@ test suite checks correctness; the numbers go to docs/BENCHMARKS.md).
     .cache/venv/bin/python bench/tiled_decode.py [--sizes 512 1024] [--threads 2] [--default] [--json out.json]
 
 ``--write-defaults`` instead (re)writes the shipped exact cost models of the SD KL decoder structure
-(``memory/data/exact/kl_cpu.json``: float32 on CPU, store / recompute; meta sizing, ~10 s), then exits.
+(``memory/cost/data/exact/kl_cpu.json``: float32 on CPU, store / recompute; meta sizing, ~10 s), then exits.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _load_kl(nodes: Any) -> Any:
 def _measure(fn: Callable[[], Any]) -> dict[str, Any]:
     from importlib import import_module
 
-    tracker_mod = import_module(_pack_name() + ".memory.tracker")
+    tracker_mod = import_module(_pack_name() + ".memory.measure.tracker")
     c0, w0 = time.process_time(), time.perf_counter()
     with torch.no_grad(), tracker_mod.PeakTracker("cpu", method="rss") as t:
         out = fn()
@@ -87,7 +87,7 @@ def _pack_name() -> str:
 def _image_decode() -> Any:
     from importlib import import_module
 
-    return import_module(_pack_name() + ".memory.image_decode")
+    return import_module(_pack_name() + ".memory.decode.image")
 
 
 def _budget_for_tile(mod: Any, vae: Any, z: torch.Tensor, tile: int) -> int:
@@ -211,7 +211,7 @@ def write_defaults(mod: Any, vae: Any) -> None:
     """Calibrate the exact cost models ComfyUI uses on CPU for the SD KL structure and ship them."""
     from importlib import import_module
 
-    dp = import_module(_pack_name() + ".memory.decode_plan")
+    dp = import_module(_pack_name() + ".memory.cost.exact")
     model = vae.first_stage_model
     models = []
     for recompute in (False, True):

@@ -58,7 +58,7 @@ NODE_ID = "VRAMFit_TemporalChunkVideoDecode"
 
 def _host() -> tuple[Any, Any, Any]:
     """ComfyUI's ``nodes`` module, the node module and the pack's tracker module (as ComfyUI imported them);
-    the node module's ``vd`` is the engine (``memory.video_decode``)."""
+    the node module's ``vd`` is the engine (``memory.decode.video``)."""
     if str(ROOT) not in sys.path:
         sys.path.append(str(ROOT))
     from scripts.host import load_comfy_in_process
@@ -67,7 +67,7 @@ def _host() -> tuple[Any, Any, Any]:
     cls = nodes.NODE_CLASS_MAPPINGS[NODE_ID]
     mod = sys.modules[cls.__module__]
     base = cls.__module__.rsplit(".nodes.", 1)[0]
-    return nodes, mod, sys.modules[f"{base}.memory.tracker"]
+    return nodes, mod, sys.modules[f"{base}.memory.measure.tracker"]
 
 
 def _measure(tracker_mod: Any, fn: Callable[[], Any]) -> dict:
@@ -171,8 +171,8 @@ def meta_rows(nodes: Any, mod: Any, vae: Any, spec: str) -> list[dict]:
     from comfy.ldm.modules.diffusionmodules.model import pytorch_attention
 
     base = mod.__name__.rsplit(".nodes.", 1)[0]
-    sizing = sys.modules[f"{base}.memory.sizing"]
-    vc = sys.modules[f"{base}.memory.video_chunked"]
+    sizing = sys.modules[f"{base}.memory.measure.sizing"]
+    vc = sys.modules[f"{base}.memory.executors.wan"]
     W, H, F = (int(v) for v in spec.lower().split("x"))
     m = vae.first_stage_model
     lay = vc.wan_layout(m)

@@ -24,7 +24,7 @@ import torch
 from comfy_api.v0_0_2 import io, ui
 
 from ..memory.budget import Budget, compute_budget, weights_to_load
-from ..memory.cost_model import CostModelStore
+from ..memory.cost.phases import CostModelStore
 from ..memory.offload import (
     DeviceResidency,
     OffloadReport,
@@ -355,7 +355,7 @@ def exact_cost_store() -> Any:
     """Process-wide cache of exact-executor cost models (JSON in ComfyUI's user folder when writable)."""
     global _EXACT_STORE
     if _EXACT_STORE is None:
-        from ..memory.decode_plan import ExactCostStore
+        from ..memory.cost.exact import ExactCostStore
 
         _EXACT_STORE = ExactCostStore(user_cache_file("exact_cost_models.json", "exact cost-model"))
     return _EXACT_STORE

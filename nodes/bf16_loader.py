@@ -25,7 +25,7 @@ import folder_paths
 import torch
 from comfy_api.v0_0_2 import io, ui
 
-from ..memory.monitor import module_weight_bytes
+from ..memory.measure.monitor import module_weight_bytes
 from ..memory.report import Report, fmt_bytes
 from ._comfy import CATEGORY, NodeInputError, blocked, oom_exceptions
 

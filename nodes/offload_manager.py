@@ -24,7 +24,7 @@ import comfy.model_management as mm
 import torch
 from comfy_api.v0_0_2 import io, ui
 
-from ..memory.monitor import module_weight_bytes, process_rss
+from ..memory.measure.monitor import module_weight_bytes, process_rss
 from ..memory.offload import accepts_keyword, offload_for_decode, residency
 from ..memory.report import Report, fmt_bytes, fmt_seconds
 from ._comfy import (

@@ -2,7 +2,7 @@
 
 This file is the ComfyUI adapter: the schema, input validation and the wiring of ComfyUI's callables
 (cancel, cache flush, OOM type, progress bar, free memory, offload, weight loading, cost-model caches,
-bounded mid-block attention, GroupNorm weight casting) into ``memory.image_decode.decode_image``, which
+bounded mid-block attention, GroupNorm weight casting) into ``memory.decode.image.decode_image``, which
 chooses the path (untiled / exact tiles / approximate tiles), plans, re-plans after out-of-memory
 errors, decodes the batch and writes the report (see its docstring and docs/TILED_DECODE.md).
 """
@@ -16,9 +16,9 @@ from typing import Any
 
 from comfy_api.v0_0_2 import io
 
-from ..memory import image_decode as idm
-from ..memory import self_check
-from ..memory.planner import ImpossibleBudgetError
+from ..memory.decode import image as idm
+from ..memory.decode import self_check
+from ..memory.plan.grid import ImpossibleBudgetError
 from . import _comfy
 
 log = logging.getLogger("vramfit.nodes.tiled_vae_decode")

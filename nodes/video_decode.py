@@ -2,7 +2,7 @@
 
 This file is the ComfyUI adapter: the schema, input validation and the wiring of ComfyUI's callables
 (cancel, cache flush, OOM type, progress bar, free memory, offload, weight loading, the persisted peak
-cache under ComfyUI's user folder) into ``memory.video_decode.decode_video``, which plans (Wan: exact
+cache under ComfyUI's user folder) into ``memory.decode.video.decode_video``, which plans (Wan: exact
 chunked + tile-major decode, meta-sized peaks), decodes and writes the report; other video VAEs take the
 approximate overlap-blend path (see its docstring and docs/VIDEO_DECODE.md).
 """
@@ -16,9 +16,9 @@ from typing import Any
 
 from comfy_api.v0_0_2 import io
 
-from ..memory import self_check
-from ..memory import video_decode as vd
-from ..memory.planner import ImpossibleBudgetError
+from ..memory.decode import self_check
+from ..memory.decode import video as vd
+from ..memory.plan.grid import ImpossibleBudgetError
 from . import _comfy
 
 log = logging.getLogger("vramfit.nodes.video_decode")

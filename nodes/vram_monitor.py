@@ -3,7 +3,7 @@
 Every monitor of a prompt adds one sample (allocated, reserved, free, total, peak since the previous
 monitor, process RSS, ComfyUI's loaded weights) to that prompt's timeline; each outputs the report of
 the timeline so far (the shared VRAM Fit report format, also sent to the UI and ``/history``) and a
-plot of it as an ``IMAGE``. Measurement semantics: ``memory/monitor.py`` and ``docs/NODES_UTILITY.md``.
+plot of it as an ``IMAGE``. Measurement semantics: ``memory/measure/monitor.py`` and ``docs/NODES_UTILITY.md``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from comfy_api.v0_0_2 import io, ui
 
-from ..memory.monitor import DynamicVram, MemorySampler, TimelineRegistry, render_timeline
+from ..memory.measure.monitor import DynamicVram, MemorySampler, TimelineRegistry, render_timeline
 from ._comfy import (
     CATEGORY,
     aimdo_vbar_bytes,

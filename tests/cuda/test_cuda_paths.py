@@ -58,11 +58,11 @@ def _raises(fn, exc: type[BaseException]) -> bool:
 
 
 def _tolerance(pack_memory, dtype: torch.dtype) -> float:
-    return pack_memory("self_check").tolerance(dtype)
+    return pack_memory("decode.self_check").tolerance(dtype)
 
 
 def test_tracker_matches_allocator(device, pack_memory, record_property):
-    tracker = pack_memory("tracker")
+    tracker = pack_memory("measure.tracker")
     n = 64 * MiB
     with tracker.PeakTracker(device) as t:
         a = torch.empty(n // 4, device=device)
@@ -90,7 +90,7 @@ def test_tracker_matches_allocator(device, pack_memory, record_property):
 
 @pytest.mark.parametrize("store", ["device", "host"])
 def test_exact_store_placement_matches_core(device, suite_kl, pack_memory, store, record_property):
-    te = pack_memory("tiled_exact")
+    te = pack_memory("executors.kl_exact")
     vae = suite_kl
     import comfy.model_management as mm
 
@@ -150,7 +150,7 @@ def test_cancel_mid_decode_returns_memory(device, suite_kl, tiled, pack_memory, 
 
     tiled._FAULT_HOOK = hook
     try:
-        with pack_memory("tracker").PeakTracker(device) as t:
+        with pack_memory("measure.tracker").PeakTracker(device) as t:
             cancelled = _raises(lambda: tiled.decode(suite_kl, {"samples": z}, tile_size=TILE),
                                 mm.InterruptProcessingException)
             gc.collect()
@@ -170,7 +170,7 @@ def test_repeated_decodes_do_not_leak(device, suite_kl, tiled, pack_memory, reco
     z = _latent(17, px=64 if SMALL else 512)
     tiled.decode(suite_kl, {"samples": z}, tile_size=TILE)
     base = _allocated(device)
-    tracker = pack_memory("tracker")
+    tracker = pack_memory("measure.tracker")
     with tracker.PeakTracker(device) as t:
         for _ in range(REPEATS):
             tiled.decode(suite_kl, {"samples": z}, tile_size=TILE)

@@ -1,4 +1,4 @@
-"""The self-check guard of both exact executors (``memory/self_check.py``) on the in-process host.
+"""The self-check guard of both exact executors (``memory/decode/self_check.py``) on the in-process host.
 
 * A deliberately mismatched decoder (a copy of a model with one layer's behaviour altered) is caught at first
   use and the decode is reported APPROXIMATE with the reason (the verdict); for Wan the auto plan falls back
@@ -141,9 +141,9 @@ def test_kl_mismatched_decoder_is_caught_and_reported_approximate(comfy, fixture
 def test_check_of_a_fixture_vae_is_cheap_and_persisted(comfy, fixture_vaes, kind, tmp_path):
     """The real-size fixture decoders pass; the time is logged (docs/VIDEO_DECODE.md, TILED_DECODE.md); a
     second lookup (a new store on the same file, as in the next ComfyUI session) runs nothing."""
-    from vramfit.memory import image_decode as idm
-    from vramfit.memory import self_check as sc
-    from vramfit.memory import video_decode as vd
+    from vramfit.memory.decode import image as idm
+    from vramfit.memory.decode import self_check as sc
+    from vramfit.memory.decode import video as vd
 
     vae = comfy.VAELoader().load_vae(fixture_vaes[kind])[0]
     path = tmp_path / "checks.json"

@@ -10,9 +10,9 @@ import types
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from vramfit.memory.families import identify
 from vramfit.memory.geometry import Geometry
-from vramfit.memory.sizing import MetaSizer, decode_run
+from vramfit.memory.measure.sizing import MetaSizer, decode_run
+from vramfit.memory.vae.families import identify
 
 from scripts.fixtures import _KL_DDCONFIG
 

@@ -37,7 +37,7 @@ PARAMETER_MODULES = {"mm": "comfy.model_management"}
 # Methods of objects ComfyUI hands the pack, by class: qualified name -> (positional args, keyword names)
 # of the pack's call (the instance not counted).
 HANDED_OBJECT_CALLS: dict[str, tuple[int, tuple[str, ...]]] = {
-    "comfy.sd.VAE.decode": (1, ()),  # memory/image_decode.py: vae.decode(z)
+    "comfy.sd.VAE.decode": (1, ()),  # memory/decode/image.py: vae.decode(z)
     "comfy.sd.VAE.throw_exception_if_invalid": (0, ()),  # nodes/*: _validate
     "comfy.sd.VAE.model_size": (0, ()),  # nodes/bf16_loader.py
     "comfy.model_patcher.ModelPatcher.model_size": (0, ()),  # nodes/_comfy.py, memory/offload.py

@@ -13,12 +13,12 @@ import logging
 
 import pytest
 import torch
-from vramfit.memory.calibration import real_grid, vae_key
-from vramfit.memory.cost_model import CostModelStore, calibrate
-from vramfit.memory.families import FAMILIES, identify
+from vramfit.memory.cost.calibration import real_grid, vae_key
+from vramfit.memory.cost.phases import CostModelStore, calibrate
 from vramfit.memory.geometry import Geometry
-from vramfit.memory.sizing import MetaSizer, decode_run, latent_shape
-from vramfit.memory.tracker import PeakTracker, tracker_factory
+from vramfit.memory.measure.sizing import MetaSizer, decode_run, latent_shape
+from vramfit.memory.measure.tracker import PeakTracker, tracker_factory
+from vramfit.memory.vae.families import FAMILIES, identify
 
 from scripts.fixtures import structured_latent
 

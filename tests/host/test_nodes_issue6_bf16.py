@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 import torch
-from vramfit.memory.monitor import module_weight_bytes
+from vramfit.memory.measure.monitor import module_weight_bytes
 from vramfit.memory.report import Report
 
 pytestmark = pytest.mark.host

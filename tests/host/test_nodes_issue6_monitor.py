@@ -11,9 +11,9 @@ import uuid
 import numpy as np
 import pytest
 import torch
-from vramfit.memory.monitor import process_rss, rss_peak_supported
+from vramfit.memory.measure.monitor import process_rss, rss_peak_supported
+from vramfit.memory.measure.tracker import PeakTracker
 from vramfit.memory.report import Report
-from vramfit.memory.tracker import PeakTracker
 
 from scripts.host import clone_node
 

@@ -9,8 +9,8 @@ import uuid
 
 import pytest
 import torch
+from vramfit.memory.measure.tracker import PeakTracker
 from vramfit.memory.report import Report
-from vramfit.memory.tracker import PeakTracker
 
 from scripts.host import prompt_executor
 

@@ -16,9 +16,9 @@ import logging
 
 import pytest
 import torch
-from vramfit.memory import decode_plan as dp
-from vramfit.memory import reach as rc
-from vramfit.memory import tiled_exact as te
+from vramfit.memory.cost import exact as dp
+from vramfit.memory.executors import kl_exact as te
+from vramfit.memory.measure import reach as rc
 
 from scripts.fixtures import structured_latent
 from tests.helpers import exact_tile_borders, psnr, seam_ratio
@@ -56,7 +56,7 @@ def test_fixture_is_supported(kl_vae):
 
 
 def test_shipped_exact_cost_models_match_this_executor(kl_vae):
-    """The shipped models (memory/data/exact/kl_cpu.json) are keyed by a digest of tiled_exact.py: after
+    """The shipped models (memory/cost/data/exact/kl_cpu.json) are keyed by a digest of tiled_exact.py: after
     any change to it they must be regenerated (``bench/tiled_decode.py --write-defaults``), else every
     first decode calibrates (seconds) and the default test run plans with fresh calibrations."""
     shipped = dp.ExactCostStore(None)  # the shipped defaults only

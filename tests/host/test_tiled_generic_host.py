@@ -17,7 +17,7 @@ import logging
 
 import pytest
 import torch
-from vramfit.memory import tiled_generic as tg
+from vramfit.memory.executors import generic as tg
 
 from scripts.fixtures import structured_latent
 from tests.helpers import psnr, seam_ratio

@@ -29,7 +29,7 @@ import time
 
 import pytest
 import torch
-from vramfit.memory import video_chunked as vc
+from vramfit.memory.executors import wan as vc
 
 from scripts.host import core_decode_tiled
 from tests.video_refs import HUNYUAN, WAN21, WAN22, reference

@@ -20,8 +20,8 @@ import math
 
 import pytest
 import torch
-from vramfit.memory import video_chunked as vc
-from vramfit.memory.reach import impulse_extent
+from vramfit.memory.executors import wan as vc
+from vramfit.memory.measure.reach import impulse_extent
 
 from tests.video_refs import tiny_wan
 
@@ -228,7 +228,7 @@ def test_cache_modes_in_place_and_host_store(case21):
 def test_tile_major_peak_scales_with_the_tile(host_config):
     """Only one tile's caches are alive at a time: on a 16x16 latent, 4x4 tiles (halo 3) peak well below
     the whole-frame decode (live tensor bytes; measured 12.2 vs 34.0 MiB: 0.36x), at the same output."""
-    from vramfit.memory.tracker import PeakTracker
+    from vramfit.memory.measure.tracker import PeakTracker
 
     from scripts.host import import_comfy
 
@@ -400,20 +400,20 @@ def test_blend_equals_comfy_tiled_scale_multidim_along_time(host_config):
 
 
 # --------------------------------------------------------------------------------------------------
-# Planner (memory.video_decode): sizing shortcuts are exact, peaks persist
+# Planner (memory.decode.video): sizing shortcuts are exact, peaks persist
 
 
 def _job(model, z):
     import types
 
-    from vramfit.memory import video_decode as vd
+    from vramfit.memory.decode import video as vd
 
     vae = types.SimpleNamespace(first_stage_model=model, vae_dtype=torch.float32, device="cpu")
     return vd.make_job(vae, z, "cpu")
 
 
 def _meta_peak(model, z, tile, **kw) -> int:
-    from vramfit.memory.sizing import MetaSizer
+    from vramfit.memory.measure.sizing import MetaSizer
 
     with MetaSizer([model], torch.float32, "cpu") as sz:
         zf = torch.empty(z.shape)
@@ -433,7 +433,7 @@ def test_sizing_on_the_peak_tiles_gives_the_full_peak(tiny, tile, split, rollbac
 
 
 def test_lower_bound_is_below_every_sized_peak(case21):
-    from vramfit.memory import video_decode as vd
+    from vramfit.memory.decode import video as vd
 
     _, model, _, _ = case21
     job = _job(model, _z((1, 4, 3, 6, 6)))
@@ -450,7 +450,7 @@ def test_lower_bound_is_below_every_sized_peak(case21):
 def test_planner_persists_sized_peaks_and_a_new_key_resizes(case21, tmp_path, monkeypatch):
     """A second plan (a new store read from the file the first wrote) sizes nothing and gives the same plan;
     another executor version (the key) sizes again. The tight budget makes the planner tile."""
-    from vramfit.memory import video_decode as vd
+    from vramfit.memory.decode import video as vd
 
     _, model, _, _ = case21
     job = _job(model, _z((1, 4, 3, 8, 8)))
@@ -485,8 +485,8 @@ def test_planner_prediction_equals_the_tracked_tile_major_peak(case21, rollback)
     """The planner's sized peak of a tile-major candidate (peak tiles only, fake tensors) equals the live
     tensor bytes a real run of every tile counts (latent and output allocated inside, as when sized), to
     the byte."""
-    from vramfit.memory import video_decode as vd
-    from vramfit.memory.tracker import PeakTracker
+    from vramfit.memory.decode import video as vd
+    from vramfit.memory.measure.tracker import PeakTracker
 
     _, model, _, _ = case21
     z = _z((1, 4, 3, 7, 9), seed=3)

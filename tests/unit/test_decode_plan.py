@@ -1,4 +1,4 @@
-"""``memory/decode_plan.py``: the exact executor's cost model (decomposed meta sizing) and the plan choice.
+"""``memory/cost/exact.py``: the exact executor's cost model (decomposed meta sizing) and the plan choice.
 
 On the tiny pure-torch KL decoder of ``test_tiled_exact.py`` (no ComfyUI). Thresholds: predictions
 within 2 % of the tensor-level peak of the executor itself (meta-sized and real; measured < 1 %);
@@ -11,11 +11,11 @@ import json
 
 import pytest
 import torch
-from vramfit.memory import decode_plan as dp
-from vramfit.memory import tiled_exact as te
-from vramfit.memory.planner import ImpossibleBudgetError
-from vramfit.memory.sizing import MetaSizer
-from vramfit.memory.tracker import PeakTracker
+from vramfit.memory.cost import exact as dp
+from vramfit.memory.executors import kl_exact as te
+from vramfit.memory.measure.sizing import MetaSizer
+from vramfit.memory.measure.tracker import PeakTracker
+from vramfit.memory.plan.grid import ImpossibleBudgetError
 
 from tests.unit.test_tiled_exact import _latent, _model
 

@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 from vramfit.memory.budget import MiB, compute_budget
-from vramfit.memory.monitor import (
+from vramfit.memory.measure.monitor import (
     OPTIONAL_SERIES,
     DynamicVram,
     MemorySample,

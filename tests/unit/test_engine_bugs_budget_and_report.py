@@ -12,8 +12,8 @@ import logging
 
 import pytest
 import torch
-from vramfit.memory import image_decode as idm
 from vramfit.memory.budget import compute_budget
+from vramfit.memory.decode import image as idm
 from vramfit.memory.report import OVER_BUDGET_ROW, Report, flag_measured_overrun
 
 from tests.unit.test_image_decode import TinyVAE, _stores

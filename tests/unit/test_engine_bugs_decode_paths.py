@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vramfit.memory import decode_plan as dp
-from vramfit.memory import image_decode as idm
-from vramfit.memory import tiled_exact as te
-from vramfit.memory import tiled_generic as tg
-from vramfit.memory import video_chunked as vc
-from vramfit.memory import video_decode as vd
+from vramfit.memory.cost import exact as dp
+from vramfit.memory.decode import image as idm
+from vramfit.memory.decode import video as vd
+from vramfit.memory.executors import generic as tg
+from vramfit.memory.executors import kl_exact as te
+from vramfit.memory.executors import wan as vc
 from vramfit.memory.report import fmt_bytes
 
 from tests.unit.test_image_decode import TinyVAE, _stores

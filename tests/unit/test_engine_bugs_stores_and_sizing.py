@@ -13,13 +13,13 @@ import types
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from vramfit.memory.cost_model import CostModel, CostModelStore, ModelKey, Phase
-from vramfit.memory.families import identify
+from vramfit.memory.cost.phases import CostModel, CostModelStore, ModelKey, Phase
 from vramfit.memory.geometry import Geometry
-from vramfit.memory.monitor import module_weight_bytes
-from vramfit.memory.oom_resume import OomResume
-from vramfit.memory.sizing import MetaSizer, decode_run
-from vramfit.memory.tracker import PeakTracker
+from vramfit.memory.measure.monitor import module_weight_bytes
+from vramfit.memory.measure.sizing import MetaSizer, decode_run
+from vramfit.memory.measure.tracker import PeakTracker
+from vramfit.memory.oom import OomResume
+from vramfit.memory.vae.families import identify
 
 KEY = ModelKey("toy", "full", "float32", "cpu")
 
@@ -54,7 +54,7 @@ def _model(key: ModelKey = KEY) -> CostModel:
 def test_corrupt_cache_file_is_ignored_with_a_warning(tmp_path, caplog, text) -> None:
     cache = tmp_path / "costs.json"
     cache.write_text(text)
-    with caplog.at_level(logging.WARNING, logger="vramfit.memory.cost_model"):
+    with caplog.at_level(logging.WARNING, logger="vramfit.memory.cost.phases"):
         store = CostModelStore(cache, defaults_dir=None)
     assert store.keys() == [] and "ignoring unreadable cost-model cache" in caplog.text
     store.put(_model())  # a new calibration replaces the broken file
@@ -69,7 +69,7 @@ def test_unreadable_cache_file_is_ignored(tmp_path, monkeypatch, caplog) -> None
         raise PermissionError(13, "Permission denied", str(self))
 
     monkeypatch.setattr(pathlib.Path, "read_text", fail)
-    with caplog.at_level(logging.WARNING, logger="vramfit.memory.cost_model"):
+    with caplog.at_level(logging.WARNING, logger="vramfit.memory.cost.phases"):
         store = CostModelStore(cache, defaults_dir=None)
     assert store.get(KEY) is None and "Permission denied" in caplog.text
 
@@ -79,7 +79,7 @@ def test_unwritable_cache_keeps_the_calibration_in_memory(tmp_path, caplog) -> N
     blocker.write_text("")
     store = CostModelStore(blocker / "costs.json", defaults_dir=None)  # its folder cannot be created
     calls = []
-    with caplog.at_level(logging.WARNING, logger="vramfit.memory.cost_model"):
+    with caplog.at_level(logging.WARNING, logger="vramfit.memory.cost.phases"):
         got = store.get_or_calibrate(KEY, lambda: calls.append(1) or _model())
     assert got == _model() and store.get(KEY) == _model()
     assert "could not write the cost-model cache" in caplog.text

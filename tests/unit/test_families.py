@@ -5,8 +5,8 @@ from __future__ import annotations
 import types
 
 import torch
-from vramfit.memory.calibration import vae_key
-from vramfit.memory.families import identify, model_key_name, model_name
+from vramfit.memory.cost.calibration import vae_key
+from vramfit.memory.vae.families import identify, model_key_name, model_name
 
 
 class _Decoder(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""Image-decode orchestration (``memory/image_decode.py``) without ComfyUI: path choice, OOM re-plans and
+"""Image-decode orchestration (``memory/decode/image.py``) without ComfyUI: path choice, OOM re-plans and
 resume, cancel, progress, on a duck-typed VAE around the tiny pure-torch KL decoder of
 ``test_tiled_exact.py``.
 
@@ -13,10 +13,10 @@ import dataclasses
 
 import pytest
 import torch
-from vramfit.memory import decode_plan as dp
-from vramfit.memory import image_decode as idm
-from vramfit.memory.cost_model import CostModelStore
-from vramfit.memory.planner import ImpossibleBudgetError
+from vramfit.memory.cost import exact as dp
+from vramfit.memory.cost.phases import CostModelStore
+from vramfit.memory.decode import image as idm
+from vramfit.memory.plan.grid import ImpossibleBudgetError
 
 from tests.unit.test_tiled_exact import _latent, _model
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vramfit.memory.cost_model import (
+from vramfit.memory.cost.phases import (
     CostModel,
     CostModelStore,
     FitPoint,
@@ -21,9 +21,9 @@ from vramfit.memory.cost_model import (
     fit_phases,
     nnls,
 )
-from vramfit.memory.families import FAMILIES
 from vramfit.memory.geometry import Geometry
-from vramfit.memory.tracker import tracker_factory
+from vramfit.memory.measure.tracker import tracker_factory
+from vramfit.memory.vae.families import FAMILIES
 
 KEY = ModelKey("toy", "full", "float32", "cpu")
 

@@ -7,9 +7,9 @@ import itertools
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from vramfit.memory.cost_model import CostModel, ModelKey, Phase
+from vramfit.memory.cost.phases import CostModel, ModelKey, Phase
 from vramfit.memory.geometry import FEATURES, Geometry, VaeGeometry
-from vramfit.memory.planner import ImpossibleBudgetError, Plan, compute_overhead, plan_decode
+from vramfit.memory.plan.grid import ImpossibleBudgetError, Plan, compute_overhead, plan_decode
 
 FAMILIES = {
     "kl": VaeGeometry("kl", 8, 1, halo=8),

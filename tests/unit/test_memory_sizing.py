@@ -7,12 +7,12 @@ import types
 
 import pytest
 import torch
-from vramfit.memory.calibration import calibrate_vae, cost_model_for, fit_grid, real_grid, vae_key
-from vramfit.memory.cost_model import CostModelStore
-from vramfit.memory.families import FAMILIES, identify, model_name, vae_geometry
+from vramfit.memory.cost.calibration import calibrate_vae, cost_model_for, fit_grid, real_grid, vae_key
+from vramfit.memory.cost.phases import CostModelStore
 from vramfit.memory.geometry import Geometry, VaeGeometry
-from vramfit.memory.sizing import MetaSizer, decode_run, latent_shape
-from vramfit.memory.tracker import PeakTracker
+from vramfit.memory.measure.sizing import MetaSizer, decode_run, latent_shape
+from vramfit.memory.measure.tracker import PeakTracker
+from vramfit.memory.vae.families import FAMILIES, identify, model_name, vae_geometry
 
 
 class ToyDecoder(torch.nn.Module):

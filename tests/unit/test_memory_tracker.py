@@ -7,7 +7,7 @@ import mmap
 
 import pytest
 import torch
-from vramfit.memory.tracker import PeakTracker, measure_peak, rss_supported, tracker_factory
+from vramfit.memory.measure.tracker import PeakTracker, measure_peak, rss_supported, tracker_factory
 
 F32 = 4
 

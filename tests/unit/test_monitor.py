@@ -1,4 +1,4 @@
-"""memory/monitor.py: tensor byte counts, samples (CPU for real, CUDA through a fake allocator), timelines, plot."""
+"""memory/measure/monitor.py: tensor byte counts, samples (CPU for real, CUDA through a fake allocator), timelines, plot."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import gc
 
 import pytest
 import torch
-from vramfit.memory.monitor import (
+from vramfit.memory.measure.monitor import (
     SERIES,
     MemorySample,
     MemorySampler,
@@ -20,8 +20,8 @@ from vramfit.memory.monitor import (
     rss_peak_supported,
     tensors_storage_bytes,
 )
+from vramfit.memory.measure.tracker import PeakTracker
 from vramfit.memory.report import Report
-from vramfit.memory.tracker import PeakTracker
 
 MiB = 2**20
 

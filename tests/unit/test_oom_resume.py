@@ -1,4 +1,4 @@
-"""The shared out-of-memory resume driver (``memory/oom_resume.py``)."""
+"""The shared out-of-memory resume driver (``memory/oom.py``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 import weakref
 
 import pytest
-from vramfit.memory.oom_resume import OomEvent, OomResume
+from vramfit.memory.oom import OomEvent, OomResume
 
 
 class FakeOOM(RuntimeError):

@@ -1,4 +1,4 @@
-"""The self-check mechanism (``memory/self_check.py``) without ComfyUI: verdicts, tolerance, storage, and the
+"""The self-check mechanism (``memory/decode/self_check.py``) without ComfyUI: verdicts, tolerance, storage, and the
 code fingerprint that keys them. Host tests with real decoders: ``tests/host/test_decoder_self_check.py``."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from vramfit.memory import self_check as sc
+from vramfit.memory.decode import self_check as sc
 
 
 def _calls(values: list[torch.Tensor]):

@@ -1,4 +1,4 @@
-"""Exact layer-synchronous tiled decode (``memory/tiled_exact.py``) on a tiny pure-torch KL decoder.
+"""Exact layer-synchronous tiled decode (``memory/executors/kl_exact.py``) on a tiny pure-torch KL decoder.
 
 The decoder below mirrors ComfyUI's ``comfy.ldm.modules.diffusionmodules.model.Decoder`` (same module
 names, same forward) with few channels, so these tests run in seconds without ComfyUI. The real
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from vramfit.memory import tiled_exact as te
+from vramfit.memory.executors import kl_exact as te
 
 # Tiny tensors: one intra-op thread (with 2 on a loaded 2-core machine, OpenMP spinning made this module
 # ~10x slower: 55 s vs 6 s measured).
@@ -280,7 +280,7 @@ def test_band_freeing_halves_the_store(kl):
     """Tiles run row by row and a segment's input rows are released as soon as no remaining tile reads
     them (and no later segment needs them): the store peaks near max(in, out) + one band instead of
     in + out. Tracked live bytes at every unit start of a real decode (96 x 96 px, 12 rows of tiles)."""
-    from vramfit.memory.tracker import PeakTracker
+    from vramfit.memory.measure.tracker import PeakTracker
 
     z = _latent((1, 4, 24, 24), seed=4)
     with torch.no_grad():
@@ -523,11 +523,11 @@ def test_estimate_is_consistent_with_plan(kl):
 
 
 # --------------------------------------------------------------------------------------------------
-# Reach of the KL structure (memory/reach.py)
+# Reach of the KL structure (memory/measure/reach.py)
 
 
 def test_structural_and_traced_reach_agree(kl):
-    from vramfit.memory import reach as rc
+    from vramfit.memory.measure import reach as rc
 
     s = rc.structural_reach(kl)
     # ch_mult (1, 2, 4), 2 resnet blocks per level: 4 + 1/2 + 4/2 + 1/4 + 4/4 + conv_out 1/4 = 8.
@@ -547,7 +547,7 @@ def test_structural_and_traced_reach_agree(kl):
 def test_up_path_impulse_response_matches_structural_reach(kl):
     """Perturb one pixel of the mid block's output; with GroupNorm statistics frozen, the image changes
     exactly within the structural reach of the up path."""
-    from vramfit.memory import reach as rc
+    from vramfit.memory.measure import reach as rc
 
     z = _latent((1, 4, 21, 21), seed=11)
     pos = (10, 10)

@@ -1,11 +1,11 @@
-"""Generic single-pass tiled decode (``memory/tiled_generic.py``) and convolutional reach (``memory/reach.py``).
+"""Generic single-pass tiled decode (``memory/executors/generic.py``) and convolutional reach (``memory/measure/reach.py``).
 
 Exactness of the tile assembly is checked with *local* decoders, for which tiling with a halo of at
 least the reach must reproduce the whole-image decode:
 
 * a pointwise decoder (1x1 conv + nearest x8): any halo, bit-identical (``torch.equal``);
 * a conv stack (3x3 convs at latent res, nearest x4, 3x3 convs at 4x res) whose reach
-  ``memory/reach.py`` computes: halo = ceil(reach) gives max abs diff <= 1e-5 (float32 conv noise);
+  ``memory/measure/reach.py`` computes: halo = ceil(reach) gives max abs diff <= 1e-5 (float32 conv noise);
   halo = ceil(reach) - 1 must differ by > 1e-3 somewhere (the reach is tight).
 
 The KL VAE through this path (GroupNorm + attention, hence approximate) is measured in
@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from vramfit.memory import reach as rc
-from vramfit.memory import tiled_generic as tg
+from vramfit.memory.executors import generic as tg
+from vramfit.memory.measure import reach as rc
 
 
 @pytest.fixture(scope="module", autouse=True)

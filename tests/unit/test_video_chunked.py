@@ -1,4 +1,4 @@
-"""Temporal-chunk video decode (``memory/video_chunked.py``): the pure parts, without ComfyUI.
+"""Temporal-chunk video decode (``memory/executors/wan.py``): the pure parts, without ComfyUI.
 
 * chunk / tile / overlap geometry (partitions, halos, ComfyUI's temporal tile positions);
 * Wan 2.2's unpatchify reshape against the ``einops`` pattern ComfyUI uses;
@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vramfit.memory import video_chunked as vc
+from vramfit.memory.executors import wan as vc
 
 UP4 = lambda a: max(0, a * 4 - 3)  # noqa: E731  (ComfyUI's upscale_ratio[0] for Wan/Hunyuan/...)
 

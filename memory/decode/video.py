@@ -49,16 +49,16 @@ from typing import Any
 
 import torch
 
-from . import video_chunked as vc
-from .budget import Budget, compute_budget
-from .cost_model import dtype_name
-from .families import identify, model_name
-from .json_store import JsonStore
-from .planner import ImpossibleBudgetError
-from .report import Report, flag_measured_overrun, fmt_bytes, fmt_seconds
+from ..budget import Budget, compute_budget
+from ..cost.phases import dtype_name
+from ..executors import wan as vc
+from ..measure.sizing import MetaSizer
+from ..measure.tracker import decode_tracker
+from ..plan.grid import ImpossibleBudgetError
+from ..report import Report, flag_measured_overrun, fmt_bytes, fmt_seconds
+from ..store import JsonStore
+from ..vae.families import identify, model_name
 from .self_check import CheckStore, Verdict, code_fingerprint, memory_store, verify
-from .sizing import MetaSizer
-from .tracker import decode_tracker
 
 log = logging.getLogger("vramfit.memory.video_decode")
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .geometry import Geometry
+from ..geometry import Geometry
 from .tracker import PeakTracker
 
 

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from .report import Report, fmt_bytes
+from ..report import Report, fmt_bytes
 
 log = logging.getLogger("vramfit.memory.monitor")
 

@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 from typing import Any
 
-from .geometry import VaeGeometry
+from ..geometry import VaeGeometry
 
 
 @dataclasses.dataclass(frozen=True)

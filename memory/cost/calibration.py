@@ -22,11 +22,11 @@ from typing import Any, Literal
 
 import torch
 
-from .cost_model import CostModel, CostModelStore, ModelKey, calibrate
-from .families import FAMILIES, identify, model_key_name, model_name, vae_geometry
-from .geometry import Geometry, VaeGeometry
-from .sizing import MetaSizer, decode_run, meta_sizer_factory
-from .tracker import tracker_factory
+from ..geometry import Geometry, VaeGeometry
+from ..measure.sizing import MetaSizer, decode_run, meta_sizer_factory
+from ..measure.tracker import tracker_factory
+from ..vae.families import FAMILIES, identify, model_key_name, model_name, vae_geometry
+from .phases import CostModel, CostModelStore, ModelKey, calibrate
 
 log = logging.getLogger("vramfit.memory.calibration")
 
@@ -118,7 +118,7 @@ def host_variant(vae: Any) -> str:
         return ""
     model = vae.first_stage_model
     if model not in _VARIANTS:
-        from .video_chunked import cache_protocol
+        from ..executors.wan import cache_protocol
 
         with MetaSizer([model], torch.float32) as sizer:
             out = model.decode(torch.empty((1, fam.latent_channels, *VARIANT_LATENT)))

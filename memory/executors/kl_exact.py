@@ -107,13 +107,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .oom_resume import OomEvent, OomResume
+from ..oom import OomEvent, OomResume
 
 log = logging.getLogger("vramfit.memory.tiled_exact")
 
 EXECUTOR_VERSION = "v1"
 """Version of this executor's allocation pattern, part of every exact cost-model key (shipped and cached).
-Bump it when a change alters what the executor holds at its peak, then re-ship ``memory/data/exact``
+Bump it when a change alters what the executor holds at its peak, then re-ship ``memory/cost/data/exact``
 (``bench/tiled_decode.py --write-defaults``); edits that do not (comments, error handling) keep the key."""
 
 __all__ = [

@@ -70,8 +70,8 @@ from typing import Any
 
 import torch
 
-from .oom_resume import OomEvent, OomResume
-from .tiled_exact import default_oom_exceptions, oom_types, split_even
+from ..oom import OomEvent, OomResume
+from .kl_exact import default_oom_exceptions, oom_types, split_even
 
 log = logging.getLogger("vramfit.memory.video_chunked")
 

@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from .geometry import FEATURES, Geometry
-from .tracker import PeakMeter
+from ..geometry import FEATURES, Geometry
+from ..measure.tracker import PeakMeter
 
 log = logging.getLogger("vramfit.memory.cost_model")
 
@@ -452,5 +452,5 @@ def load_models_dir(directory: pathlib.Path | None) -> dict[ModelKey, CostModel]
 
 
 def default_models() -> dict[ModelKey, CostModel]:
-    """The shipped defaults (``memory/data/*.json``)."""
+    """The shipped defaults (``memory/cost/data/*.json``)."""
     return load_models_dir(DATA_DIR)

@@ -64,10 +64,7 @@ from typing import Any
 
 import torch
 
-from .cost_model import dtype_name, nnls
-from .planner import ImpossibleBudgetError
-from .sizing import MetaSizer
-from .tiled_exact import (
+from ..executors.kl_exact import (
     SegmentInfo,
     decode_exact,
     find_decoder,
@@ -76,7 +73,10 @@ from .tiled_exact import (
     store_schedule,
     unsupported_reason,
 )
-from .tracker import PeakTracker
+from ..measure.sizing import MetaSizer
+from ..measure.tracker import PeakTracker
+from ..plan.grid import ImpossibleBudgetError
+from .phases import dtype_name, nnls
 
 log = logging.getLogger("vramfit.memory.decode_plan")
 
@@ -352,7 +352,7 @@ def structure_signature(model: Any) -> str:
 
 def executor_digest() -> str:
     """The exact executor's version (``tiled_exact.EXECUTOR_VERSION``), part of every exact cost-model key."""
-    from . import tiled_exact
+    from ..executors import kl_exact as tiled_exact
 
     return tiled_exact.EXECUTOR_VERSION
 

@@ -38,21 +38,21 @@ from typing import Any
 
 import torch
 
-from . import decode_plan as dp
-from . import tiled_exact as te
-from . import tiled_generic as tg
-from .budget import Budget, compute_budget
-from .calibration import calibrate_vae, cost_model_for, fit_grid, real_grid, vae_key
-from .cost_model import CostModel, CostModelStore
-from .families import identify, model_name, structure_digest
-from .geometry import Geometry, VaeGeometry
-from .oom_resume import OomEvent, OomResume
-from .planner import ImpossibleBudgetError, Plan, plan_decode
-from .reach import ReachReport, default_halo, traced_reach
-from .report import Report, flag_measured_overrun, fmt_bytes, fmt_seconds
+from ..budget import Budget, compute_budget
+from ..cost import exact as dp
+from ..cost.calibration import calibrate_vae, cost_model_for, fit_grid, real_grid, vae_key
+from ..cost.phases import CostModel, CostModelStore
+from ..executors import generic as tg
+from ..executors import kl_exact as te
+from ..geometry import Geometry, VaeGeometry
+from ..measure.reach import ReachReport, default_halo, traced_reach
+from ..measure.sizing import MetaSizer, decode_run
+from ..measure.tracker import decode_tracker
+from ..oom import OomEvent, OomResume
+from ..plan.grid import ImpossibleBudgetError, Plan, plan_decode
+from ..report import Report, flag_measured_overrun, fmt_bytes, fmt_seconds
+from ..vae.families import identify, model_name, structure_digest
 from .self_check import CheckStore, Verdict, code_fingerprint, memory_store, verify
-from .sizing import MetaSizer, decode_run
-from .tracker import decode_tracker
 
 log = logging.getLogger("vramfit.memory.image_decode")
 

@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from typing import Protocol
 
-from .geometry import Geometry, VaeGeometry
+from ..geometry import Geometry, VaeGeometry
 
 
 class Predictor(Protocol):

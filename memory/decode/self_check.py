@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from .families import structure_digest
-from .json_store import JsonStore
-from .report import fmt_seconds
+from ..report import fmt_seconds
+from ..store import JsonStore
+from ..vae.families import structure_digest
 
 log = logging.getLogger("vramfit.memory.self_check")
 
