@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 import logging
 import math
 import pathlib
@@ -219,10 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     # families not benched now (their shipped CPU models). At these small sizes the RSS of one family alone
     # is too noisy (fixed costs and allocator reuse dominate), and the planner must not under-predict the
     # process on any of them.
-    from vramfit.memory.cost.phases import DATA_DIR, SCHEMA, load_models_dir
+    from vramfit.memory.cost.phases import DATA_DIR, CostModelStore
+    from vramfit.memory.store import write_entries
 
     measured = {f: r[1] for f, r in results.items() if r[1] is not None}
-    shipped = {m.key.family: m.overhead for m in load_models_dir(DATA_DIR).values()
+    shipped = {m.key.family: m.overhead for m in CostModelStore(None).models()
                if m.key.device_type == "cpu" and m.key.family not in results}
     overhead = max([*measured.values(), *shipped.values()], default=0.0)
     log.info("CPU process overhead: measured %s, shipped for other families %s -> %.2f for the CPU models written",
@@ -238,10 +238,10 @@ def main(argv: list[str] | None = None) -> int:
             DATA_DIR.mkdir(exist_ok=True)
             target = DATA_DIR / f"{family}.json"
             new = {m.key for m in models}
-            kept = [m for m in load_models_dir(DATA_DIR).values() if m.key.family == family and m.key not in new]
+            kept = [m for m in CostModelStore(None).models() if m.key.family == family and m.key not in new]
             everything = sorted([*kept, *models], key=lambda m: m.key)
-            payload = {"schema": SCHEMA, "models": [m.to_dict() for m in everything]}
-            target.write_text(json.dumps(payload, indent=1) + "\n")
+            write_entries(target, CostModelStore.section, CostModelStore.schema,
+                          {str(m.key): m.to_dict() for m in everything})
             log.info("wrote %s (%d models, %d kept from other host variants)", target.relative_to(ROOT),
                      len(everything), len(kept))
     log.info("bench done in %.0f s", time.perf_counter() - t0)

@@ -84,6 +84,11 @@ def _pack_name() -> str:
     return mod.__name__.rsplit(".nodes.", 1)[0]
 
 
+def _image_plan() -> Any:
+    """The pack's image planning module, as ComfyUI's loader imported it."""
+    return importlib.import_module(_pack_name() + ".memory.plan.image")
+
+
 def _image_decode() -> Any:
     from importlib import import_module
 
@@ -96,13 +101,13 @@ def _budget_for_tile(mod: Any, vae: Any, z: torch.Tensor, tile: int) -> int:
     idm = _image_decode()
     env = mod.comfy_env()
     job = mod._validate(vae, {"samples": z}, 0, -1)
-    full = idm.full_cost_model(job, env)
+    full = _image_plan().full_cost_model(job, env)
     need = 0
     for _ in range(3):  # the mid block's attention slices depend on the budget: iterate to a fixed point
         attention = max(idm.ATTENTION_MIN, need // 4) if need else 1 << 62
-        planner = idm.ExactPlanner(job, env, float(full.overhead), attention)
-        extra = idm.buffer_bytes(job)
-        post = idm.item_image_bytes(job)
+        planner = _image_plan().ExactPlanner(job, env, float(full.overhead), attention)
+        extra = _image_plan().buffer_bytes(job)
+        post = _image_plan().item_image_bytes(job)
         need = min(extra + max(planner.predict(rec, True, tile).with_overhead(float(full.overhead)), post)
                    for rec in (False, True))
     return math.ceil(need / MiB)
@@ -131,9 +136,8 @@ def bench_size(nodes: Any, mod: Any, vae: Any, px: int, default: bool) -> list[d
 
     core = _measure(lambda: nodes.VAEDecode().decode(vae, {"samples": z})[0])
     ref = core["out"]
-    idm = _image_decode()
-    full = idm.full_cost_model(mod._validate(vae, {"samples": z}, 0, -1), mod.comfy_env())
-    g = idm.Geometry(px // 8, px // 8, spatial_ratio=8)
+    full = _image_plan().full_cost_model(mod._validate(vae, {"samples": z}, 0, -1), mod.comfy_env())
+    g = importlib.import_module(_pack_name() + ".memory.geometry").Geometry(px // 8, px // 8, spatial_ratio=8)
     rows.append({"decode": "core VAEDecode (untiled)", "px": px, **_public(core), "psnr": math.inf,
                  "tensor_peak": full.predict_tracked(g), "plan": "untiled"})
     log.info("core VAEDecode: %.1f s wall, %.1f s CPU, RSS +%.0f MiB", core["wall"], core["cpu"], core["rss"] / MiB)

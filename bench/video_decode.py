@@ -58,7 +58,7 @@ NODE_ID = "VRAMFit_TemporalChunkVideoDecode"
 
 def _host() -> tuple[Any, Any, Any]:
     """ComfyUI's ``nodes`` module, the node module and the pack's tracker module (as ComfyUI imported them);
-    the node module's ``vd`` is the engine (``memory.decode.video``)."""
+    the engine is ``memory.decode.video`` (planning: ``memory.plan.video``)."""
     if str(ROOT) not in sys.path:
         sys.path.append(str(ROOT))
     from scripts.host import load_comfy_in_process
@@ -127,7 +127,8 @@ def bench_size(nodes: Any, mod: Any, tracker_mod: Any, vae: Any, px: int, frames
 def _plan_of(mod: Any, vae: Any, z: torch.Tensor, budget_mb: int, store_dir: pathlib.Path) -> tuple:
     """The plan the node makes for this input, cold (empty peak store) and warm (the store re-read from the
     file the cold plan wrote): ``(plan, cold s, warm s, cold plan stats)``. Raises ValueError if impossible."""
-    vd = mod.vd
+    base = mod.__name__.rsplit(".nodes.", 1)[0]
+    pv = sys.modules[f"{base}.memory.plan.video"]
     job = mod._validate(vae, {"samples": z}, 0, 0)
     budget = int(mod._comfy.vae_budget(vae, budget_mb).available)
     path = store_dir / f"peaks-{'x'.join(map(str, z.shape))}-{budget_mb}.json"
@@ -135,15 +136,16 @@ def _plan_of(mod: Any, vae: Any, z: torch.Tensor, budget_mb: int, store_dir: pat
     st: dict = {}
     t0 = time.perf_counter()
     try:
-        plan = vd.plan_wan(job, budget, 0, None, vd.PeakStore(path), st)
+        plan = pv.plan_wan(job, budget, 0, None, pv.PeakStore(path), st)
     finally:
         cold = time.perf_counter() - t0
         log.info("plan at %s MiB: cold %.2f s, %s", budget_mb or "free", cold, st)
     t0 = time.perf_counter()
-    warm_store = vd.PeakStore(path)
-    vd.plan_wan(job, budget, 0, None, warm_store)
+    warm_store = pv.PeakStore(path)
+    pv.plan_wan(job, budget, 0, None, warm_store)
     warm = time.perf_counter() - t0
-    mod._PEAKS = warm_store  # the node's decode below plans warm: the tracked run is the decode
+    # the node's decode below plans warm: the tracked run is the decode
+    sys.modules[f"{base}.nodes._decode_node"]._STORES["video_peaks.json"] = warm_store
     return plan, cold, warm, st
 
 
@@ -173,9 +175,11 @@ def meta_rows(nodes: Any, mod: Any, vae: Any, spec: str) -> list[dict]:
     base = mod.__name__.rsplit(".nodes.", 1)[0]
     sizing = sys.modules[f"{base}.memory.measure.sizing"]
     vc = sys.modules[f"{base}.memory.executors.wan"]
+    wl = sys.modules[f"{base}.memory.vae.wan_layout"]
+    pv = sys.modules[f"{base}.memory.plan.video"]
     W, H, F = (int(v) for v in spec.lower().split("x"))
     m = vae.first_stage_model
-    lay = vc.wan_layout(m)
+    lay = wl.wan_layout(m)
     r = lay.spatial_ratio
     h, w, t = H // r, W // r, (F - 1) // lay.temporal_ratio + 1
     saved = {}
@@ -212,7 +216,7 @@ def meta_rows(nodes: Any, mod: Any, vae: Any, spec: str) -> list[dict]:
         for name, tile, rb, host in cfgs:
             p, secs = peak(lambda z, tile=tile, rb=rb, host=host: vc.decode_wan_chunked(
                 m, z, 1, tile, out_device="meta", store_device="meta" if host else None, rollback=rb))
-            area = mod.vd.area_factor(h, w, tile, halo)
+            area = pv.area_factor(h, w, tile, halo)
             rows.append({"size": spec, "decoder": f"Temporal-Chunk k = 1, {name}", "peak_gib": p,
                          "peak_vs_core": p / core, "area": area})
             log.info("  %-52s %6.2f GiB (%.2fx core), tiled-part area %.2fx (%.0f s)", name, p, p / core, area, secs)

@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from .report import fmt_bytes
+
 log = logging.getLogger("vramfit.memory.budget")
 
 MiB = 2**20
@@ -77,7 +79,7 @@ class Budget:
 
     def describe(self) -> str:
         def mib(n: int | None) -> str:
-            return "?" if n is None else f"{n / MiB:,.0f} MiB"
+            return fmt_bytes(n, "MiB", 0)
 
         user = self.user_override is not None
         if user:  # the nodes' user budget caps working memory: no weights in it (see module docstring)

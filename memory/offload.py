@@ -42,10 +42,11 @@ from typing import Any, Literal
 
 import torch
 
+from .report import fmt_bytes
+
 log = logging.getLogger("vramfit.memory.offload")
 
 Mode = Literal["needed", "all"]
-MiB = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,21 +85,23 @@ class OffloadReport:
         return self.free_after - self.free_before
 
     def describe(self) -> str:
-        what = "everything" if self.mode == "all" else f"{(self.required_bytes or 0) / MiB:,.0f} MiB"
+        what = "everything" if self.mode == "all" else fmt_bytes(self.required_bytes or 0, "MiB", 0)
         names = ", ".join(self.unloaded + [f"{n} (partly)" for n in self.partially_unloaded]) or "nothing"
         text = (
             f"offload on {self.device} to free {what}: unloaded {names}; "
             f"{len(self.loaded_before)} -> {len(self.loaded_after)} models loaded; "
-            f"model weights released {self.bytes_freed / MiB:,.1f} MiB"
+            f"model weights released {fmt_bytes(self.bytes_freed, 'MiB')}"
         )
         if self.device_bytes_freed is not None:
-            text += f", {self.device_measure} {self.device_bytes_freed / MiB:+,.1f} MiB"
+            text += f", {self.device_measure} {fmt_bytes(self.device_bytes_freed, 'MiB', sign=True)}"
         if self.free_before is not None and self.free_after is not None:
-            text += f"; free {self.free_before / MiB:,.0f} -> {self.free_after / MiB:,.0f} MiB"
+            before = fmt_bytes(self.free_before, "MiB", 0, suffix=False)
+            text += f"; free {before} -> {fmt_bytes(self.free_after, 'MiB', 0)}"
         if self.dynamic:
+            before = fmt_bytes(self.evictable_before, "MiB", suffix=False)
             text += (
-                f"; dynamic VRAM ({', '.join(self.dynamic)}): aimdo pages {self.evictable_before / MiB:,.1f} -> "
-                f"{self.evictable_after / MiB:,.1f} MiB (outside torch's allocator)"
+                f"; dynamic VRAM ({', '.join(self.dynamic)}): aimdo pages {before} -> "
+                f"{fmt_bytes(self.evictable_after, 'MiB')} (outside torch's allocator)"
             )
         return text
 

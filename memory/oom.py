@@ -30,12 +30,37 @@ Nothing here imports ComfyUI.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-__all__ = ["OomEvent", "OomResume"]
+import torch
+
+__all__ = ["OomEvent", "OomResume", "default_oom_exceptions", "oom_types"]
+
+log = logging.getLogger("vramfit.memory.oom")
 
 T = TypeVar("T")
+
+
+def default_oom_exceptions() -> tuple[type[BaseException], ...]:
+    """``torch.OutOfMemoryError`` (alias of ``torch.cuda.OutOfMemoryError``) where torch has it."""
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    return (oom,) if oom is not None else ()
+
+
+def oom_types(given: Sequence[type[BaseException]] | None) -> tuple[type[BaseException], ...]:
+    """The exception types every executor treats as out-of-memory: ``given`` without a bare
+    ``Exception``/``BaseException`` (ComfyUI's ``OOM_EXCEPTION`` without CUDA; catching it would turn a bug
+    or a cancel into re-plans), :func:`default_oom_exceptions` when ``given`` is None or held nothing else."""
+    if given is None:
+        return default_oom_exceptions()
+    given = tuple(given)
+    kept = tuple(t for t in given if t not in (Exception, BaseException))
+    if len(kept) == len(given):
+        return kept
+    log.debug("ignoring Exception/BaseException as an out-of-memory type")
+    return kept or default_oom_exceptions()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,19 +24,45 @@ OVER_BUDGET_ROW = "over budget"
 log = logging.getLogger("vramfit.memory.report")
 
 
-def fmt_bytes(n: float | None) -> str:
-    """Human-readable bytes (binary units), ``-`` for unknown."""
+_UNITS = (("B", 1), ("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30))
+_UNIT_SIZE = dict(_UNITS)
+
+
+def byte_unit(n: float) -> tuple[str, int]:
+    """The binary unit :func:`fmt_bytes` picks for ``n`` bytes and its size, e.g. ``("MiB", 2**20)``."""
+    a = abs(float(n))
+    return next(((u, s) for u, s in _UNITS[:-1] if a < 1024 * s), _UNITS[-1])
+
+
+def fmt_bytes(
+    n: float | None,
+    unit: str | None = None,
+    digits: int = 1,
+    *,
+    sign: bool = False,
+    small: str | None = None,
+    suffix: bool = True,
+) -> str:
+    """Human-readable bytes in binary units, ``-`` for unknown.
+
+    By default the unit follows the size (:func:`byte_unit`): whole ``B``, ``KiB``/``MiB`` with one
+    decimal, ``GiB`` with two. ``unit`` (``"KiB"``, ``"MiB"``, ``"GiB"``) fixes it instead: ``digits``
+    decimals, thousands separators, a ``+`` on gains with ``sign``; ``small``: the unit (with one more
+    decimal) for sizes under one ``unit``; ``suffix=False`` leaves the unit name off (for ``a -> b MiB``).
+    """
     if n is None:
         return "-"
-    sign = "-" if n < 0 else ""
-    n = abs(float(n))
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            if unit == "B":
-                return f"{sign}{int(n)} B"
-            return f"{sign}{n:.2f} {unit}" if unit == "GiB" else f"{sign}{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    if unit is None:
+        name, size = byte_unit(n)
+        neg = "-" if n < 0 else ""
+        a = abs(float(n))
+        text = f"{neg}{int(a)}" if name == "B" else f"{neg}{a / size:.{2 if name == 'GiB' else 1}f}"
+    else:
+        name = unit
+        if small is not None and abs(n) < _UNIT_SIZE[unit]:
+            name, digits = small, digits + 1
+        text = format(n / _UNIT_SIZE[name], f"{'+' if sign else ''},.{digits}f")
+    return f"{text} {name}" if suffix else text
 
 
 def fmt_seconds(s: float | None) -> str:

@@ -7,24 +7,19 @@ Imported only inside ComfyUI (by the node modules).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import importlib
-import inspect
 import logging
 import pathlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import comfy.model_management as mm
 import comfy.utils
 import folder_paths
 import torch
-from comfy_api.v0_0_2 import io, ui
 
 from ..memory.budget import Budget, compute_budget, weights_to_load
-from ..memory.cost.phases import CostModelStore
 from ..memory.offload import (
     DeviceResidency,
     OffloadReport,
@@ -39,7 +34,6 @@ from ..memory.offload import (
 log = logging.getLogger("vramfit")
 
 CATEGORY = "VRAM Fit"
-_STORE: CostModelStore | None = None
 
 
 class NodeInputError(ValueError):
@@ -169,14 +163,6 @@ def user_cache_file(name: str, what: str) -> pathlib.Path | None:
     return path
 
 
-def cost_model_store() -> CostModelStore:
-    """Process-wide store: shipped defaults + calibrations cached in ComfyUI's user folder."""
-    global _STORE
-    if _STORE is None:
-        _STORE = CostModelStore(user_cache_file("cost_models.json", "cost-model"))
-    return _STORE
-
-
 # --------------------------------------------------------------------------------------------------
 # Helpers of the utility nodes (Offload Manager, bf16 Loader, VRAM Monitor)
 
@@ -284,19 +270,6 @@ def node_return_types(class_type: str) -> tuple[str, ...]:
     return tuple(str(t) for t in types) if types else ()
 
 
-def malloc_trim() -> bool:
-    """Return freed heap memory to the OS (glibc); False where unavailable."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
-
-
-# --------------------------------------------------------------------------- Tiled VAE Decode helpers
-
-
 def on_oom() -> None:
     """What ComfyUI does after an out-of-memory error before retrying: release cached blocks."""
     mm.soft_empty_cache()
@@ -312,135 +285,3 @@ def has_core_decode(vae: Any) -> bool:
     return getattr(type(vae), "decode", None) is comfy.sd.VAE.decode and callable(
         getattr(vae, "process_output", None)
     )
-
-
-def group_norm_params(norm: Any, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """A GroupNorm's affine weight/bias as float32 (float64 for float64 ``x``) on ``x``'s device, through
-    ComfyUI's weight casting (``comfy.ops``: low-VRAM offloaded weights, weight patches) when it applies."""
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    if getattr(norm, "weight", None) is None:
-        bias = getattr(norm, "bias", None)
-        return None, None if bias is None else bias.detach().to(x.device, dtype)
-    casts = bool(getattr(norm, "comfy_cast_weights", False)) or bool(getattr(norm, "weight_function", None)) or bool(
-        getattr(norm, "bias_function", None)
-    )
-    if casts:
-        return _cast_norm_params(norm, x, dtype)
-    b = getattr(norm, "bias", None)
-    return norm.weight.detach().to(x.device, dtype), None if b is None else b.detach().to(x.device, dtype)
-
-
-def _cast_norm_params(norm: Any, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``comfy.ops.cast_bias_weight`` for a parameter read outside the layer's forward: copies, then
-    releases the cast. With dynamic VRAM the cast may return a view of an aimdo page (or of a shared
-    cast buffer) that is only valid until ``uncast_bias_weight`` unpins it, so the values are copied
-    first; hosts whose ``cast_bias_weight`` has no ``offloadable`` parameter get the plain call."""
-    import comfy.ops
-
-    uncast = getattr(comfy.ops, "uncast_bias_weight", None)
-    if uncast is None or "offloadable" not in inspect.signature(comfy.ops.cast_bias_weight).parameters:
-        w, b = comfy.ops.cast_bias_weight(norm, x, dtype=dtype, device=x.device)
-        return w.to(dtype, copy=True), None if b is None else b.to(dtype, copy=True)
-    w, b, stream = comfy.ops.cast_bias_weight(norm, x, dtype=dtype, device=x.device, offloadable=True)
-    try:
-        return w.to(dtype, copy=True), None if b is None else b.to(dtype, copy=True)
-    finally:
-        uncast(norm, w, b, stream)
-
-
-_EXACT_STORE: Any = None
-
-
-def exact_cost_store() -> Any:
-    """Process-wide cache of exact-executor cost models (JSON in ComfyUI's user folder when writable)."""
-    global _EXACT_STORE
-    if _EXACT_STORE is None:
-        from ..memory.cost.exact import ExactCostStore
-
-        _EXACT_STORE = ExactCostStore(user_cache_file("exact_cost_models.json", "exact cost-model"))
-    return _EXACT_STORE
-
-
-def _bounded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_bytes: int) -> torch.Tensor:
-    """ComfyUI's ``normal_attention`` + ``slice_attention`` (same reshapes, same ops per slice), with
-    query-row slices sized from ``max_bytes`` instead of the free memory of the moment. Every slice holds
-    complete rows of the score matrix, so each softmax is the untiled one; with one slice the calls are
-    the very calls ComfyUI makes."""
-    orig = q.shape
-    b, c = orig[0], orig[1]
-    q = q.reshape(b, c, -1).permute(0, 2, 1)  # b, hw, c
-    k = k.reshape(b, c, -1)  # b, c, hw
-    v = v.reshape(b, c, -1)
-    n = int(q.shape[1])
-    scale = int(q.shape[-1]) ** (-0.5)
-    modifier = 3 if q.element_size() == 2 else 2.5  # ComfyUI's estimate of the live score copies
-    per_row = b * int(k.shape[2]) * q.element_size() * modifier
-    rows = max(1, min(n, int(max_bytes // max(1, per_row))))
-    r1 = torch.zeros_like(k, device=q.device)
-    for i in range(0, n, rows):
-        s1 = torch.bmm(q[:, i : i + rows], k) * scale
-        s2 = torch.nn.functional.softmax(s1, dim=2).permute(0, 2, 1)
-        del s1
-        r1[:, :, i : i + rows] = torch.bmm(v, s2)
-        del s2
-    return r1.reshape(orig)
-
-
-@contextlib.contextmanager
-def bounded_vae_attention(model: Any, max_bytes: int) -> Iterator[int]:
-    """Within the block, the VAE attention blocks of ``model`` that use ComfyUI's split attention
-    (``normal_attention``: the CPU path, and GPUs without PyTorch/xformers attention) slice their score
-    matrix to at most ``max_bytes`` (ComfyUI's own estimate) instead of by the free memory of the moment.
-    Memory-efficient kernels (PyTorch SDPA, xformers) are left alone. Yields how many blocks changed."""
-    from comfy.ldm.modules.diffusionmodules import model as dm
-
-    original = dm.normal_attention
-    swapped = [m for m in model.modules() if getattr(m, "optimized_attention", None) is original]
-
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _bounded_attention(q, k, v, max_bytes)
-
-    for m in swapped:
-        m.optimized_attention = attention
-    try:
-        yield len(swapped)
-    finally:
-        for m in swapped:
-            m.optimized_attention = original
-
-
-def decode_env_callables(node_id: str | None) -> dict[str, Any]:
-    """The ComfyUI callables both decode engines take (``DecodeEnv`` / ``VideoEnv`` fields)."""
-    return {
-        "should_stop": should_stop,
-        "on_oom": on_oom,
-        "oom_exceptions": oom_exceptions(),
-        "progress_bar": lambda total: progress_callback(total, node_id),
-        "budget": vae_budget,
-        "load_weights": load_vae_weights,
-    }
-
-
-def budget_inputs() -> list[Any]:
-    """The decode nodes' shared inputs: ``budget_mb`` and ``unload_others``."""
-    return [
-        io.Int.Input("budget_mb", default=0, min=0, max=1 << 22, step=64,
-                     tooltip="Working memory the decode may use on the VAE's device, in MB: what it "
-                     "allocates beyond the VAE's weights (the weights are not counted, loaded or not). 0 = the "
-                     "free memory ComfyUI reports, minus the VAE weights still to load and a safety reserve."),
-        io.Boolean.Input("unload_others", default=True,
-                         tooltip="Offload other models (diffusion model, text encoders) from the VAE's "
-                         "device first, as far as this decode needs the room."),
-    ]  # fmt: skip
-
-
-def report_output(tooltip: str) -> Any:
-    """The decode nodes' STRING ``report`` output."""
-    return io.String.Output("report", display_name="report", tooltip=tooltip)
-
-
-def decode_output(result: Any, logger: logging.Logger) -> io.NodeOutput:
-    """A decode result as the node's outputs: images, the report text (logged, and shown on the node)."""
-    text = result.report.text()
-    logger.info("%s", text)
-    return io.NodeOutput(result.images, text, ui=ui.PreviewText(text))

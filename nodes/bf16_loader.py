@@ -11,11 +11,8 @@ are cast per layer to a dtype the device computes (ComfyUI's manual cast), and t
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
-import struct
 from typing import Any
 
 import comfy.model_management as mm
@@ -25,8 +22,10 @@ import folder_paths
 import torch
 from comfy_api.v0_0_2 import io, ui
 
+from ..memory import safetensors_header
 from ..memory.measure.monitor import module_weight_bytes
 from ..memory.report import Report, fmt_bytes
+from ..memory.safetensors_header import SafetensorsError, SafetensorsInfo
 from ._comfy import CATEGORY, NodeInputError, blocked, oom_exceptions
 
 log = logging.getLogger("vramfit.bf16_loader")
@@ -42,91 +41,17 @@ DTYPES: dict[str, torch.dtype] = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 SAFE_EXTENSIONS = (".safetensors", ".sft")
-MAX_HEADER = 100 * 2**20
-
-_ST_ITEMSIZE = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
-}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ file checks
 
 
-@dataclasses.dataclass(frozen=True)
-class SafetensorsInfo:
-    """What a safetensors header says (read without loading any tensor)."""
-
-    path: str
-    file_bytes: int
-    tensors: int
-    data_bytes: int
-    """Bytes of all tensors as stored in the file."""
-    float_params: int
-    """Number of floating-point values (their fp32 size is ``4 *`` this)."""
-    float_bytes: int
-    """Bytes of the floating-point tensors as stored."""
-    dtypes: dict[str, int]
-    """Stored dtype -> number of tensors."""
-
-
 def read_safetensors_info(path: str, shown_name: str) -> SafetensorsInfo:
     """Validate a safetensors file's header and sizes; raises ``NodeInputError`` naming the file."""
-
-    def bad(why: str) -> NodeInputError:
-        return NodeInputError(NODE, f"'{shown_name}' ({path}) {why}")
-
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise bad(f"is truncated: {size} bytes, too short for a safetensors header")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER:
-                raise bad(f"is not a safetensors file (header length field {n} is implausible)")
-            if 8 + n > size:
-                raise bad(f"is truncated: the header needs {8 + n} bytes, the file has {size}")
-            raw = f.read(n)
-    except OSError as e:
-        raise bad(f"cannot be read: {e}") from e
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise bad(f"is not a safetensors file (header is not JSON: {e})") from None
-    if not isinstance(header, dict):
-        raise bad("is not a safetensors file (header is not a JSON object)")
-    end = 0
-    tensors = float_params = float_bytes = 0
-    dtypes: dict[str, int] = {}
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype = str(entry["dtype"])
-            shape = [int(x) for x in entry["shape"]]
-            begin, stop = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise bad(f"is not a valid safetensors file (bad header entry {key!r})") from None
-        numel = 1
-        for d in shape:
-            numel *= d
-        item = _ST_ITEMSIZE.get(dtype)
-        if stop < begin or (item is not None and stop - begin != numel * item):
-            raise bad(f"is corrupt: tensor {key!r} ({dtype} {shape}) has data offsets {begin}..{stop}")
-        end = max(end, stop)
-        tensors += 1
-        dtypes[dtype] = dtypes.get(dtype, 0) + 1
-        if dtype.startswith("F") or dtype == "BF16":
-            float_params += numel
-            float_bytes += stop - begin
-    expected = 8 + n + end
-    if size < expected:
-        raise bad(f"is truncated: its header describes {expected} bytes, the file has {size}")
-    return SafetensorsInfo(
-        path=path, file_bytes=size, tensors=tensors, data_bytes=end, float_params=float_params,
-        float_bytes=float_bytes, dtypes=dtypes,
-    )  # fmt: skip
+        return safetensors_header.read_safetensors_info(path)
+    except SafetensorsError as e:
+        raise NodeInputError(NODE, f"'{shown_name}' ({path}) {e}") from e.__cause__
 
 
 def model_choices() -> list[str]:

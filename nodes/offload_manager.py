@@ -24,7 +24,8 @@ import comfy.model_management as mm
 import torch
 from comfy_api.v0_0_2 import io, ui
 
-from ..memory.measure.monitor import module_weight_bytes, process_rss
+from ..memory.measure.monitor import module_weight_bytes
+from ..memory.measure.procfs import malloc_trim, process_rss
 from ..memory.offload import accepts_keyword, offload_for_decode, residency
 from ..memory.report import Report, fmt_bytes, fmt_seconds
 from ._comfy import (
@@ -35,7 +36,6 @@ from ._comfy import (
     dynamic_vram_state,
     executing_context,
     loaded_models,
-    malloc_trim,
     node_return_types,
     request_cache_release,
 )
@@ -272,7 +272,12 @@ class OffloadManager(io.ComfyNode):
         return float("nan")  # never equal to the previous run's value: runs on every prompt
 
     @classmethod
-    def validate_inputs(cls, unload: str = UNLOAD_KEEP, method: str = METHOD_OFFLOAD) -> bool | str:
+    def validate_inputs(cls, unload: str = UNLOAD_KEEP, *, method: str = METHOD_OFFLOAD) -> bool | str:
+        """Checks ``unload`` (and ``method`` when a caller passes it).
+
+        ``method`` is keyword-only, so ComfyUI does not pass it: ComfyUI files a failed check under every
+        positional input this method takes (one bad ``unload`` was also reported under ``method``), and
+        checks the inputs it does not take itself (``method``: its combo list; ``execute`` checks it too)."""
         try:
             _check_choices(unload, method)
         except NodeInputError as e:

@@ -10,16 +10,14 @@ errors, decodes the batch and writes the report (see its docstring and docs/TILE
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 from comfy_api.v0_0_2 import io
 
 from ..memory.decode import image as idm
-from ..memory.decode import self_check
-from ..memory.plan.grid import ImpossibleBudgetError
-from . import _comfy
+from ..memory.decode.env import DecodeEnv
+from . import _comfy, _decode_node
 
 log = logging.getLogger("vramfit.nodes.tiled_vae_decode")
 
@@ -79,19 +77,9 @@ def _validate(vae: Any, samples: Any, tile_size: int, halo: int) -> idm.ImageJob
         raise _error(str(e)) from e
 
 
-def comfy_env(node_id: str | None = None) -> idm.DecodeEnv:
+def comfy_env(node_id: str | None = None) -> DecodeEnv:
     """ComfyUI's callables for ``decode_image`` (and the test hooks of this module, read now)."""
-    return idm.DecodeEnv(
-        **_comfy.decode_env_callables(node_id),
-        offload=lambda vae, need: _comfy.offload_others(vae, need, "needed"),
-        cost_models=_comfy.cost_model_store(),
-        exact_cost_models=_comfy.exact_cost_store(),
-        attention=_comfy.bounded_vae_attention,
-        norm_params=_comfy.group_norm_params,
-        checks=self_check.store_at(_comfy.user_cache_file(self_check.FILE_NAME, "self-check")),
-        fault_hook=_FAULT_HOOK,
-        measure_cpu_tensors=MEASURE_CPU_TENSORS,
-    )
+    return _decode_node.comfy_env(node_id, _FAULT_HOOK, MEASURE_CPU_TENSORS)
 
 
 def decode(
@@ -104,14 +92,12 @@ def decode(
     node_id: str | None = None,
 ) -> idm.DecodeResult:
     """Everything the node does; returns the images (B, H, W, C) on [0, 1] and the report."""
-    t_plan = time.perf_counter()
-    job = _validate(vae, samples, int(tile_size), int(halo))
-    try:
-        result = idm.decode_image(job, comfy_env(node_id), tile_size=int(tile_size), halo=int(halo),
-                                  budget_mb=int(budget_mb), unload_others=bool(unload_others), t_start=t_plan)
-    except ImpossibleBudgetError as e:
-        raise _error(str(e)) from e
-    return result
+    return _decode_node.run(
+        REPORT_NODE,
+        lambda: _validate(vae, samples, int(tile_size), int(halo)),
+        lambda job, t0: idm.decode_image(job, comfy_env(node_id), tile_size=int(tile_size), halo=int(halo),
+                                         budget_mb=int(budget_mb), unload_others=bool(unload_others), t_start=t0),
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -141,12 +127,12 @@ class TiledVAEDecode(io.ComfyNode):
                              tooltip="Approximate path only: latent pixels of context around each tile. -1 = "
                              "auto, the decoder's convolutional reach computed from its modules. The exact "
                              "path needs no halo setting."),
-                *_comfy.budget_inputs(),
+                *_decode_node.budget_inputs(),
             ],
             outputs=[
                 io.Image.Output("IMAGE", display_name="IMAGE", tooltip="The decoded images (same shape, dtype and range "
                                 "as VAE Decode)."),
-                _comfy.report_output("The plan report: path (exact or approximate), "
+                _decode_node.report_output("The plan report: path (exact or approximate), "
                                  "budget, offload, tiles, predicted and measured peak, time."),
             ],
             hidden=[io.Hidden.unique_id],
@@ -156,4 +142,4 @@ class TiledVAEDecode(io.ComfyNode):
     def execute(cls, samples, vae, tile_size=0, halo=-1, budget_mb=0, unload_others=True) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         result = decode(vae, samples, tile_size, halo, budget_mb, unload_others, node_id)
-        return _comfy.decode_output(result, log)
+        return _decode_node.output(result, log)

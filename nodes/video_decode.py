@@ -10,16 +10,14 @@ approximate overlap-blend path (see its docstring and docs/VIDEO_DECODE.md).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 from comfy_api.v0_0_2 import io
 
-from ..memory.decode import self_check
 from ..memory.decode import video as vd
-from ..memory.plan.grid import ImpossibleBudgetError
-from . import _comfy
+from ..memory.decode.env import DecodeEnv
+from . import _comfy, _decode_node
 
 log = logging.getLogger("vramfit.nodes.video_decode")
 
@@ -27,15 +25,14 @@ NODE_ID = "VRAMFit_TemporalChunkVideoDecode"
 DISPLAY_NAME = "Temporal-Chunk Video Decode (VRAM Fit)"
 REPORT_NODE = vd.REPORT_NODE
 
-_FAULT_HOOK: Callable[[int], None] | None = None
-"""Test hook (``VideoEnv.fault_hook``): passed to the executor as ``fault_hook(step)`` (raise an OOM there
-to test resumes). Read when a decode starts."""
+_FAULT_HOOK: Callable[[str, int], None] | None = None
+"""Test hook (``DecodeEnv.fault_hook``): called as ``("step", s)`` at every step of the executor (raise an
+OOM there to test resumes). Read when a decode starts."""
 MEASURE_CPU_TENSORS = False
-"""Debug/tests (``VideoEnv.measure_cpu_tensors``): on CPU count live tensor bytes (PeakTracker dispatch)
+"""Debug/tests (``DecodeEnv.measure_cpu_tensors``): on CPU count live tensor bytes (PeakTracker dispatch)
 instead of the RSS high-water mark."""
 
 DecodeResult = vd.VideoDecodeResult
-_PEAKS: vd.PeakStore | None = None
 
 
 def _error(message: str) -> _comfy.NodeInputError:
@@ -73,24 +70,9 @@ def _validate(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int) -> 
     return vd.make_job(vae, z, _comfy.intermediate_device())
 
 
-def peak_store() -> vd.PeakStore:
-    """Process-wide store of meta-sized peaks, persisted in ComfyUI's user folder when it is writable."""
-    global _PEAKS
-    if _PEAKS is None:
-        _PEAKS = vd.PeakStore(_comfy.user_cache_file("video_peaks.json", "video peak"))
-    return _PEAKS
-
-
-def comfy_env(node_id: str | None = None) -> vd.VideoEnv:
+def comfy_env(node_id: str | None = None) -> DecodeEnv:
     """ComfyUI's callables for ``decode_video`` (and the test hooks of this module, read now)."""
-    return vd.VideoEnv(
-        **_comfy.decode_env_callables(node_id),
-        offload=lambda vae, need: _comfy.offload_others(vae, need, "needed" if need is not None else "all"),
-        peaks=peak_store(),
-        checks=self_check.store_at(_comfy.user_cache_file(self_check.FILE_NAME, "self-check")),
-        fault_hook=_FAULT_HOOK,
-        measure_cpu_tensors=MEASURE_CPU_TENSORS,
-    )
+    return _decode_node.comfy_env(node_id, _FAULT_HOOK, MEASURE_CPU_TENSORS)
 
 
 def decode(
@@ -103,15 +85,13 @@ def decode(
     node_id: str | None = None,
 ) -> vd.VideoDecodeResult:
     """Everything the node does; returns frames ``(B*T, H, W, 3)`` on [0, 1] (as VAEDecode) and the report."""
-    t_plan = time.perf_counter()
-    job = _validate(vae, samples, int(frames_per_chunk), int(tile_size))
-    try:
-        result = vd.decode_video(job, comfy_env(node_id), frames_per_chunk=int(frames_per_chunk),
-                                 tile_size=int(tile_size), budget_mb=int(budget_mb),
-                                 unload_others=bool(unload_others), t_start=t_plan)
-    except ImpossibleBudgetError as e:
-        raise _error(str(e)) from e
-    return result
+    return _decode_node.run(
+        REPORT_NODE,
+        lambda: _validate(vae, samples, int(frames_per_chunk), int(tile_size)),
+        lambda job, t0: vd.decode_video(job, comfy_env(node_id), frames_per_chunk=int(frames_per_chunk),
+                                        tile_size=int(tile_size), budget_mb=int(budget_mb),
+                                        unload_others=bool(unload_others), t_start=t0),
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -141,12 +121,12 @@ class TemporalChunkVideoDecode(io.ComfyNode):
                 io.Int.Input("tile_size", default=0, min=0, max=16384, step=8,
                              tooltip="Spatial tile side in output pixels (Wan only; exact with any size). "
                              "0 = auto: whole frames when they fit the budget, else the largest tiles that do."),
-                *_comfy.budget_inputs(),
+                *_decode_node.budget_inputs(),
             ],
             outputs=[
                 io.Image.Output("IMAGE", display_name="IMAGE", tooltip="The decoded frames as one image batch (same shape, "
                                 "order and range as VAE Decode: batch x frames flattened)."),
-                _comfy.report_output("The plan report: exact or approximate, budget, "
+                _decode_node.report_output("The plan report: exact or approximate, budget, "
                                  "chunk size, tiles, cache placement, predicted and measured peak, time."),
             ],
             hidden=[io.Hidden.unique_id],
@@ -156,4 +136,4 @@ class TemporalChunkVideoDecode(io.ComfyNode):
     def execute(cls, samples, vae, frames_per_chunk=0, tile_size=0, budget_mb=0, unload_others=True) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         result = decode(vae, samples, frames_per_chunk, tile_size, budget_mb, unload_others, node_id)
-        return _comfy.decode_output(result, log)
+        return _decode_node.output(result, log)

@@ -107,7 +107,7 @@ _VARIANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def host_variant(vae: Any) -> str:
     """How the host's decoder behaves, for a family whose memory depends on it (``Family.host_keyed``):
-    ``"<cache protocol>-<peak KiB>k"``, the Wan cache protocol (:func:`.video_chunked.cache_protocol`) and the
+    ``"<cache protocol>-<peak KiB>k"``, the Wan cache protocol (:func:`..vae.wan_layout.cache_protocol`) and the
     live-tensor peak of the host's own decode of a reference latent (:data:`VARIANT_LATENT`, float32, fake
     CPU tensors: the same code allocates the same bytes, on any machine). Measured on ComfyUI 0.3.75 / 0.33:
     Wan 2.1 ``carry-4466k`` / ``per_call-3406k``; Wan 2.2 ``carry-18306k`` / ``carry-15442k``. A host whose
@@ -118,7 +118,7 @@ def host_variant(vae: Any) -> str:
         return ""
     model = vae.first_stage_model
     if model not in _VARIANTS:
-        from ..executors.wan import cache_protocol
+        from ..vae.wan_layout import cache_protocol
 
         with MetaSizer([model], torch.float32) as sizer:
             out = model.decode(torch.empty((1, fam.latent_channels, *VARIANT_LATENT)))

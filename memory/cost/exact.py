@@ -1,81 +1,28 @@
-"""Planning the Tiled VAE Decode node: a measured cost model of the exact executor, and the choice of
-how to decode (untiled, exact tiled with the store on the device or the host, with or without
-recomputation, or generic tiles).
-
-Cost model of ``tiled_exact.decode_exact`` (``ExactCostModel``)
---------------------------------------------------------------
-The executor's memory at any moment is the full-size activations alive in its *store* plus the
-working set of the one tile being computed. Both are measured by meta sizing (fake tensors, the same
-byte count as a real run, no compute; see ``sizing.MetaSizer``) of the executor itself, *decomposed
-per unit of work*: ``should_stop`` (called before every unit) opens a nested ``PeakTracker`` and
-``progress`` (called after the unit's core is written) closes it, so each unit ``j`` yields
-
-* ``S_j``: live bytes when the unit starts (the stores: activations alive in this segment), and
-* ``W_j``: the unit's own peak above that (input tile with halo, normalised copy, convolution
-  outputs, shortcut, statistics).
-
-The executor's peak is ``max_j S_j + W_j``. The store is kept in row bands that a segment allocates
-and releases as its rows of tiles pass, so ``S`` varies within a segment; its live elements at every
-row of tiles are known exactly from the geometry (``tiled_exact.store_schedule`` mirrors the
-executor's band allocation and release), so per segment ``S = d x live + b`` (``d``: the dtype's
-bytes with the store on the device, 0 elsewhere; ``b``: the largest residual seen, i.e. statistics
-partials and GroupNorm affine caches, a few KiB). A tile's working set is a sum of tensors over its
-input region (with halo) and its core, so per *segment signature* (kind, channels, halo, scale: the
-same code path on the same channel counts, shared by e.g. every 512->512 block of the SD decoder)
-and number of reads that span store bands (each is assembled into a new tensor; a read inside one
-band is a view of the store) ``W = c_in x in_px + c_core x core_px + c_0`` is fitted by non-negative
-least squares on every unit observed. Prediction for any size and tile evaluates the same geometry
-the executor uses (balanced tiles of ``split_even``, halos clipped at the borders, band rows) and
-takes the worst tile of every row of tiles of every segment.
-
-The mid block (``conv_in`` + ``block_1`` + the global ``attn_1`` + ``block_2``) runs once on the
-whole latent. Its memory depends on the attention kernel (on CPU ComfyUI's split attention
-materialises ``N^2`` scores, sliced by the free RAM of the moment), so it is meta-sized at plan time
-on the actual latent (``measure_mid_peak``: the executor run on fake tensors and stopped at its
-first tile, ~0.1-0.5 s) rather than extrapolated.
-
-Three calibration runs (two small tiled latents and one untiled, ~2-5 s of meta sizing on a CPU) per (decoder structure,
-dtype, device type, recompute, store placement); models are cached in memory and, when the node
-passes a path, in a JSON file.
-
-Choosing a plan (``choose_plan``)
----------------------------------
-Fastest first: (1) untiled (ComfyUI's own ``first_stage_model.decode``, batched) when it fits: it is
-the reference result itself; (2) exact tiles with the store on the compute device, the largest tile
-that fits; (3) the same with ``recompute`` (a smaller store for channel-changing blocks, ~+15 % compute) when it allows a clearly
-larger tile; (4) on an accelerator, the store in host memory (only a tile + the mid block on the
-device; any size fits, at the cost of transfers). Decoders the exact executor does not support use
-(1) or generic tiles planned by ``planner.plan_decode`` with the untiled decode's cost model.
-
+"""Measured cost model of the exact KL executor (:func:`..executors.kl_exact.decode_exact`): decomposed meta
+sizing (one tracker window per unit of work: store bytes at its start ``S_j`` and its own peak ``W_j``),
+a store term per segment and a tile working set per segment signature fitted by NNLS, evaluated on the
+layout's geometry (:mod:`..vae.kl_layout`); calibration, cache keys and the store of fitted models.
 Nothing here imports ComfyUI.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import pathlib
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ..executors.kl_exact import (
-    SegmentInfo,
-    decode_exact,
-    find_decoder,
-    plan_exact,
-    split_even,
-    store_schedule,
-    unsupported_reason,
-)
+from ..executors.kl_exact import EXECUTOR_VERSION, decode_exact
 from ..measure.sizing import MetaSizer
 from ..measure.tracker import PeakTracker
-from ..plan.grid import ImpossibleBudgetError
+from ..store import Store, write_entries
+from ..tiles import pair
+from ..vae.kl_layout import SegmentInfo, axis_extents, kl_layout
 from .phases import dtype_name, nnls
 
 log = logging.getLogger("vramfit.memory.decode_plan")
@@ -83,54 +30,19 @@ log = logging.getLogger("vramfit.memory.decode_plan")
 __all__ = [
     "ExactCostModel",
     "ExactCostStore",
-    "write_exact_models",
     "ExactPeak",
-    "ExactChoice",
     "calibrate_exact",
-    "choose_exact",
     "exact_key",
     "measure_mid_peak",
-    "tile_candidates",
+    "write_exact_models",
 ]
 
 SCHEMA = 2
-TILE_CANDIDATES = (2048, 1536, 1024, 768, 512, 384, 256, 192, 128, 96, 64, 48, 32, 24, 16)
-"""Tile sides (px at each activation's resolution) the auto plan tries, largest first."""
-MIN_AUTO_TILE = 16
+"""Schema of one model's dict (:meth:`ExactCostModel.to_dict`)."""
+STORE_SCHEMA = 3
+"""Schema of the store files (:class:`ExactCostStore`)."""
 MIN_MARGIN = 0.01
 """Safety margin on every exact prediction (the fit is within 0.3 % of meta-sized peaks)."""
-RECOMPUTE_COST = 1.15
-"""Compute factor of ``recompute=True`` (CPU measurement, docs/TILED_DECODE.md)."""
-HOST_STORE_COST = 1.5
-"""Rough time factor of a host store on an accelerator (every activation crosses the bus twice)."""
-
-
-# --------------------------------------------------------------------------------------------------
-# Geometry of the executor's tiles (mirrors tiled_exact's regions)
-
-
-def _pre_scale(model: Any) -> int:
-    """Mid-block resolution / latent resolution (2 for Flux-2 style latent batch-norm + pixel shuffle)."""
-    bn = getattr(model, "bn", None)
-    return 2 if isinstance(bn, torch.nn.BatchNorm2d) else 1
-
-
-def _axis_extents(info: SegmentInfo, n_out: int, tile: int) -> list[tuple[int, int, int]]:
-    """``(start, core length, input extent)`` of every tile along one axis of segment ``info``'s output
-    (``n_out`` px). Input extent: px of the segment's input read (core + halo, clipped; for ``upsample``
-    the low-resolution rows)."""
-    out = []
-    h = info.halo
-    if info.kind == "upsample":
-        n_in = n_out // 2
-        for a, b in split_even(n_out, tile):
-            lo0 = max(0, (a - h) // 2)
-            lo1 = min(n_in, (b - 1 + h) // 2 + 1)
-            out.append((a, b - a, lo1 - lo0))
-        return out
-    for a, b in split_even(n_out, tile):
-        out.append((a, b - a, min(n_out, b + h) - max(0, a - h)))
-    return out
 
 
 def signature(info: SegmentInfo) -> str:
@@ -147,29 +59,6 @@ def _cls(sig: str, copies: int) -> str:
     """Tile-cost class: how many of a tile's reads span two or more store bands (each is assembled into a
     new tensor; a read inside one band is a view of the store)."""
     return f"{sig}|c{int(copies)}"
-
-
-def _segment_dims(model: Any, latent_hw: tuple[int, int], info: SegmentInfo) -> tuple[int, int]:
-    p = _pre_scale(model)
-    return latent_hw[0] * p * info.level_scale, latent_hw[1] * p * info.level_scale
-
-
-def _schedule(model: Any, latent_hw: tuple[int, int], tile: tuple[int, int], recompute: bool):
-    p = _pre_scale(model)
-    return store_schedule(model, (latent_hw[0] * p, latent_hw[1] * p), tile, recompute)
-
-
-def _units(model: Any, latent_hw: tuple[int, int], tile: tuple[int, int], recompute: bool):
-    """``(segment index, in_px, core_px, copies, live store elements)`` of every tile unit of one batch
-    item, in execution order (rows of tiles, left to right)."""
-    plan = plan_exact(model, (1, 1, *latent_hw), tile, recompute)
-    schedule = _schedule(model, latent_hw, tile, recompute)
-    for k, (info, steps) in enumerate(zip(plan.segments, schedule, strict=True)):
-        _, w = _segment_dims(model, latent_hw, info)
-        cols = _axis_extents(info, w, tile[1])
-        for st in steps:
-            for _, cw, iw in cols:
-                yield k, st.in_rows * iw, st.core_rows * cw, st.copies, st.live
 
 
 # --------------------------------------------------------------------------------------------------
@@ -194,7 +83,7 @@ class TileCost:
 @dataclasses.dataclass(frozen=True)
 class SegmentCost:
     """Store bytes alive while a row of segment ``name``'s tiles runs: ``per_element x live + const``, where
-    ``live`` is the store's live elements of that row (:func:`.tiled_exact.store_schedule`: row bands,
+    ``live`` is the store's live elements of that row (:func:`..vae.kl_layout.store_schedule`: row bands,
     released as the tiles pass): the dtype's bytes with the store on the device, 0 elsewhere."""
 
     name: str
@@ -271,19 +160,17 @@ class ExactCostModel:
     ) -> ExactPeak:
         """Predicted tracked peak of ``decode_exact`` of one ``latent_hw`` item with ``tile``; ``mid_bytes``:
         the whole-latent phase (:func:`measure_mid_peak`), which does not depend on the tile. Every row of
-        tiles of every segment: its store (live elements, :func:`.tiled_exact.store_schedule`) + the worst
+        tiles of every segment: its store (live elements, :func:`..vae.kl_layout.store_schedule`) + the worst
         tile of the row."""
-        t = _tile_pair(tile)
+        t = pair(tile)
         lh, lw = int(latent_hw[0]), int(latent_hw[1])
-        plan = plan_exact(model, (1, 1, lh, lw), t, self.recompute)
-        if len(plan.segments) != len(self.segments):
-            raise ValueError(f"{self.key}: model has {len(plan.segments)} segments, cost model {len(self.segments)}")
-        schedule = _schedule(model, (lh, lw), t, self.recompute)
+        lay = kl_layout(model, self.recompute).require()
+        if len(lay.segments) != len(self.segments):
+            raise ValueError(f"{self.key}: model has {len(lay.segments)} segments, cost model {len(self.segments)}")
         costs = {c.signature: c for c in self.tiles}
         best = (0.0, 0.0, 0.0, "mid")
-        for info, seg, steps in zip(plan.segments, self.segments, schedule, strict=True):
-            _, w = _segment_dims(model, (lh, lw), info)
-            cols = {(c, i) for _, c, i in _axis_extents(info, w, t[1])}
+        for info, seg, steps in zip(lay.segments, self.segments, lay.schedule((lh, lw), t), strict=True):
+            cols = {(c, i) for _, c, i in axis_extents(info, lay.segment_hw(info, (lh, lw))[1], t[1])}
             for st in steps:
                 store = seg.per_element * st.live + seg.const
                 work = max(self.work(info, st.copies, st.in_rows * iw, st.core_rows * cw, costs) for cw, iw in cols)
@@ -291,7 +178,7 @@ class ExactCostModel:
                 if total > best[0]:
                     best = (total, store * (1.0 + self.margin), work * (1.0 + self.margin), info.name)
         mid = int(mid_bytes)
-        tiles = sum(plan.tiles_per_segment)
+        tiles = sum(lay.tile_counts((lh, lw), t))
         if mid >= best[0]:
             return ExactPeak(int(math.ceil(mid)), 0, int(math.ceil(mid)), "mid", int(mid), tiles)
         return ExactPeak(int(math.ceil(best[0])), int(best[1]), int(math.ceil(best[2])), best[3], int(mid), tiles)
@@ -329,32 +216,21 @@ class ExactCostModel:
         )
 
 
-def _tile_pair(tile: int | Sequence[int] | None) -> tuple[int, int]:
-    if tile is None:
-        return (1 << 30, 1 << 30)
-    if isinstance(tile, int):
-        return (tile, tile)
-    return int(tile[0]), int(tile[1])
-
-
 def structure_signature(model: Any) -> str:
     """A short description of the decoder's segment structure (part of the cost-model key)."""
-    plan = plan_exact(model, (1, 1, 8, 8), (8, 8), False)
-    sigs = ",".join(signature(s) for s in plan.segments)
-    dec = find_decoder(model)
-    tail = f"|tanh={bool(getattr(dec, 'tanh_out', False))}|bn={_pre_scale(model)}"
+    lay = kl_layout(model, False).require()
+    sigs = ",".join(signature(s) for s in lay.segments)
+    tail = f"|tanh={lay.tanh_out}|bn={lay.pre_scale}"
     # Compact but collision-safe enough: segment count + a stable hash of the signature list.
     digest = 0
     for ch in sigs + tail:
         digest = (digest * 131 + ord(ch)) % (1 << 61)
-    return f"{len(plan.segments)}seg-{digest:x}"
+    return f"{len(lay.segments)}seg-{digest:x}"
 
 
 def executor_digest() -> str:
-    """The exact executor's version (``tiled_exact.EXECUTOR_VERSION``), part of every exact cost-model key."""
-    from ..executors import kl_exact as tiled_exact
-
-    return tiled_exact.EXECUTOR_VERSION
+    """The exact executor's version (``kl_exact.EXECUTOR_VERSION``), part of every exact cost-model key."""
+    return EXECUTOR_VERSION
 
 
 def exact_key(
@@ -444,8 +320,8 @@ def _calibration_runs(model: Any) -> list[tuple[int, int, int]]:
     tiles: the input region varies independently of the core; reads spanning store bands) while the
     runs stay small (~200 units; ~3 s of meta sizing for the SD decoder on a busy 2-core CPU), and one
     run with every activation in one tile (reads that are views of one band, as large tiles make)."""
-    levels = len(find_decoder(model).up)
-    top = (2 ** (levels - 1)) * _pre_scale(model)
+    lay = kl_layout(model).require()
+    top = (2 ** (lay.levels - 1)) * lay.pre_scale
     return [(7, 5, 2 * top), (5, 9, 3 * top), (6, 6, 1 << 16)]
 
 
@@ -495,9 +371,8 @@ def calibrate_exact(
 
     ``store_on_device=False`` sizes the executor with its store on another device (``meta`` stands in
     for the host), so the stores are not counted and every tile's inputs are copied in."""
-    reason = unsupported_reason(model)
-    if reason is not None:
-        raise ValueError(f"exact tiled decode does not support this model: {reason}")
+    lay = kl_layout(model, recompute).require()
+    infos = lay.segments
     dev = torch.device(device)
     t0 = time.perf_counter()
     runs = list(runs) if runs is not None else _calibration_runs(model)
@@ -508,21 +383,18 @@ def calibrate_exact(
     store_const: dict[int, float] = {}
     tile_obs: dict[str, list[tuple[float, float, float]]] = {}
     mid_obs: list[int] = []
-    infos: tuple[SegmentInfo, ...] = ()
     run_peaks: list[int] = []
     for h, w, t in runs:
         units, run_peak = _meta_units(model, (latent_channels, h, w), (t, t), dtype, dev, recompute, store_on_device)
-        plan = plan_exact(model, (1, latent_channels, h, w), (t, t), recompute)
-        infos = plan.segments
-        geo = list(_units(model, (h, w), (t, t), recompute))
-        if len(units) != plan.mid_steps + len(geo):
+        geo = list(lay.units((h, w), (t, t)))
+        if len(units) != 1 + len(geo):
             raise RuntimeError(
-                f"calibration: {len(units)} units measured, {plan.mid_steps + len(geo)} expected (executor changed?)"
+                f"calibration: {len(units)} units measured, {1 + len(geo)} expected (executor changed?)"
             )
         run_peaks.append(run_peak)
         mid_s, mid_w = units[0]
         mid_obs.append(int(mid_s + mid_w))
-        for (k, in_px, core_px, copies, live), (s, wk) in zip(geo, units[plan.mid_steps :], strict=True):
+        for (k, in_px, core_px, copies, live), (s, wk) in zip(geo, units[1:], strict=True):
             # The store is simulated exactly; what the simulation does not hold (statistics, caches) is a
             # per-segment constant: the largest residual seen.
             resid = float(s) - per_element * live
@@ -578,191 +450,36 @@ def calibrate_exact(
 
 DEFAULTS_DIR = pathlib.Path(__file__).resolve().parent / "data" / "exact"
 """Shipped exact cost models (``bench/tiled_decode.py --write-defaults``); a key carries the executor's
-source digest, so a default made for another version of ``tiled_exact.py`` is never used."""
+version, so a default made for another version of the executor is never used."""
 
 
-def _read_exact_models(path: pathlib.Path) -> list[ExactCostModel]:
-    data = json.loads(path.read_text())
-    return [ExactCostModel.from_dict(d) for d in data.get("models", [])]
+class ExactCostStore(Store[ExactCostModel]):
+    """Exact cost models by key (:class:`..store.Store`): calibrations cached on this machine (in memory,
+    and in ``path`` when given: the node passes one under ComfyUI's user folder), then the shipped defaults."""
+
+    section = "models"
+    schema = STORE_SCHEMA
+    what = "exact cost-model"
+
+    def __init__(self, path: str | pathlib.Path | None = None,
+                 defaults_dir: pathlib.Path | None = DEFAULTS_DIR) -> None:
+        super().__init__(path, defaults_dir)
+
+    def decode(self, value: Any) -> ExactCostModel:
+        return ExactCostModel.from_dict(value)
+
+    def encode(self, value: ExactCostModel) -> dict[str, Any]:
+        return value.to_dict()
+
+    def get_or_calibrate(self, key: str, calibrate_fn: Callable[[], ExactCostModel]) -> ExactCostModel:
+        def make() -> ExactCostModel:
+            model = calibrate_fn()
+            log.info("%s", model.describe())
+            return model
+
+        return self.get_or_make(key, make)
 
 
 def write_exact_models(path: str | pathlib.Path, models: Iterable[ExactCostModel]) -> None:
-    """Write ``models`` as one JSON file (the format :class:`ExactCostStore` reads)."""
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"schema": SCHEMA, "models": [m.to_dict() for m in sorted(models, key=lambda m: m.key)]}
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    tmp.replace(path)
-
-
-class ExactCostStore:
-    """Exact cost models by key: calibrations cached on this machine (in memory, and in a JSON file when
-    ``path`` is given: the node passes one under ComfyUI's user folder), then the shipped defaults."""
-
-    def __init__(self, path: str | pathlib.Path | None = None, defaults_dir: pathlib.Path | None = DEFAULTS_DIR) -> None:
-        self.path = pathlib.Path(path) if path is not None else None
-        self._lock = threading.Lock()
-        self._models: dict[str, ExactCostModel] = {}
-        self._defaults: dict[str, ExactCostModel] = {}
-        if defaults_dir is not None and defaults_dir.is_dir():
-            for f in sorted(defaults_dir.glob("*.json")):
-                try:
-                    self._defaults.update((m.key, m) for m in _read_exact_models(f))
-                except (ValueError, KeyError, TypeError) as e:
-                    log.warning("ignoring unreadable shipped exact cost models %s: %s", f, e)
-        if self.path is not None and self.path.is_file():
-            try:
-                self._models.update((m.key, m) for m in _read_exact_models(self.path))
-            except (ValueError, KeyError, TypeError) as e:  # a broken cache is ignored, not fatal
-                log.warning("ignoring unreadable exact cost-model cache %s: %s", self.path, e)
-
-    def get(self, key: str) -> ExactCostModel | None:
-        with self._lock:
-            return self._models.get(key) or self._defaults.get(key)
-
-    def put(self, model: ExactCostModel) -> None:
-        with self._lock:
-            self._models[model.key] = model
-            if self.path is None:
-                return
-            try:
-                write_exact_models(self.path, self._models.values())
-            except OSError as e:
-                log.warning("could not write the exact cost-model cache %s: %s", self.path, e)
-
-    def get_or_calibrate(self, key: str, calibrate_fn: Callable[[], ExactCostModel]) -> ExactCostModel:
-        found = self.get(key)
-        if found is not None:
-            return found
-        model = calibrate_fn()
-        self.put(model)
-        log.info("%s", model.describe())
-        return model
-
-
-# --------------------------------------------------------------------------------------------------
-# Choosing an exact plan
-
-
-@dataclasses.dataclass(frozen=True)
-class ExactChoice:
-    """One exact-executor configuration and its predicted memory."""
-
-    tile: int
-    """Tile side in px at every activation's own resolution (>= ``max_side``: every activation is one tile)."""
-    recompute: bool
-    store_on_device: bool
-    peak: ExactPeak
-    """Predicted tracked peak of ``decode_exact`` for one batch item."""
-    planned: int
-    """Bytes compared with the budget: ``extra + max(peak with untracked overhead, post)``."""
-    tracked: int
-    """Predicted tracked peak of the whole run: ``extra + max(peak, post)``."""
-    score: float
-    """Relative compute time (1 = untiled): halo recomputation x recompute x host transfers."""
-    fits: bool
-    whole: bool
-
-    def describe(self) -> str:
-        tiling = "every activation in one tile" if self.whole else f"tiles of {self.tile} px at every level"
-        store = "store on the compute device" if self.store_on_device else "store in host memory"
-        rec = ", recompute conv1" if self.recompute else ""
-        return f"{tiling}, {self.peak.tiles} tile steps per image, {store}{rec}"
-
-
-def tile_candidates(max_side: int, min_tile: int = MIN_AUTO_TILE) -> list[int]:
-    """Tile sides the auto plan tries, largest first: the whole image, then ``TILE_CANDIDATES`` below it."""
-    out = [int(max_side)]
-    out += [t for t in TILE_CANDIDATES if min_tile <= t < max_side]
-    return out
-
-
-def _score(tile: int, max_side: int, recompute: bool, store_on_device: bool) -> float:
-    halo = 1.0 if tile >= max_side else (1.0 + 4.0 / tile) ** 2
-    return halo * (RECOMPUTE_COST if recompute else 1.0) * (1.0 if store_on_device else HOST_STORE_COST)
-
-
-def choose_exact(
-    predict: Callable[[bool, bool, int], ExactPeak],
-    max_side: int,
-    budget: int,
-    *,
-    overhead: float = 0.0,
-    extra_bytes: int = 0,
-    post_bytes: int = 0,
-    host_store: bool = False,
-    tile: int | None = None,
-    good_tile: int = 128,
-    min_tile: int = MIN_AUTO_TILE,
-    allow_whole: bool = True,
-    what: str = "",
-) -> ExactChoice:
-    """The fastest exact configuration whose planned bytes fit ``budget``.
-
-    ``predict(recompute, store_on_device, tile)``: an :class:`ExactPeak` (cost models are fetched lazily
-    by the caller, so configurations that are never needed are never calibrated). ``max_side``: the
-    largest activation side (output px). ``extra_bytes``: allocated on the device for the whole run
-    (the output buffer when it lives there); ``post_bytes``: the post-processing peak of one item.
-    ``host_store``: allow the store in host memory (accelerators). ``tile``: a user tile (used as is;
-    the configuration is still chosen to fit, and ``fits`` says whether one did). ``allow_whole=False``:
-    only tiles smaller than the image (a re-plan after the untiled decode ran out of memory).
-
-    Order: store on device without recomputation at the largest fitting tile; if that tile is below
-    ``good_tile``, also recomputation (a larger tile for ~15 % more compute) and, with ``host_store``,
-    the store in host memory; the lowest ``score`` wins. Raises :class:`.planner.ImpossibleBudgetError`
-    when nothing fits (auto tile).
-    """
-    budget = int(budget)
-    configs = [(False, True), (True, True)] + ([(False, False), (True, False)] if host_store else [])
-
-    def make(rec: bool, dev: bool, t: int) -> ExactChoice:
-        pk = predict(rec, dev, t)
-        planned = int(extra_bytes) + max(pk.with_overhead(overhead), int(post_bytes))
-        tracked = int(extra_bytes) + max(pk.tracked, int(post_bytes))
-        return ExactChoice(t, rec, dev, pk, planned, tracked, _score(t, max_side, rec, dev),
-                           planned <= budget, t >= max_side)
-
-    if tile is not None:
-        tried = [make(rec, dev, int(tile)) for rec, dev in configs[:1]]
-        if not tried[0].fits:
-            tried += [make(rec, dev, int(tile)) for rec, dev in configs[1:]]
-        fitting = [c for c in tried if c.fits]
-        return fitting[0] if fitting else min(tried, key=lambda c: c.planned)
-
-    cands = tile_candidates(max_side, min_tile)
-    if not allow_whole:
-        cands = [t for t in cands if t < max_side] or [min_tile]
-    smallest: list[ExactChoice] = []
-
-    def best(rec: bool, dev: bool) -> ExactChoice | None:
-        for t in cands:
-            c = make(rec, dev, t)
-            if c.fits:
-                return c
-        smallest.append(c)
-        return None
-
-    found = [c for c in [best(*configs[0])] if c is not None]
-    if not found or not (found[0].whole or found[0].tile >= good_tile):
-        for cfg in configs[1:]:
-            if cfg[1] is False and found and max(c.tile for c in found) >= min(good_tile, max_side):
-                break  # the host store only when the device store cannot give a good tile
-            c = best(*cfg)
-            if c is not None:
-                found.append(c)
-    if found:
-        return min(found, key=lambda c: (c.score, c.planned))
-    low = min(smallest, key=lambda c: c.planned)
-    cfg = ("recompute, " if low.recompute else "") + ("store on device" if low.store_on_device else "store on host")
-    raise ImpossibleBudgetError(
-        f"budget {_mib(budget)} is too small for an exact tiled decode{(' of ' + what) if what else ''}: "
-        f"the smallest plan (tiles of {low.tile} px, {cfg}) needs {_mib(low.planned)} ({low.planned} bytes; "
-        f"peak at {low.peak.segment}); free at least {_mib(low.planned - budget)} more",
-        budget=budget,
-        minimum=low.planned,
-    )
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.0f} MiB" if abs(n) >= 2**20 else f"{n / 2**10:,.1f} KiB"
+    """Write ``models`` as one store file (the format :class:`ExactCostStore` reads)."""
+    write_entries(path, ExactCostStore.section, ExactCostStore.schema, {m.key: m.to_dict() for m in models})

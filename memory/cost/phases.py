@@ -27,14 +27,11 @@ geometries under a :class:`.tracker.PeakTracker`; the measured points are stored
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 import math
 import pathlib
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -43,6 +40,7 @@ import torch
 
 from ..geometry import FEATURES, Geometry
 from ..measure.tracker import PeakMeter
+from ..store import Store
 
 log = logging.getLogger("vramfit.memory.cost_model")
 
@@ -370,87 +368,45 @@ def calibrate(
 # --------------------------------------------------------------------------- storage
 
 
-class CostModelStore:
-    """Cost models by key: calibrations cached on this machine first, then the shipped defaults.
+class CostModelStore(Store[CostModel]):
+    """Cost models by :class:`ModelKey` (:class:`.store.Store`): calibrations learned on this machine (in
+    memory, and in ``cache_path`` when given), then the shipped defaults (``memory/cost/data/*.json``)."""
 
-    ``cache_path``: a JSON file for calibrations of unknown VAEs (callers pass a path under
-    ComfyUI's user or temp folder); ``None`` keeps them in memory only.
-    """
+    section = "models"
+    schema = 2
+    what = "cost-model"
 
-    def __init__(
-        self, cache_path: str | pathlib.Path | None = None, defaults_dir: pathlib.Path | None = DATA_DIR
-    ):
-        self.cache_path = pathlib.Path(cache_path) if cache_path is not None else None
-        self._lock = threading.Lock()
-        self._defaults: dict[ModelKey, CostModel] = load_models_dir(defaults_dir) if defaults_dir else {}
-        self._cache: dict[ModelKey, CostModel] = {}
-        if self.cache_path is not None and self.cache_path.is_file():
-            try:
-                self._cache = {m.key: m for m in _read_models(self.cache_path)}
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # ignored, never fatal
-                log.warning("ignoring unreadable cost-model cache %s: %s", self.cache_path, e)
+    def __init__(self, cache_path: str | pathlib.Path | None = None, defaults_dir: pathlib.Path | None = DATA_DIR):
+        super().__init__(cache_path, defaults_dir)
 
-    def keys(self) -> list[ModelKey]:
-        return sorted(set(self._defaults) | set(self._cache))
+    def decode(self, value: Any) -> CostModel:
+        return CostModel.from_dict(value)
 
-    def get(self, key: ModelKey) -> CostModel | None:
-        with self._lock:
-            return self._cache.get(key) or self._defaults.get(key)
+    def encode(self, value: CostModel) -> dict[str, Any]:
+        return value.to_dict()
 
-    def is_default(self, key: ModelKey) -> bool:
-        return key in self._defaults and key not in self._cache
+    def models(self) -> list[CostModel]:
+        return [m for m in (super(CostModelStore, self).get(k) for k in super().keys()) if m is not None]
 
-    def put(self, model: CostModel) -> None:
-        """Keep ``model`` (in memory always; in the cache file when it can be written: a file that
-        cannot be written is logged, never raised, so a cache problem never fails a decode)."""
-        with self._lock:
-            self._cache[model.key] = model
-            if self.cache_path is None:
-                return
-            tmp = self.cache_path.with_suffix(self.cache_path.suffix + ".tmp")
-            try:
-                payload = {
-                    "schema": SCHEMA,
-                    "models": [m.to_dict() for m in sorted(self._cache.values(), key=lambda m: m.key)],
-                }
-                self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-                tmp.write_text(json.dumps(payload, indent=1))
-                tmp.replace(self.cache_path)
-            except (OSError, TypeError, ValueError) as e:
-                log.warning("could not write the cost-model cache %s (kept in memory): %s", self.cache_path, e)
-                with contextlib.suppress(OSError):
-                    tmp.unlink(missing_ok=True)
+    def get(self, key: ModelKey) -> CostModel | None:  # type: ignore[override]
+        return super().get(str(key))
+
+    def is_default(self, key: ModelKey) -> bool:  # type: ignore[override]
+        return super().is_default(str(key))
+
+    def put(self, model: CostModel) -> None:  # type: ignore[override]
+        super().put(str(model.key), model)
 
     def get_or_calibrate(self, key: ModelKey, calibrate_fn: Callable[[], CostModel]) -> CostModel:
-        """The stored model for ``key``, or calibrate once (``calibrate_fn``) and cache the result."""
-        found = self.get(key)
-        if found is not None:
-            return found
-        model = calibrate_fn()
-        if model.key != key:
-            model = dataclasses.replace(model, key=key)
-        self.put(model)
-        return model
+        """The stored model for ``key``, or calibrate once (``calibrate_fn``) and keep the result."""
 
+        def make() -> CostModel:
+            model = calibrate_fn()
+            return model if model.key == key else dataclasses.replace(model, key=key)
 
-def _read_models(path: pathlib.Path) -> list[CostModel]:
-    data = json.loads(path.read_text())
-    if isinstance(data, dict) and "models" in data:
-        return [CostModel.from_dict(m) for m in data["models"]]
-    return [CostModel.from_dict(data)]
-
-
-def load_models_dir(directory: pathlib.Path | None) -> dict[ModelKey, CostModel]:
-    """Every model in ``directory/*.json`` (a file holds one model or ``{"models": [...]}``)."""
-    out: dict[ModelKey, CostModel] = {}
-    if directory is None or not directory.is_dir():
-        return out
-    for path in sorted(directory.glob("*.json")):
-        for m in _read_models(path):
-            out[m.key] = m
-    return out
+        return super().get_or_make(str(key), make)
 
 
 def default_models() -> dict[ModelKey, CostModel]:
     """The shipped defaults (``memory/cost/data/*.json``)."""
-    return load_models_dir(DATA_DIR)
+    return {m.key: m for m in CostModelStore(None).models()}

@@ -28,7 +28,6 @@ contract), ``patcher`` (``model_size()``, ``loaded_size()``), ``latent_channels`
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -38,37 +37,36 @@ from typing import Any
 
 import torch
 
-from ..budget import Budget, compute_budget
 from ..cost import exact as dp
-from ..cost.calibration import calibrate_vae, cost_model_for, fit_grid, real_grid, vae_key
-from ..cost.phases import CostModel, CostModelStore
+from ..cost.phases import CostModel
 from ..executors import generic as tg
 from ..executors import kl_exact as te
-from ..geometry import Geometry, VaeGeometry
-from ..measure.reach import ReachReport, default_halo, traced_reach
-from ..measure.sizing import MetaSizer, decode_run
-from ..measure.tracker import decode_tracker
-from ..oom import OomEvent, OomResume
-from ..plan.grid import ImpossibleBudgetError, Plan, plan_decode
+from ..geometry import Geometry
+from ..measure.reach import default_halo
+from ..oom import OomEvent, OomResume, oom_types
+from ..plan.exact import ExactChoice
+from ..plan.grid import ImpossibleBudgetError
+from ..plan.image import (
+    DecodePlan,
+    ExactPlanner,
+    ImageJob,
+    buffer_bytes,
+    fallback,
+    full_cost_model,
+    make_job,
+    plan_exact,
+    plan_generic,
+    plan_untiled,
+    reach,
+    units_of,
+)
 from ..report import Report, flag_measured_overrun, fmt_bytes, fmt_seconds
-from ..vae.families import identify, model_name, structure_digest
-from .self_check import CheckStore, Verdict, code_fingerprint, memory_store, verify
+from .env import DecodeEnv, load_weights, measured, prepare
+from .self_check import CheckStore, Verdict, code_fingerprint, verify
 
 log = logging.getLogger("vramfit.memory.image_decode")
 
-__all__ = [
-    "DecodeEnv",
-    "DecodePlan",
-    "DecodeResult",
-    "ExactPlanner",
-    "ImageJob",
-    "check_exact",
-    "decode_image",
-    "fallback",
-    "full_cost_model",
-    "make_job",
-    "spatial_ratio",
-]
+__all__ = ["DecodeEnv", "DecodeResult", "ImageJob", "check_exact", "decode_image", "make_job"]
 
 REPORT_NODE = "Tiled VAE Decode"
 ATTENTION_MIN = 16 * 2**20
@@ -77,141 +75,6 @@ MAX_RETRIES = 3
 """Re-plans after an out-of-memory error outside a tile, per decode."""
 
 ProgressFn = Callable[[int, int], None]
-
-
-def _no_attention_bound(model: Any, max_bytes: int) -> contextlib.AbstractContextManager[Any]:
-    return contextlib.nullcontext()
-
-
-def _default_budget(vae: Any, budget_mb: float) -> Budget:
-    return compute_budget(torch.device(vae.device), user_budget_mb=budget_mb if budget_mb > 0 else None)
-
-
-@dataclasses.dataclass
-class DecodeEnv:
-    """What the decode takes from its host (ComfyUI), as plain callables; the defaults run standalone.
-
-    The node passes ComfyUI's: ``should_stop`` = ``throw_exception_if_processing_interrupted``,
-    ``on_oom`` = ``soft_empty_cache``, ``oom_exceptions`` = ``(OOM_EXCEPTION,)``, ``progress_bar(total)``
-    = a ``comfy.utils.ProgressBar`` callback, ``budget(vae, budget_mb)`` from ComfyUI's free memory,
-    ``offload(vae, bytes)`` unloading upstream models (returns an object with ``describe()``),
-    ``load_weights(vae, bytes)`` = ``load_models_gpu``, the cost-model stores under ComfyUI's user folder,
-    ``attention(model, bytes)`` bounding the mid block's split attention, ``norm_params`` = ComfyUI's
-    weight casting for GroupNorm affines.
-    """
-
-    should_stop: Callable[[], None] | None = None
-    on_oom: Callable[[], None] | None = None
-    oom_exceptions: tuple[type[BaseException], ...] = dataclasses.field(default_factory=te.default_oom_exceptions)
-    progress_bar: Callable[[int], ProgressFn] | None = None
-    budget: Callable[[Any, float], Budget] = _default_budget
-    offload: Callable[[Any, int], Any] | None = None
-    load_weights: Callable[[Any, int], None] | None = None
-    cost_models: CostModelStore = dataclasses.field(default_factory=lambda: CostModelStore(None))
-    exact_cost_models: dp.ExactCostStore = dataclasses.field(default_factory=lambda: dp.ExactCostStore(None))
-    attention: Callable[[Any, int], contextlib.AbstractContextManager[Any]] = _no_attention_bound
-    norm_params: te.NormParamsFn | None = None
-    checks: CheckStore = dataclasses.field(default_factory=memory_store)
-    """Self-check verdicts (:mod:`.self_check`; the node's persist under ComfyUI's user folder)."""
-    fault_hook: Callable[[str, int], None] | None = None
-    """Tests: called as ``("tile", k)`` inside every tile attempt of the executors (after the tile's
-    inputs are loaded) and ``("pass", i)`` before every pass (an untiled group or one item of a tiled
-    path); raise an out-of-memory exception there to exercise the recovery paths."""
-    measure_cpu_tensors: bool = False
-    """On CPU, count live tensor bytes with ``PeakTracker`` (dispatch mode, a Python hook on every op)
-    instead of the process RSS high-water mark."""
-
-
-# --------------------------------------------------------------------------------------------------
-# The job
-
-
-@dataclasses.dataclass(frozen=True)
-class ImageJob:
-    vae: Any
-    z: torch.Tensor
-    channels: int
-    ratio: int
-    out_hw: tuple[int, int]
-    core: bool
-    """The VAE's decode is ComfyUI's own contract (``first_stage_model.decode`` + ``process_output``)."""
-    exact_reason: str | None
-    """None when the exact executor supports the decoder (and the contract), else why not."""
-    family: str
-    dtype: torch.dtype
-    device: torch.device
-    out_device: torch.device
-
-
-def spatial_ratio(vae: Any, channels: int) -> int:
-    """Output px per latent px: ``upscale_ratio``, ``latent_scale`` (ComfyUI_ExtraModels' EXVAE), else
-    a meta-sized decode of an 8x8 latent. Raises ValueError when it cannot be inferred."""
-    up = getattr(vae, "upscale_ratio", None)
-    if isinstance(up, int) and up > 0:
-        return up
-    scale = getattr(vae, "latent_scale", None)
-    if isinstance(scale, (int, float)) and scale >= 1 and float(scale).is_integer():
-        return int(scale)
-    model = vae.first_stage_model
-    with MetaSizer([model], getattr(vae, "vae_dtype", torch.float32), getattr(vae, "device", "cpu")):
-        z = torch.empty((1, channels, 8, 8), dtype=getattr(vae, "vae_dtype", torch.float32), device=vae.device)
-        out = model.decode(z)
-        ratio = int(out.shape[-1]) // 8
-    if ratio < 1:
-        raise ValueError(f"cannot infer the VAE's spatial ratio (decode of an 8x8 latent gave {tuple(out.shape)})")
-    return ratio
-
-
-def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device | str) -> ImageJob:
-    """The job of decoding the 4-D latent ``z`` (inputs already validated). ``core``: ``vae`` keeps
-    ComfyUI's ``VAE.decode`` contract; ``out_device``: where the images are assembled."""
-    channels = int(z.shape[1])
-    reason = te.unsupported_reason(vae.first_stage_model)
-    if reason is None and not core:
-        reason = f"{type(vae).__name__} overrides VAE.decode (its own post-processing is kept)"
-    ratio = spatial_ratio(vae, channels)
-    return ImageJob(
-        vae=vae,
-        z=z,
-        channels=channels,
-        ratio=ratio,
-        out_hw=(int(z.shape[2]) * ratio, int(z.shape[3]) * ratio),
-        core=core,
-        exact_reason=reason,
-        family=identify(vae) or model_name(vae),
-        dtype=getattr(vae, "vae_dtype", torch.float32),
-        device=torch.device(vae.device),
-        out_device=torch.device(out_device),
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# Cost models and reach
-
-
-def full_cost_model(job: ImageJob, env: DecodeEnv) -> CostModel:
-    """Cost model of the untiled decode: shipped/cached for known families, else meta-calibrated once."""
-    vae = job.vae
-    store = env.cost_models
-    if identify(vae) is not None:
-        return cost_model_for(vae, store, executor="full", device=job.device, dtype=job.dtype)
-    geo = VaeGeometry(job.family, job.ratio)
-    model = vae.first_stage_model
-    run = decode_run(model.decode, job.channels, job.dtype, job.device)
-
-    def fit() -> CostModel:
-        try:
-            return calibrate_vae(vae, executor="full", run=run, mode="meta", geometries=fit_grid(geo),
-                                 device=job.device, dtype=job.dtype)
-        except Exception as e:  # noqa: BLE001 - an op without a fake kernel: calibrate with real decodes
-            log.warning("meta sizing failed for %s (%s: %s); calibrating with real decodes", job.family,
-                        type(e).__name__, e)
-        if hasattr(vae, "patcher") and env.load_weights is not None:
-            env.load_weights(vae, 0)
-        return calibrate_vae(vae, executor="full", run=run, mode="real", geometries=real_grid(geo),
-                             device=job.device, dtype=job.dtype)
-
-    return store.get_or_calibrate(vae_key(vae, "full", job.device, job.dtype), fit)
 
 
 CHECK_LATENT_HW = (4, 6)
@@ -240,22 +103,6 @@ def check_exact(job: ImageJob, store: CheckStore, norm_params: te.NormParamsFn |
     if store.get(key) is None and prepare is not None:
         prepare()
     return verify(key, store, lambda: model.decode(z), configs, job.dtype)
-
-
-_REACH: dict[str, tuple[ReachReport, bool]] = {}
-
-
-def _reach(job: ImageJob) -> tuple[ReachReport, bool]:
-    """Convolutional reach of the decoder (traced on fake tensors) and whether it has global ops."""
-    model = job.vae.first_stage_model
-    key = f"{job.family}/{type(model).__module__}.{type(model).__qualname__}/{structure_digest(model)}/{job.channels}"
-    if key not in _REACH:
-        with MetaSizer([model], job.dtype, job.device):
-            z = torch.empty((1, job.channels, 8, 8), dtype=job.dtype, device=job.device)
-            report = traced_reach(model, lambda: model.decode(z), (8, 8))
-        norms = any(isinstance(m, (torch.nn.GroupNorm, torch.nn.LayerNorm)) for m in model.modules())
-        _REACH[key] = (report, report.has_global_ops or norms)
-    return _REACH[key]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -287,193 +134,6 @@ class _Progress:
 
 
 # --------------------------------------------------------------------------------------------------
-# Plans
-
-
-@dataclasses.dataclass
-class DecodePlan:
-    path: str  # "untiled" | "exact" | "generic"
-    description: str
-    planned: int
-    tracked: int
-    full: Plan | None = None
-    exact: dp.ExactChoice | None = None
-    generic: Plan | None = None
-    halo: int = 0
-    feather: int = 0
-    over_budget: bool = False
-
-
-def buffer_bytes(job: ImageJob) -> int:
-    """The output buffer (B, H, W, C) float32 counts when it lives on the decode device's type."""
-    b = int(job.z.shape[0])
-    return b * job.out_hw[0] * job.out_hw[1] * 3 * 4 if job.out_device.type == job.device.type else 0
-
-
-def item_image_bytes(job: ImageJob) -> int:
-    """One decoded image (1, 3, H, W) plus ``process_output``'s temporaries (float32)."""
-    if job.out_device.type != job.device.type:
-        return 0
-    n = job.out_hw[0] * job.out_hw[1] * 3
-    return n * (torch.empty((), dtype=job.dtype).element_size() + 12)
-
-
-def plan_untiled(job: ImageJob, full: CostModel, budget: int) -> DecodePlan | None:
-    geo = VaeGeometry(job.family, job.ratio)
-    extra = buffer_bytes(job)
-    try:
-        p = plan_decode(tuple(job.z.shape), geo, budget - extra, full, allow_tiling=False)
-    except ImpossibleBudgetError:
-        return None
-    g = Geometry(int(job.z.shape[2]), int(job.z.shape[3]), batch=p.images_per_pass, spatial_ratio=job.ratio)
-    tracked = extra + full.predict_tracked(g)
-    return DecodePlan("untiled", p.describe(), extra + p.predicted_peak, tracked, full=p)
-
-
-class ExactPlanner:
-    """Lazily calibrated exact cost models + the mid phase of this latent, for ``choose_exact``."""
-
-    def __init__(self, job: ImageJob, env: DecodeEnv, overhead: float, attention_bytes: int) -> None:
-        self.job = job
-        self.env = env
-        self.overhead = overhead
-        self.attention_bytes = int(attention_bytes)
-        """Score slices of the mid block's split attention (CPU path): ``env.attention``."""
-        self.model = job.vae.first_stage_model
-        self.latent_hw = (int(job.z.shape[2]), int(job.z.shape[3]))
-        self._mid: dict[bool, int] = {}
-        self.calibrated: list[str] = []
-
-    def cost_model(self, recompute: bool, on_device: bool) -> dp.ExactCostModel:
-        job = self.job
-        key = dp.exact_key(self.model, job.dtype, job.device, recompute, on_device)
-
-        def fit() -> dp.ExactCostModel:
-            m = dp.calibrate_exact(self.model, job.channels, job.dtype, job.device, recompute=recompute,
-                                   store_on_device=on_device)
-            self.calibrated.append(f"{'recompute' if recompute else 'store'}/{'device' if on_device else 'host'} "
-                                   f"{m.calibration_seconds:.1f} s")
-            return m
-
-        return self.env.exact_cost_models.get_or_calibrate(key, fit)
-
-    def mid(self, on_device: bool) -> int:
-        if on_device not in self._mid:
-            job = self.job
-            try:
-                with self.env.attention(self.model, self.attention_bytes):
-                    self._mid[on_device] = dp.measure_mid_peak(self.model, self.latent_hw, job.channels,
-                                                               job.dtype, job.device, on_device)
-            except Exception as e:  # noqa: BLE001 - no fake kernel for some op: analytic, conservative
-                log.warning("meta sizing of the mid block failed (%s: %s); using the analytic estimate",
-                            type(e).__name__, e)
-                est = te.estimate_exact_peak(self.model, (1, job.channels, *self.latent_hw), (8, 8),
-                                             torch.empty((), dtype=job.dtype).element_size(), on_device)
-                self._mid[on_device] = int(est["mid"])
-        return self._mid[on_device]
-
-    def predict(self, recompute: bool, on_device: bool, tile: int) -> dp.ExactPeak:
-        return self.cost_model(recompute, on_device).predict(self.model, self.latent_hw, tile, self.mid(on_device))
-
-    def choose(self, budget: int, tile: int | None, exclude_whole: bool = False) -> dp.ExactChoice:
-        job = self.job
-        return dp.choose_exact(
-            self.predict,
-            max(job.out_hw),
-            budget,
-            allow_whole=not exclude_whole,
-            overhead=self.overhead,
-            extra_bytes=buffer_bytes(job),
-            post_bytes=item_image_bytes(job),
-            host_store=job.device.type != "cpu",
-            tile=tile,
-            what=f"latent {tuple(job.z.shape)}",
-        )
-
-
-def plan_exact(planner: ExactPlanner, budget: int, tile: int | None, exclude_whole: bool = False) -> DecodePlan:
-    c = planner.choose(budget, tile, exclude_whole)
-    return DecodePlan("exact", c.describe(), c.planned, c.tracked, exact=c, over_budget=not c.fits)
-
-
-def plan_generic(job: ImageJob, full: CostModel, budget: int, tile: int | None, halo: int,
-                 feather: int) -> DecodePlan:
-    geo = VaeGeometry(job.family, job.ratio, halo=halo)
-    extra = buffer_bytes(job) + item_image_bytes(job)
-    shape = (1, *job.z.shape[1:])
-    if tile is not None:
-        t = max(1, tile // job.ratio)
-        try:
-            p = plan_decode(shape, geo, max(0, budget - extra), full, halo=halo, min_tile=1, max_tile=t,
-                            split_batch=False)
-            over = False
-        except ImpossibleBudgetError as e:
-            p = e.smallest
-            over = True
-    else:
-        p = plan_decode(shape, geo, max(0, budget - extra), full, halo=halo, min_tile=8, split_batch=False)
-        over = False
-    g = Geometry(min(shape[2], p.tile_h + 2 * p.halo), min(shape[3], p.tile_w + 2 * p.halo), spatial_ratio=job.ratio)
-    desc = p.describe() + (f", feather {feather} latent px" if feather and p.tiled else "")
-    return DecodePlan("generic", desc, extra + p.predicted_peak, extra + full.predict_tracked(g), generic=p,
-                      halo=halo, feather=feather if p.tiled else 0, over_budget=over)
-
-
-def units_of(job: ImageJob, p: DecodePlan) -> int:
-    """Progress units of one batch item under plan ``p``."""
-    if p.path == "exact":
-        assert p.exact is not None
-        return te.count_exact_steps(job.vae.first_stage_model, (1, *job.z.shape[1:]), p.exact.tile, p.exact.recompute)
-    if p.path == "generic":
-        assert p.generic is not None
-        return tg.count_generic_steps((1, *job.z.shape[1:]), (p.generic.tile_h, p.generic.tile_w))
-    return 1
-
-
-def fallback(job: ImageJob, p: DecodePlan, planner: ExactPlanner | None, full: CostModel, budget: int,
-             reach: tuple[int, int]) -> DecodePlan:
-    """A smaller plan after an out-of-memory error outside a tile.
-
-    untiled -> exact tiles smaller than the image (half the planned bytes), or generic tiles;
-    exact -> recompute -> host store (accelerators) -> host store + recompute -> half the tile;
-    generic -> half the budget and the tile."""
-    if p.path == "untiled":
-        smaller = min(budget, p.planned // 2)
-        if planner is not None:
-            try:
-                return plan_exact(planner, smaller, None, exclude_whole=True)
-            except ImpossibleBudgetError:
-                return plan_exact(planner, smaller, dp.MIN_AUTO_TILE)
-        try:
-            return plan_generic(job, full, smaller, None, *reach)
-        except ImpossibleBudgetError:
-            return plan_generic(job, full, smaller, 8 * job.ratio, *reach)
-    if p.path == "exact":
-        assert p.exact is not None and planner is not None
-        c = p.exact
-        if not c.recompute:
-            nxt = (True, c.store_on_device, c.tile)
-        elif c.store_on_device and job.device.type != "cpu":
-            nxt = (False, False, c.tile)
-        else:
-            nxt = (c.recompute, c.store_on_device, max(te.MIN_TILE, c.tile // 2))
-        rec, on_dev, tile = nxt
-        pk = planner.predict(rec, on_dev, tile)
-        # The figures of the configuration that runs now, as choose_exact computes them.
-        extra, post = buffer_bytes(job), item_image_bytes(job)
-        planned = extra + max(pk.with_overhead(getattr(planner, "overhead", 0.0)), post)
-        tracked = extra + max(pk.tracked, post)
-        side = max(job.out_hw)
-        choice = dataclasses.replace(c, tile=tile, recompute=rec, store_on_device=on_dev, peak=pk, planned=planned,
-                                     tracked=tracked, score=dp._score(tile, side, rec, on_dev),
-                                     fits=planned <= budget, whole=tile >= side)
-        return DecodePlan("exact", choice.describe(), planned, tracked, exact=choice, over_budget=not choice.fits)
-    g = p.generic
-    assert g is not None
-    return plan_generic(job, full, budget // 2, max(8 * job.ratio, g.tile_h * job.ratio // 2), p.halo, p.feather)
-
-
-# --------------------------------------------------------------------------------------------------
 # Execution
 
 
@@ -487,7 +147,7 @@ class _Run:
         self.out: torch.Tensor | None = None
         self.oom_events: list[str] = []
         self.passes = 0
-        self.oom = te.oom_types(env.oom_exceptions)
+        self.oom = oom_types(env.oom_exceptions)
         """What counts as out of memory on every level (a bare ``Exception``, ComfyUI's ``OOM_EXCEPTION``
         without CUDA, is dropped: a bug propagates at once)."""
         self.driver = OomResume(self.oom, should_stop=env.should_stop, on_oom=env.on_oom,
@@ -536,7 +196,7 @@ class _Run:
                 images = images.reshape(-1, *images.shape[-3:])
         self.write(a, images)
 
-    def exact_item(self, b: int, c: dp.ExactChoice, cb: ProgressFn, attention_bytes: int) -> None:
+    def exact_item(self, b: int, c: ExactChoice, cb: ProgressFn, attention_bytes: int) -> None:
         job = self.job
         self._pass()
         store = job.device if c.store_on_device else torch.device("cpu")
@@ -696,29 +356,18 @@ def decode_image(
     reach_text = ""
     g_halo, g_feather = 0, 0
     if job.exact_reason is not None:
-        report_reach, global_ops = _reach(job)
+        report_reach, global_ops = reach(job)
         g_halo = default_halo(report_reach) if halo < 0 else int(halo)
         g_feather = g_halo // 2 if global_ops else 0
         reach_text = f"{report_reach.describe()}; halo {g_halo} latent px{' (auto)' if halo < 0 else ''}"
 
     # Offload upstream models for the fastest plan's need (what ComfyUI's own decode would need).
-    patcher = getattr(vae, "patcher", None)
-    offload_text = "off (unload_others disabled)"
-    if unload_others and hasattr(vae, "patcher") and env.offload is not None:
-        ideal = buffer_bytes(job) + full.predict(
-            Geometry(int(job.z.shape[2]), int(job.z.shape[3]), batch=1, spatial_ratio=job.ratio)
-        )
-        need = ideal if not budget_mb else min(ideal, int(budget_mb * 2**20))
-        weights = 0
-        if patcher is not None:
-            weights = max(0, int(patcher.model_size()) - int(patcher.loaded_size()))
-        offload_text = env.offload(vae, need + weights).describe()
-    elif unload_others and not hasattr(vae, "patcher"):
-        offload_text = "skipped (this VAE has no ComfyUI model patcher)"
-    elif unload_others:
-        offload_text = "skipped (no offload callable given)"
+    def ideal() -> int:
+        g = Geometry(int(job.z.shape[2]), int(job.z.shape[3]), batch=1, spatial_ratio=job.ratio)
+        return buffer_bytes(job) + full.predict(g)
 
-    budget = env.budget(vae, budget_mb)
+    prep = prepare(vae, env, ideal, budget_mb, unload_others)
+    budget, offload_text = prep.budget, prep.offload
     avail = int(budget.available)
     # The mid block's split attention (CPU) gets at most a quarter of the budget for its score slices.
     planner = (ExactPlanner(job, env, overhead, max(ATTENTION_MIN, avail // 4))
@@ -735,27 +384,24 @@ def decode_image(
         raise ImpossibleBudgetError(f"{e} (budget: {budget.describe()})", budget=e.budget, minimum=e.minimum,
                                     smallest=e.smallest) from e
 
-    if hasattr(vae, "patcher") and env.load_weights is not None:
-        env.load_weights(vae, plan.planned)
+    load_weights(vae, env, plan.planned)
 
     plan_seconds = time.perf_counter() - t_plan
     b_total = int(job.z.shape[0])
     total = b_total * (units_of(job, plan) if plan.path != "untiled" else 1)
     bar = env.progress_bar(max(1, total)) if env.progress_bar is not None else None
     run = _Run(job, env, _Progress(bar, total))
-    method, tracker = decode_tracker(job.device, env.measure_cpu_tensors)
     t0 = time.perf_counter()
-    # ComfyUI runs nodes under inference_mode; direct callers (tests, scripts) may not: no autograd graph.
-    with torch.no_grad(), tracker if tracker is not None else contextlib.nullcontext():
+    with measured(env, job.device) as m:
         plan = _execute(run, plan, planner, full, avail, reach_pair)
     assert run.out is not None
     seconds = time.perf_counter() - t0
-    measured = int(tracker.peak_bytes) if tracker is not None else None
+    peak, method = m.peak, m.method
 
     calibrated = planner.calibrated if planner is not None else []
-    report = _report(job, plan, budget, offload_text, reach_text, seconds, plan_seconds, measured, method, run,
+    report = _report(job, plan, budget, offload_text, reach_text, seconds, plan_seconds, peak, method, run,
                      calibrated, verdict)
-    return DecodeResult(run.out, report, plan, budget, seconds, plan_seconds, measured, method, run.oom_events,
+    return DecodeResult(run.out, report, plan, budget, seconds, plan_seconds, peak, method, run.oom_events,
                         calibrated)
 
 

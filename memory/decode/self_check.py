@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..report import fmt_seconds
-from ..store import JsonStore
+from ..store import Store
 from ..vae.families import structure_digest
 
 log = logging.getLogger("vramfit.memory.self_check")
@@ -89,13 +89,12 @@ class Verdict:
                    float(d["seconds"]), str(d.get("detail", "")))
 
 
-class CheckStore(JsonStore):
+class CheckStore(Store[dict]):
     """Verdicts by key (dicts of :meth:`Verdict.to_dict`)."""
 
     section = "checks"
 
-    @staticmethod
-    def coerce(value: Any) -> dict[str, Any]:
+    def decode(self, value: Any) -> dict[str, Any]:
         return Verdict.from_dict(value).to_dict()
 
 
@@ -231,6 +230,5 @@ def verify(
         return verdict
     verdict = Verdict(worst_d <= tol, worst_d, tol, worst, time.perf_counter() - t0, detail)
     store.put(key, verdict.to_dict())
-    store.flush()
     (log.info if verdict.ok else log.warning)("%s [%s]", verdict.describe(), key)
     return verdict

@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..oom import OomEvent, OomResume
-from .kl_exact import oom_types, split_even
+from ..oom import OomEvent, OomResume, oom_types
+from ..tiles import split_even
 
 log = logging.getLogger("vramfit.memory.tiled_generic")
 

@@ -43,8 +43,6 @@ import dataclasses
 import gc
 import logging
 import math
-import pathlib
-import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -52,12 +50,10 @@ from typing import Any
 
 import torch
 
-from ..report import Report, fmt_bytes
+from ..report import Report, byte_unit, fmt_bytes
+from .procfs import process_rss, read_rss_peak, reset_rss_peak
 
 log = logging.getLogger("vramfit.memory.monitor")
-
-_PROC_STATUS = pathlib.Path("/proc/self/status")
-_PROC_CLEAR_REFS = pathlib.Path("/proc/self/clear_refs")
 
 
 # ------------------------------------------------------------------------------------ tensor bytes
@@ -119,57 +115,6 @@ def live_tensor_bytes(device: torch.device | str = "cpu") -> int:
 
 
 # ------------------------------------------------------------------------------------ process memory
-
-
-def _proc_status_bytes(field: str) -> int | None:
-    try:
-        for line in _PROC_STATUS.read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024  # reported in kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def process_rss() -> int | None:
-    """Resident set of this process (bytes), or ``None`` when it cannot be read."""
-    value = _proc_status_bytes("VmRSS") if sys.platform.startswith("linux") else None
-    if value is not None:
-        return value
-    try:
-        import psutil
-    except ImportError:
-        return None
-    return int(psutil.Process().memory_info().rss)
-
-
-def rss_peak_supported() -> bool:
-    """Whether the process RSS high-water mark can be read and reset (Linux ``/proc``)."""
-    if not sys.platform.startswith("linux") or _proc_status_bytes("VmHWM") is None:
-        return False
-    try:
-        with open(_PROC_CLEAR_REFS, "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
-
-
-def read_rss_peak() -> int | None:
-    """``VmHWM``: the peak resident bytes of this process since the last reset (Linux), else ``None``."""
-    return _proc_status_bytes("VmHWM") if sys.platform.startswith("linux") else None
-
-
-def reset_rss_peak() -> bool:
-    """Reset ``VmHWM`` to the current resident set (``/proc/self/clear_refs``); False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        with open(_PROC_CLEAR_REFS, "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
 
 
 def system_memory() -> tuple[int | None, int | None]:
@@ -573,7 +518,7 @@ def render_timeline(samples: Sequence[MemorySample], width: int = 768, height: i
     series = SERIES + OPTIONAL_SERIES
     values = [getattr(s, f) for s in samples for f, _ in series if getattr(s, f) is not None]
     vmax = max(values) if values else 1
-    unit, div = _unit(vmax)
+    unit, div = byte_unit(vmax)
     step = _nice_step(max(vmax * 1.05, 1.0) / div) * div  # round ticks in the displayed unit
     top_value = max(step, math.ceil(vmax * 1.05 / step) * step)
 
@@ -635,10 +580,3 @@ def render_timeline(samples: Sequence[MemorySample], width: int = 768, height: i
 
     data = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).reshape(height, width, 3)
     return (data.to(torch.float32) / 255.0).unsqueeze(0)
-
-
-def _unit(v: float) -> tuple[str, float]:
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if v >= div:
-            return unit, float(div)
-    return "B", 1.0

@@ -1,6 +1,6 @@
 """Runs for calibration: a real decode of a given geometry, and its compute-free ``meta`` twin.
 
-* :func:`decode_run` makes ``run(geometry)`` for :func:`.cost_model.calibrate`: it builds a random
+* :func:`decode_run` makes ``run(geometry)`` for :func:`..cost.phases.calibrate`: it builds a random
   latent of the geometry's shape on the device and calls the decoder (``first_stage_model.decode``
   of a ComfyUI VAE, i.e. the ``full`` executor), dropping the output.
 * :class:`MetaSizer` is a tracker (it has ``peak_bytes``) that runs the block on *fake tensors*:

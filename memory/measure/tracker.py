@@ -30,11 +30,8 @@ All figures are bytes *above the baseline at entry*: ``peak_bytes`` (highest liv
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
-import pathlib
-import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -44,6 +41,10 @@ from typing import Any, Literal, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from ..report import fmt_bytes
+from . import procfs
+from .procfs import rss_peak_supported as rss_supported
 
 log = logging.getLogger("vramfit.memory.tracker")
 
@@ -72,14 +73,11 @@ class PeakResult:
     allocations: int = 0
 
     def describe(self) -> str:
-        text = f"peak {_mib(self.peak_bytes)} (end {_mib(self.end_bytes)}) on {self.device} via {self.method}"
+        peak, end = fmt_bytes(self.peak_bytes, "MiB"), fmt_bytes(self.end_bytes, "MiB")
+        text = f"peak {peak} (end {end}) on {self.device} via {self.method}"
         if self.peak_reserved_bytes is not None:
-            text += f", reserved peak {_mib(self.peak_reserved_bytes)}"
+            text += f", reserved peak {fmt_bytes(self.peak_reserved_bytes, 'MiB')}"
         return text
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def _storage_nbytes(storage: torch.UntypedStorage) -> int:
@@ -208,9 +206,10 @@ class PeakTracker:
             self._base_reserved = int(torch.cuda.memory_reserved(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.method == "rss":
-            _malloc_trim()
-            _PROC_CLEAR_REFS.write_text("5")
-            self._base_alloc = _proc_status_bytes("VmRSS")
+            procfs.malloc_trim()
+            if not procfs.reset_rss_peak():
+                raise OSError(f"cannot reset the RSS high-water mark through {procfs.CLEAR_REFS}")
+            self._base_alloc = _status("VmRSS")
         else:
             self._counter = _StorageCounter(self.device.type)
             self._counter.__enter__()
@@ -227,8 +226,8 @@ class PeakTracker:
             )
             self.end_bytes = int(torch.cuda.memory_allocated(self.device)) - self._base_alloc
         elif self.method == "rss":
-            self.peak_bytes = max(0, _proc_status_bytes("VmHWM") - self._base_alloc)
-            self.end_bytes = _proc_status_bytes("VmRSS") - self._base_alloc
+            self.peak_bytes = max(0, _status("VmHWM") - self._base_alloc)
+            self.end_bytes = _status("VmRSS") - self._base_alloc
         else:
             counter = self._counter
             assert counter is not None
@@ -252,33 +251,11 @@ class PeakTracker:
         )
 
 
-_PROC_STATUS = pathlib.Path("/proc/self/status")
-_PROC_CLEAR_REFS = pathlib.Path("/proc/self/clear_refs")
-
-
-def rss_supported() -> bool:
-    """Whether ``method="rss"`` works here (Linux with a writable ``/proc/self/clear_refs``)."""
-    if not sys.platform.startswith("linux") or not _PROC_STATUS.is_file():
-        return False
-    try:
-        _PROC_CLEAR_REFS.write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-def _proc_status_bytes(field: str) -> int:
-    for line in _PROC_STATUS.read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024  # reported in kB
-    raise RuntimeError(f"{field} not in {_PROC_STATUS}")
-
-
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+def _status(field: str) -> int:
+    value = procfs.status_bytes(field)
+    if value is None:
+        raise RuntimeError(f"{field} not in {procfs.STATUS}")
+    return value
 
 
 def tracker_factory(device: torch.device | str = "cpu", method: Method = "auto") -> Callable[[], PeakTracker]:

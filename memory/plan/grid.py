@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ..geometry import Geometry, VaeGeometry
+from ..report import fmt_bytes
 
 
 class Predictor(Protocol):
@@ -56,10 +57,6 @@ class Tile:
     cy1: int
     cx0: int
     cx1: int
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +140,8 @@ class Plan:
             else:
                 parts.append(f"all {t} latent frames at once")
         parts.append(f"{self.passes} pass{'es' if self.passes != 1 else ''}")
-        parts.append(f"predicted peak {_mib(self.predicted_peak)} of {_mib(self.budget)} budget")
+        peak, budget = (fmt_bytes(n, "MiB", 0, small="KiB") for n in (self.predicted_peak, self.budget))
+        parts.append(f"predicted peak {peak} of {budget} budget")
         parts.append(f"halo overhead {self.overhead:.1%}")
         return f"{self.family}: " + ", ".join(parts)
 
@@ -152,6 +150,8 @@ class Plan:
 
 
 def _spans(n: int, core: int, count: int, halo: int) -> list[tuple[int, int, int, int]]:
+    """``(core0, core1, ext0, ext1)`` of ``count`` cores of ``core`` px, the last one shorter: not
+    :func:`..tiles.spans`, whose balanced cores would differ from the aligned core the plan scored."""
     out = []
     for i in range(count):
         a, b = i * core, min(n, (i + 1) * core)
@@ -314,10 +314,11 @@ def plan_decode(
         )
         if video:
             what += f", chunks of {plan.frames_per_chunk} latent frame(s)"
+        have, need, more = (fmt_bytes(n, "MiB", 0, small="KiB") for n in (budget, pk_min, pk_min - budget))
         raise ImpossibleBudgetError(
-            f"budget {_mib(budget)} is too small to decode latent {shape} ({vae.family}): the smallest "
-            f"plan allowed ({what}, {plan.images_per_pass} per pass) needs {_mib(pk_min)} "
-            f"({pk_min} bytes); free at least {_mib(pk_min - budget)} more, or allow smaller tiles/chunks",
+            f"budget {have} is too small to decode latent {shape} ({vae.family}): the smallest "
+            f"plan allowed ({what}, {plan.images_per_pass} per pass) needs {need} "
+            f"({pk_min} bytes); free at least {more} more, or allow smaller tiles/chunks",
             budget=budget,
             minimum=pk_min,
             smallest=plan,

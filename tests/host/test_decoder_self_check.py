@@ -41,9 +41,10 @@ def fresh_checks(comfy):
     """Both nodes' self-check store replaced by an empty in-memory one (the real one persists verdicts in the
     host's user folder, so a second run would find them)."""
     mod = _module(comfy, VIDEO_NODE)
-    store = mod.self_check.CheckStore()
+    self_check = sys.modules[mod.__name__.rsplit(".nodes.", 1)[0] + ".memory.decode.self_check"]
+    store = self_check.CheckStore()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mod.self_check, "store_at", lambda path: store)
+        mp.setattr(self_check, "store_at", lambda path: store)
         yield store
 
 

@@ -193,7 +193,7 @@ def test_load_vae_weights_stages_dynamic_patchers_and_fully_loads_others(comfy, 
 def test_group_norm_params_copy_the_cast_and_release_it(comfy, monkeypatch) -> None:
     import comfy.ops as ops
 
-    glue = pack(comfy, "nodes._comfy")
+    glue = pack(comfy, "nodes._vae_ops")
     norm = ops.disable_weight_init.GroupNorm(4, 16)
     with torch.no_grad():
         norm.weight.copy_(torch.linspace(0.5, 2.0, 16))

@@ -55,7 +55,7 @@ def pack(mod):
     """The pack's ``memory`` modules as ComfyUI's loader imported them."""
     base = mod.__name__.rsplit(".nodes.", 1)[0]
     return {name.rsplit(".", 1)[-1]: sys.modules[f"{base}.memory.{name}"]
-            for name in ("executors.kl_exact", "report", "cost.exact")}
+            for name in ("executors.kl_exact", "vae.kl_layout", "report", "cost.exact")}
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_exact_tiles_match_vae_decode_odd_size_batch2(mod, pack, kl_vae, odd_cas
     assert out.dtype == ref.dtype and out.device == ref.device
     assert 0.0 <= out.min().item() and out.max().item() <= 1.0
     value = psnr(out, ref)
-    ys, xs = exact_tile_borders(pack["kl_exact"].plan_exact(kl_vae.first_stage_model, (1, *ODD[1:]), (64, 64)), 8)
+    ys, xs = exact_tile_borders(pack["kl_layout"].plan_exact(kl_vae.first_stage_model, (1, *ODD[1:]), (64, 64)), 8)
     assert len(ys) >= 2 and len(xs) >= 3
     ratio = seam_ratio(out, ref, ys, xs)
     log.info("exact node vs VAEDecode: PSNR %.1f dB, max abs %.2e, seam ratio %.3f", value,
@@ -277,7 +277,7 @@ def test_progress_bar_reaches_its_total(mod, pack, kl_vae):
         mod.decode(kl_vae, {"samples": z}, tile_size=32, node_id="7")
     finally:
         comfy.utils.set_progress_bar_global_hook(old)
-    total = pack["kl_exact"].count_exact_steps(kl_vae.first_stage_model, z.shape, (32, 32))
+    total = pack["kl_layout"].count_exact_steps(kl_vae.first_stage_model, z.shape, (32, 32))
     assert events[0] == (0, total) and events[-1] == (total, total)
     assert [v for v, _ in events] == sorted(v for v, _ in events)
 
@@ -393,7 +393,7 @@ def test_third_party_vae_subclass_uses_its_own_decode(comfy, mod, taesd_vae):
 def test_bounded_split_attention_equals_comfy_attention(mod, kl_vae):
     """The mid block's split attention with score slices bounded by the budget (CPU path): identical to
     ComfyUI's own when one slice fits, float-noise close when sliced; and it lowers the mid phase."""
-    comfy_glue = sys.modules[mod.__name__.rsplit(".", 1)[0] + "._comfy"]
+    comfy_glue = sys.modules[mod.__name__.rsplit(".", 1)[0] + "._vae_ops"]
     model = kl_vae.first_stage_model
     attn = model.decoder.mid.attn_1
     z = structured_latent((1, 4, 20, 26), seed=6)

@@ -40,6 +40,11 @@ FIDELITY = 1e-5
 MiB = 2**20
 
 
+def _pv(mod):
+    """The node's planning module (``memory.plan.video`` of the package ComfyUI loaded)."""
+    return sys.modules[mod.__name__.rsplit(".nodes.", 1)[0] + ".memory.plan.video"]
+
+
 @pytest.fixture(scope="module")
 def node(comfy):
     return comfy.NODE_CLASS_MAPPINGS[NODE_ID]
@@ -172,7 +177,7 @@ def test_budget_sweep_tracked_within_budget_and_prediction(mod, wan21):
     mod.MEASURE_CPU_TENSORS = True
     seen = []
     try:
-        free = mod.vd.plan_wan(job, 4096 * MiB, 0, None, mod.peak_store())
+        free = _pv(mod).plan_wan(job, 4096 * MiB, 0, None, mod.comfy_env().peaks)
         top = free.planned
         for frac in (1.0, 0.75):
             budget_mb = max(1, int(top * frac / MiB) + 1)
@@ -187,7 +192,7 @@ def test_budget_sweep_tracked_within_budget_and_prediction(mod, wan21):
             assert _diff(r.images, ref) <= TOL
             seen.append((r.plan.k, r.plan.tile, r.plan.rollback))
             again: dict = {}
-            mod.vd.plan_wan(job, int(r.budget.available), 0, None, mod.peak_store(), again)
+            _pv(mod).plan_wan(job, int(r.budget.available), 0, None, mod.comfy_env().peaks, again)
             assert again["sized"] == 0, again
     finally:
         mod.MEASURE_CPU_TENSORS = False
@@ -219,7 +224,7 @@ def test_oom_mid_video_resumes_identically(mod, wan21, clean_k2, hook, fail_step
     clean = clean_k2
     steps: list[int] = []
 
-    def fault(step: int) -> None:
+    def fault(where: str, step: int) -> None:
         steps.append(step)
         if step == fail_step and steps.count(fail_step) == 1:
             raise torch.OutOfMemoryError("injected mid-video")
@@ -243,7 +248,7 @@ def test_cancel_between_chunks(mod, wan21, hook):
     vae, z, _ = wan21
     steps: list[int] = []
 
-    def fault(step: int) -> None:
+    def fault(where: str, step: int) -> None:
         steps.append(step)
         if step == 1:
             mm.interrupt_current_processing(True)

@@ -19,6 +19,7 @@ import torch
 from vramfit.memory.cost import exact as dp
 from vramfit.memory.executors import kl_exact as te
 from vramfit.memory.measure import reach as rc
+from vramfit.memory.vae import kl_layout as kll
 
 from scripts.fixtures import structured_latent
 from tests.helpers import exact_tile_borders, psnr, seam_ratio
@@ -52,7 +53,7 @@ def exact_clean(kl_vae, reference):
 
 
 def test_fixture_is_supported(kl_vae):
-    assert te.supports_exact(kl_vae.first_stage_model), te.unsupported_reason(kl_vae.first_stage_model)
+    assert kll.supports_exact(kl_vae.first_stage_model), kll.unsupported_reason(kl_vae.first_stage_model)
 
 
 def test_shipped_exact_cost_models_match_this_executor(kl_vae):
@@ -68,7 +69,7 @@ def test_shipped_exact_cost_models_match_this_executor(kl_vae):
 def test_exact_matches_core_vae_decode(kl_vae, reference, exact_clean):
     z, ref = reference
     out, calls = exact_clean
-    plan = te.plan_exact(kl_vae.first_stage_model, z.shape, TILE)
+    plan = kll.plan_exact(kl_vae.first_stage_model, z.shape, TILE)
     assert plan.tiles_per_segment[-1] == 12  # 3 x 4 tiles per image at full resolution
     assert out.shape == ref.shape == (2, 168, 232, 3)
     value = psnr(out, ref)
@@ -88,7 +89,7 @@ def test_host_store_with_oom_resume_matches_uninterrupted(kl_vae, reference, exa
     OOM injected in the middle of the first full-resolution segment, tile halved, decode resumed."""
     z, ref = reference
     clean, _ = exact_clean
-    plan = te.plan_exact(kl_vae.first_stage_model, (1, *z.shape[1:]), TILE)
+    plan = kll.plan_exact(kl_vae.first_stage_model, (1, *z.shape[1:]), TILE)
     first_full = next(i for i, s in enumerate(plan.segments) if s.level_scale == 8)
     fail_at = sum(plan.tiles_per_segment[:first_full]) + 5  # 6th tile of the first full-res segment
     seen: list[int] = []
@@ -114,7 +115,7 @@ def test_seam_metric_detects_a_faint_seam(kl_vae, reference, exact_clean):
     """Control for the seam threshold: a 2-px line off by one 8-bit step on one tile border fails it."""
     z, ref = reference
     out = exact_clean[0].clone()
-    plan = te.plan_exact(kl_vae.first_stage_model, z.shape, TILE)
+    plan = kll.plan_exact(kl_vae.first_stage_model, z.shape, TILE)
     ys, xs = exact_tile_borders(plan, 8)
     y = min(ys)
     out[:, y - 1 : y + 1, :, :] += 1.0 / 255.0

@@ -29,7 +29,10 @@ import time
 
 import pytest
 import torch
+from vramfit.memory import tiles
+from vramfit.memory.executors import blend
 from vramfit.memory.executors import wan as vc
+from vramfit.memory.vae import wan_layout as wl
 
 from scripts.host import core_decode_tiled
 from tests.video_refs import HUNYUAN, WAN21, WAN22, reference
@@ -125,9 +128,9 @@ def test_wan21_no_temporal_seam_unlike_core_vaedecodetiled(comfy, wan21):
     # 3rd chunks restart their caches and start at output frames 4 and 8.
     tiled = core_decode_tiled(comfy, vae, {"samples": z}, 64, 64, 8, 4)
     secs = time.perf_counter() - t0
-    core_starts = [4 * p for p, _ in vc.overlap_chunks(4, 2, 1)]
-    lay = vc.wan_layout(vae.first_stage_model)
-    ours_starts = [lay.out_frame_start(a) for a, _ in vc.chunk_ranges(4, 1)]  # 0, 1, 5, 9
+    core_starts = [4 * p for p, _ in tiles.overlap_chunks(4, 2, 1)]
+    lay = wl.wan_layout(vae.first_stage_model)
+    ours_starts = [lay.out_frame_start(a) for a, _ in tiles.chunk_ranges(4, 1)]  # 0, 1, 5, 9
     core = _seam(tiled, ref, core_starts)
     mine = _seam(ours, ref, ours_starts)
     mine_at_core = _seam(ours, ref, core_starts)
@@ -190,7 +193,7 @@ def _blend(vae, z, k, o):
     fn = lambda a: m.decode(a.to(vae.vae_dtype).to(vae.device)).float()  # noqa: E731  (as VAE.decode_tiled_3d)
     stats: dict = {}
     with torch.no_grad():
-        out = vc.decode_overlap_blend(
+        out = blend.decode_overlap_blend(
             fn,
             z,
             k,

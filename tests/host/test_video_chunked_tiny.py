@@ -20,8 +20,11 @@ import math
 
 import pytest
 import torch
+from vramfit.memory import tiles
+from vramfit.memory.executors import blend
 from vramfit.memory.executors import wan as vc
 from vramfit.memory.measure.reach import impulse_extent
+from vramfit.memory.vae import wan_layout as wl
 
 from tests.video_refs import tiny_wan
 
@@ -86,7 +89,7 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_layout_matches_comfy_decoder(tiny):
     version, model = tiny
-    lay = vc.wan_layout(model)
+    lay = wl.wan_layout(model)
     assert lay.version == version
     assert (lay.temporal_ratio, lay.decoder_ratio) == (4, 8)
     assert lay.patch == (1 if version == "2.1" else 2) and lay.spatial_ratio == 8 * lay.patch
@@ -120,8 +123,8 @@ def test_cache_protocol_probe_says_what_comfy_decoder_does(tiny):
     calls: its latent-scale entries then hold 2 frames ("carry": ComfyUI 0.3.x) or 1 ("per_call": 0.33's
     Wan 2.1, whose own decode never makes two such calls in a row). Wan 2.2's blocks carry on every host."""
     version, model = tiny
-    proto = vc.cache_protocol(model)
-    lay = vc.wan_layout(model)
+    proto = wl.cache_protocol(model)
+    lay = wl.wan_layout(model)
     feat = [None] * lay.n_cache
     x = model.conv2(_z((1, 4, 2, 3, 5)))
     with torch.no_grad():
@@ -141,7 +144,7 @@ def test_impulse_extent_equals_structural_reach(tiny):
     output exactly within the walked reach of the tiled part, in frame 0 and in the frames of later
     chunks (the caches carry it forward but do not widen it)."""
     version, model = tiny
-    lay = vc.wan_layout(model)
+    lay = wl.wan_layout(model)
     z = _z((1, 4, 3, 3, 29))
     S = lay.spatial_ratio
     for split in sorted({0, lay.default_split} if version == "2.1" else {lay.default_split}):
@@ -177,7 +180,7 @@ def test_chunked_and_tiled_equal_comfy_decode(case, k, tile):
     assert out.shape == ref.shape == (1, 3, 13, 5 * r, 7 * r)
     assert _diff(out, ref) <= TOL
     n_tiles = 1 if tile is None else 4
-    chunks = len(vc.chunk_ranges(4, k))
+    chunks = len(tiles.chunk_ranges(4, k))
     # tile-major: every tile runs every chunk once; phase 1 (the store) only when there are tiles
     assert stats["units"] == stats["steps"] == n_tiles * chunks and stats["tiles"] == n_tiles
     assert stats["global_chunks"] == (0 if tile is None else chunks)
@@ -186,7 +189,7 @@ def test_chunked_and_tiled_equal_comfy_decode(case, k, tile):
 
 def test_every_split_point_is_exact_and_a_short_halo_is_not(case):
     version, model, z, ref = case
-    lay = vc.wan_layout(model)
+    lay = wl.wan_layout(model)
     for split in sorted({0, lay.default_split, len(lay.splits) - 1}):
         assert _diff(vc.decode_wan_chunked(model, z, 3, (5, 4), split=split), ref) <= TOL, split
     wrong = _diff(vc.decode_wan_chunked(model, z, 3, (5, 4), halo=0), ref)
@@ -357,7 +360,7 @@ def test_progress_total_is_known_up_front(case21):
     _, model, z, _ = case21
     seen: list[tuple[int, int]] = []
     vc.decode_wan_chunked(model, z, 2, (3, 4), progress=lambda d, t: seen.append((d, t)))
-    total = len(vc.chunk_ranges(4, 2)) * (1 + 4)  # phase 1 + 4 tiles
+    total = len(tiles.chunk_ranges(4, 2)) * (1 + 4)  # phase 1 + 4 tiles
     assert seen == [(i, total) for i in range(total + 1)]
 
 
@@ -393,14 +396,14 @@ def test_blend_equals_comfy_tiled_scale_multidim_along_time(host_config):
             out_channels=3,
             index_formulas=(4, 1, 1),
         )
-        ours = vc.decode_overlap_blend(decode_fn, z, k, o, upscale_ratio=up, index_formula=4)
+        ours = blend.decode_overlap_blend(decode_fn, z, k, o, upscale_ratio=up, index_formula=4)
         assert ours.shape == ref.shape
         assert _diff(ours, ref) <= 1e-6, (k, o)
         assert _diff(ours, base) > 0.01  # the artefacts are there (approximate by design)
 
 
 # --------------------------------------------------------------------------------------------------
-# Planner (memory.decode.video): sizing shortcuts are exact, peaks persist
+# Planner (memory.plan.video): sizing shortcuts are exact, peaks persist
 
 
 def _job(model, z):
@@ -433,50 +436,50 @@ def test_sizing_on_the_peak_tiles_gives_the_full_peak(tiny, tile, split, rollbac
 
 
 def test_lower_bound_is_below_every_sized_peak(case21):
-    from vramfit.memory.decode import video as vd
+    from vramfit.memory.plan import video as pv
 
     _, model, _, _ = case21
     job = _job(model, _z((1, 4, 3, 6, 6)))
-    lay = vc.wan_layout(model)
-    store = vd.PeakStore()
-    cands = vd.candidates(job, 0, None)
+    lay = wl.wan_layout(model)
+    store = pv.PeakStore()
+    cands = pv.candidates(job, 0, None)
     picked = cands[:: max(1, len(cands) // 8)]
     assert any(c.tile is None for c in picked) and any(c.tile is not None for c in picked)
     for cd in picked:
-        low, peak = vd.lower_bound(job, lay, cd), vd.decode_peak(job, lay, cd, store, "s")
+        low, peak = pv.lower_bound(job, lay, cd), pv.decode_peak(job, lay, cd, store, "s")
         assert 0 < low <= peak, (cd, low, peak)
 
 
 def test_planner_persists_sized_peaks_and_a_new_key_resizes(case21, tmp_path, monkeypatch):
     """A second plan (a new store read from the file the first wrote) sizes nothing and gives the same plan;
     another executor version (the key) sizes again. The tight budget makes the planner tile."""
-    from vramfit.memory.decode import video as vd
+    from vramfit.memory.plan import video as pv
 
     _, model, _, _ = case21
     job = _job(model, _z((1, 4, 3, 8, 8)))
     calls: list[object] = []
-    real = vd.size_candidate
+    real = pv.size_candidate
 
     def counting(j, cd):
         calls.append(cd)
         return real(j, cd)
 
-    monkeypatch.setattr(vd, "size_candidate", counting)
+    monkeypatch.setattr(pv, "size_candidate", counting)
     path = tmp_path / "peaks.json"
-    free = vd.plan_wan(job, 1 << 40, 0, None, vd.PeakStore(path))
+    free = pv.plan_wan(job, 1 << 40, 0, None, pv.PeakStore(path))
     budget = int(0.6 * free.planned)
     st: dict = {}
-    first = vd.plan_wan(job, budget, 0, None, vd.PeakStore(path), st)
+    first = pv.plan_wan(job, budget, 0, None, pv.PeakStore(path), st)
     assert first.tile is not None and first.planned <= budget
     assert st["sized"] == len(calls) - 1 > 0 and path.is_file()
     n = len(calls)
     st2: dict = {}
-    second = vd.plan_wan(job, budget, 0, None, vd.PeakStore(path), st2)
+    second = pv.plan_wan(job, budget, 0, None, pv.PeakStore(path), st2)
     assert len(calls) == n and st2["sized"] == 0
     assert (second.k, second.tile, second.split, second.rollback, second.planned) == (
         first.k, first.tile, first.split, first.rollback, first.planned)
-    monkeypatch.setattr(vd.vc, "EXECUTOR_VERSION", "v-changed")
-    third = vd.plan_wan(job, budget, 0, None, vd.PeakStore(path))
+    monkeypatch.setattr(pv.vc, "EXECUTOR_VERSION", "v-changed")
+    third = pv.plan_wan(job, budget, 0, None, pv.PeakStore(path))
     assert len(calls) > n and third.planned == first.planned
 
 
@@ -485,19 +488,19 @@ def test_planner_prediction_equals_the_tracked_tile_major_peak(case21, rollback)
     """The planner's sized peak of a tile-major candidate (peak tiles only, fake tensors) equals the live
     tensor bytes a real run of every tile counts (latent and output allocated inside, as when sized), to
     the byte."""
-    from vramfit.memory.decode import video as vd
     from vramfit.memory.measure.tracker import PeakTracker
+    from vramfit.memory.plan import video as pv
 
     _, model, _, _ = case21
     z = _z((1, 4, 3, 7, 9), seed=3)
     job = _job(model, z)
-    lay = vc.wan_layout(model)
-    cd = vd.Candidate(1.0, 1, (2, 3), (4, 3), lay.default_split, rollback, False)
+    lay = wl.wan_layout(model)
+    cd = pv.Candidate(1.0, 1, (2, 3), (4, 3), lay.default_split, rollback, False)
     with PeakTracker("cpu", method="dispatch") as t:
         zz = z.clone()
         out = vc.decode_wan_chunked(model, zz, 1, cd.tile, split=cd.split, rollback=rollback)
         del zz, out
     out_b = 3 * lay.out_frames(3) * 7 * 9 * lay.spatial_ratio**2 * 4
-    predicted = vd.decode_peak(job, lay, cd, vd.PeakStore(), "s")
+    predicted = pv.decode_peak(job, lay, cd, pv.PeakStore(), "s")
     log.info("tiny 7x9, 4x3 tiles, rollback=%s: predicted %d, tracked %d B", rollback, predicted, t.peak_bytes - out_b)
     assert predicted == t.peak_bytes - out_b  # measured: equal to the byte

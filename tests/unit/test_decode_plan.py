@@ -1,4 +1,5 @@
-"""``memory/cost/exact.py``: the exact executor's cost model (decomposed meta sizing) and the plan choice.
+"""``memory/cost/exact.py`` (the exact executor's cost model, decomposed meta sizing) and ``memory/plan/exact.py``
+(the plan choice).
 
 On the tiny pure-torch KL decoder of ``test_tiled_exact.py`` (no ComfyUI). Thresholds: predictions
 within 2 % of the tensor-level peak of the executor itself (meta-sized and real; measured < 1 %);
@@ -15,7 +16,9 @@ from vramfit.memory.cost import exact as dp
 from vramfit.memory.executors import kl_exact as te
 from vramfit.memory.measure.sizing import MetaSizer
 from vramfit.memory.measure.tracker import PeakTracker
+from vramfit.memory.plan import exact as pe
 from vramfit.memory.plan.grid import ImpossibleBudgetError
+from vramfit.memory.vae import kl_layout as kll
 
 from tests.unit.test_tiled_exact import _latent, _model
 
@@ -44,7 +47,7 @@ def _meta_peak(model, latent, tile, recompute=False) -> int:
 def test_calibrated_model_predicts_the_executor(kl, calibrated, recompute):
     model = calibrated[recompute]
     assert model.recompute is recompute and model.margin >= dp.MIN_MARGIN
-    assert len(model.segments) == len(te.plan_exact(kl, (1, 4, 8, 8), (8, 8), recompute).segments)
+    assert len(model.segments) == len(kll.plan_exact(kl, (1, 4, 8, 8), (8, 8), recompute).segments)
     for latent, tile in [((1, 4, 16, 16), 16), ((1, 4, 23, 17), 24), ((1, 4, 40, 28), 32), ((1, 4, 12, 30), None)]:
         mid = dp.measure_mid_peak(kl, latent[2:], 4, torch.float32, "cpu")
         pred = model.predict(kl, latent[2:], tile, mid).tracked
@@ -112,9 +115,9 @@ def _synthetic(store_px: float = 100.0, n: int = 256 * 256, mid: int = 1000):
 def test_choose_largest_fitting_tile_first():
     predict = _synthetic()
     store = 100 * 256 * 256
-    c = dp.choose_exact(predict, 256, store + 10 * 256**2)
+    c = pe.choose_exact(predict, 256, store + 10 * 256**2)
     assert c.whole and c.tile == 256 and not c.recompute and c.fits
-    c = dp.choose_exact(predict, 256, store + 10 * 192**2 + 5)
+    c = pe.choose_exact(predict, 256, store + 10 * 192**2 + 5)
     assert c.tile == 192 and not c.recompute and c.planned <= store + 10 * 192**2 + 5
 
 
@@ -122,49 +125,49 @@ def test_recompute_when_it_buys_a_much_larger_tile():
     predict = _synthetic()
     store = 100 * 256 * 256
     budget = store + 10 * 24**2  # without recompute only 24-px tiles fit; with it the whole image
-    c = dp.choose_exact(predict, 256, budget)
+    c = pe.choose_exact(predict, 256, budget)
     assert c.recompute and c.whole
-    assert c.score < dp.choose_exact(predict, 256, budget, tile=24).score
+    assert c.score < pe.choose_exact(predict, 256, budget, tile=24).score
 
 
 def test_host_store_only_where_allowed_and_needed():
     predict = _synthetic()
     budget = 10 * 128**2 + 1  # no device store fits at all
     with pytest.raises(ImpossibleBudgetError):
-        dp.choose_exact(predict, 256, budget)
-    c = dp.choose_exact(predict, 256, budget, host_store=True)
+        pe.choose_exact(predict, 256, budget)
+    c = pe.choose_exact(predict, 256, budget, host_store=True)
     assert not c.store_on_device and c.tile == 128
 
 
 def test_impossible_budget_states_a_minimum_that_works():
     predict = _synthetic()
     with pytest.raises(ImpossibleBudgetError) as err:
-        dp.choose_exact(predict, 256, 1000)
+        pe.choose_exact(predict, 256, 1000)
     minimum = err.value.minimum
     assert "too small" in str(err.value) and str(minimum) in str(err.value)
-    c = dp.choose_exact(predict, 256, minimum)
+    c = pe.choose_exact(predict, 256, minimum)
     assert c.fits and c.planned == minimum
     with pytest.raises(ImpossibleBudgetError):
-        dp.choose_exact(predict, 256, minimum - 1)
+        pe.choose_exact(predict, 256, minimum - 1)
 
 
 def test_overhead_and_extras_count_against_the_budget():
     predict = _synthetic()
     store = 100 * 256 * 256
-    c = dp.choose_exact(predict, 256, store + 2 * 10 * 256**2 + 500, overhead=1.0, extra_bytes=500)
+    c = pe.choose_exact(predict, 256, store + 2 * 10 * 256**2 + 500, overhead=1.0, extra_bytes=500)
     assert c.whole and c.planned == store + 2 * 10 * 256**2 + 500 and c.tracked == store + 10 * 256**2 + 500
-    c = dp.choose_exact(predict, 256, store + 2 * 10 * 256**2 + 499, overhead=1.0, extra_bytes=500)
+    c = pe.choose_exact(predict, 256, store + 2 * 10 * 256**2 + 499, overhead=1.0, extra_bytes=500)
     assert not c.whole or c.recompute
 
 
 def test_user_tile_is_kept_even_over_budget():
     predict = _synthetic()
-    c = dp.choose_exact(predict, 256, 1000, tile=64)
+    c = pe.choose_exact(predict, 256, 1000, tile=64)
     assert c.tile == 64 and not c.fits
-    c = dp.choose_exact(predict, 256, 10**9, tile=64)
+    c = pe.choose_exact(predict, 256, 10**9, tile=64)
     assert c.tile == 64 and c.fits and not c.recompute
 
 
 def test_no_whole_image_plan_after_an_untiled_oom():
-    c = dp.choose_exact(_synthetic(), 256, 10**9, allow_whole=False)
+    c = pe.choose_exact(_synthetic(), 256, 10**9, allow_whole=False)
     assert c.tile < 256 and not c.whole

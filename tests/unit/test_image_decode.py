@@ -16,6 +16,8 @@ import torch
 from vramfit.memory.cost import exact as dp
 from vramfit.memory.cost.phases import CostModelStore
 from vramfit.memory.decode import image as idm
+from vramfit.memory.plan import exact as pe
+from vramfit.memory.plan import image as pim
 from vramfit.memory.plan.grid import ImpossibleBudgetError
 
 from tests.unit.test_tiled_exact import _latent, _model
@@ -144,10 +146,10 @@ class StubPlanner:
         return dp.ExactPeak(1, 0, 1, "seg", 0, 1)
 
 
-def _exact_plan(tile: int, recompute: bool, on_device: bool) -> idm.DecodePlan:
+def _exact_plan(tile: int, recompute: bool, on_device: bool) -> pim.DecodePlan:
     pk = dp.ExactPeak(1, 0, 1, "seg", 0, 1)
-    c = dp.ExactChoice(tile, recompute, on_device, pk, 10, 10, 1.0, True, False)
-    return idm.DecodePlan("exact", c.describe(), 10, 10, exact=c)
+    c = pe.ExactChoice(tile, recompute, on_device, pk, 10, 10, 1.0, True, False)
+    return pim.DecodePlan("exact", c.describe(), 10, 10, exact=c)
 
 
 @pytest.mark.parametrize("device, order", [
@@ -163,7 +165,7 @@ def test_exact_fallback_order(vae, case, device, order):
     p = _exact_plan(64, False, True)
     seen = []
     for _ in order:
-        p = idm.fallback(job, p, planner, None, 10**9, (0, 0))
+        p = pim.fallback(job, p, planner, None, 10**9, (0, 0))
         c = p.exact
         seen.append((c.recompute, c.store_on_device, c.tile))
     assert seen == order and planner.asked == order
@@ -273,7 +275,7 @@ def test_one_progress_bar_over_all_passes(vae, case, stores):
         return lambda done, t: events.append((done, t))
 
     r = decode(vae, z, stores, {"progress_bar": bar}, tile_size=16, budget_mb=1024)
-    per_item = idm.units_of(idm.make_job(vae, z, core=True, out_device="cpu"), r.plan)
+    per_item = pim.units_of(idm.make_job(vae, z, core=True, out_device="cpu"), r.plan)
     assert totals == [2 * per_item]
     assert events[0] == (0, 2 * per_item) and events[-1] == (2 * per_item, 2 * per_item)
     assert [d for d, _ in events] == sorted(d for d, _ in events)

@@ -15,11 +15,10 @@ from vramfit.memory.measure.monitor import (
     TimelineRegistry,
     live_tensor_bytes,
     module_weight_bytes,
-    process_rss,
     render_timeline,
-    rss_peak_supported,
     tensors_storage_bytes,
 )
+from vramfit.memory.measure.procfs import process_rss, rss_peak_supported
 from vramfit.memory.measure.tracker import PeakTracker
 from vramfit.memory.report import Report
 

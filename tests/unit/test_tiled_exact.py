@@ -1,4 +1,4 @@
-"""Exact layer-synchronous tiled decode (``memory/executors/kl_exact.py``) on a tiny pure-torch KL decoder.
+"""Exact layer-synchronous tiled decode (``memory/executors/kl_exact.py``, layout ``memory/vae/kl_layout.py``) on a tiny pure-torch KL decoder.
 
 The decoder below mirrors ComfyUI's ``comfy.ldm.modules.diffusionmodules.model.Decoder`` (same module
 names, same forward) with few channels, so these tests run in seconds without ComfyUI. The real
@@ -19,6 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from vramfit.memory.executors import kl_exact as te
+from vramfit.memory.tiles import split_even
+from vramfit.memory.vae import kl_layout as kll
 
 # Tiny tensors: one intra-op thread (with 2 on a loaded 2-core machine, OpenMP spinning made this module
 # ~10x slower: 55 s vs 6 s measured).
@@ -184,7 +186,7 @@ def ref_case(kl):
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(0, 500), t=st.integers(1, 600))
 def test_split_even_is_a_balanced_partition(n, t):
-    parts = te.split_even(n, t)
+    parts = split_even(n, t)
     assert len(parts) == (-(-n // t) if n else 0)
     pos = 0
     for a, b in parts:
@@ -197,7 +199,7 @@ def test_split_even_is_a_balanced_partition(n, t):
 
 
 def test_plan_counts_steps_and_store(kl):
-    plan = te.plan_exact(kl, (2, 4, 11, 13), (16, 16))
+    plan = kll.plan_exact(kl, (2, 4, 11, 13), (16, 16))
     # ch_mult (1, 2, 4), 2 blocks per level: 3 levels x 2 blocks x 2 segments + 2 upsamples + out.
     assert len(plan.segments) == 3 * 2 * 2 + 2 + 1
     assert [s.kind for s in plan.segments[:5]] == ["conv1", "conv2", "conv1", "conv2", "upsample"]
@@ -208,13 +210,13 @@ def test_plan_counts_steps_and_store(kl):
     # One row of tiles (every activation in one band): nothing can be released before its segment ends,
     # so the worst point is the first block at full res: x (16 ch) + h (8) + shortcut(x) (8), batch 2.
     n = 44 * 52
-    assert te.plan_exact(kl, (2, 4, 11, 13), (64, 64)).store_peak_elements == 2 * (16 + 8 + 8) * n
-    assert te.plan_exact(kl, (2, 4, 11, 13), (64, 64), recompute=True).store_peak_elements == 2 * (16 + 8) * n
+    assert kll.plan_exact(kl, (2, 4, 11, 13), (64, 64)).store_peak_elements == 2 * (16 + 8 + 8) * n
+    assert kll.plan_exact(kl, (2, 4, 11, 13), (64, 64), recompute=True).store_peak_elements == 2 * (16 + 8) * n
     # Three rows of tiles: x's rows are released as conv1's tiles pass.
-    sched = te.store_schedule(kl, (11, 13), (16, 16))
+    sched = kll.store_schedule(kl, (11, 13), (16, 16))
     assert plan.store_peak_elements == 2 * max(st.live for steps in sched for st in steps)
     assert plan.store_peak_elements < 2 * 23 * n and plan.store_peak_segment == "up.0.block.0.conv1"
-    rplan = te.plan_exact(kl, (2, 4, 11, 13), (16, 16), recompute=True)
+    rplan = kll.plan_exact(kl, (2, 4, 11, 13), (16, 16), recompute=True)
     assert rplan.store_peak_elements < 2 * 19 * n
     # Identity-shortcut blocks write their output over their input; channel-changing ones over the
     # shortcut(x) their conv1 wrote (so x dies with conv1).
@@ -230,9 +232,9 @@ def test_plan_counts_steps_and_store(kl):
 
 
 def test_supports_kl_structure(kl):
-    assert te.supports_exact(kl)
-    assert te.supports_exact(kl.decoder)
-    assert te.unsupported_reason(kl) is None
+    assert kll.supports_exact(kl)
+    assert kll.supports_exact(kl.decoder)
+    assert kll.unsupported_reason(kl) is None
 
 
 @pytest.mark.parametrize(
@@ -249,14 +251,14 @@ def test_supports_kl_structure(kl):
 def test_unsupported_structures(mutate, expected):
     model = _model()
     mutate(model)
-    assert not te.supports_exact(model)
-    assert expected in te.unsupported_reason(model)
+    assert not kll.supports_exact(model)
+    assert expected in kll.unsupported_reason(model)
     with pytest.raises(ValueError, match="does not support"):
         te.decode_exact(model, torch.zeros(1, 4, 4, 4), (8, 8))
 
 
 def test_up_path_attention_decoder_is_rejected():
-    assert not te.supports_exact(_model(up_attn=True))
+    assert not kll.supports_exact(_model(up_attn=True))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -267,7 +269,7 @@ def test_up_path_attention_decoder_is_rejected():
 @pytest.mark.parametrize("tile", [(8, 8), (16, 12), (7, 30)])
 def test_exact_matches_untiled(kl, ref_case, recompute, tile):
     z, ref = ref_case
-    plan = te.plan_exact(kl, z.shape, tile, recompute)
+    plan = kll.plan_exact(kl, z.shape, tile, recompute)
     assert plan.tiles_per_segment[-1] >= 9  # at least 3 x 3 tiles at full res
     out = te.decode_exact(kl, z, tile, recompute=recompute)
     assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -292,7 +294,7 @@ def test_band_freeing_halves_the_store(kl):
     old_in_out = (16 + 8 + 8) * n * 4  # x + h + y of the first full-res block, all whole (float32)
     store = max(starts)
     assert store <= 0.6 * old_in_out, (store, old_in_out)
-    planned = te.plan_exact(kl, z.shape, (8, 8)).store_peak_elements * 4
+    planned = kll.plan_exact(kl, z.shape, (8, 8)).store_peak_elements * 4
     # The schedule is what runs (+ statistics partials and GroupNorm affine caches: ~1.5 % here).
     assert planned <= store <= 1.03 * planned, (store, planned)
     assert (out - ref).abs().max().item() <= 1e-4
@@ -308,8 +310,8 @@ def test_per_tile_statistics_would_not_be_exact(kl, ref_case):
     z, ref = ref_case
     out = torch.empty_like(ref)
     with torch.no_grad():
-        for y0, y1 in te.split_even(z.shape[2], 4):
-            for x0, x1 in te.split_even(z.shape[3], 5):
+        for y0, y1 in split_even(z.shape[2], 4):
+            for x0, x1 in split_even(z.shape[3], 5):
                 a0, a1, b0, b1 = max(0, y0 - 2), min(z.shape[2], y1 + 2), max(0, x0 - 2), min(z.shape[3], x1 + 2)
                 t = kl.decode(z[:, :, a0:a1, b0:b1])
                 out[:, :, 4 * y0 : 4 * y1, 4 * x0 : 4 * x1] = t[:, :, 4 * (y0 - a0) : 4 * (y1 - a0), 4 * (x0 - b0) : 4 * (x1 - b0)]
@@ -388,7 +390,7 @@ def test_progress_counts_to_the_announced_total(kl, ref_case):
     z, _ = ref_case
     calls: list[tuple[int, int]] = []
     te.decode_exact(kl, z, (8, 8), progress=lambda d, t: calls.append((d, t)))
-    total = te.count_exact_steps(kl, z.shape, (8, 8))
+    total = kll.count_exact_steps(kl, z.shape, (8, 8))
     assert calls[0] == (0, total)
     assert [d for d, _ in calls] == list(range(total + 1))
     assert all(t == total for _, t in calls)
@@ -442,7 +444,7 @@ def test_oom_resume_equals_uninterrupted(kl, ref_case, fail_at, recompute):
     done = [d for d, _ in progress]
     assert done == sorted(done) and progress[-1][0] == progress[-1][1]
     # Resuming ran more, smaller tiles than the uninterrupted plan but never repeated finished work:
-    plan_small = te.plan_exact(kl, z.shape, (8, 8), recompute)
+    plan_small = kll.plan_exact(kl, z.shape, (8, 8), recompute)
     assert len(seen) <= plan_small.total_steps - plan_small.mid_steps + 1
 
 
@@ -453,7 +455,7 @@ def test_oom_inside_each_segment_kind(kl, ref_case, which):
     z, _ = ref_case
     tile = (16, 16)
     recompute = which == "conv12"
-    plan = te.plan_exact(kl, z.shape, tile, recompute)
+    plan = kll.plan_exact(kl, z.shape, tile, recompute)
     kind = "conv2" if which == "inplace_conv2" else which
     idx = max(i for i, s in enumerate(plan.segments)
               if s.kind == kind and (which != "inplace_conv2" or s.inplace_of is not None))
@@ -512,14 +514,14 @@ def test_oom_while_allocating_a_store_propagates(kl, monkeypatch):
 
 
 def test_estimate_is_consistent_with_plan(kl):
-    est = te.estimate_exact_peak(kl, (1, 4, 32, 32), (32, 32), 2, store_on_device=False)
-    plan = te.plan_exact(kl, (1, 4, 32, 32), (32, 32))
+    est = kll.estimate_exact_peak(kl, (1, 4, 32, 32), (32, 32), 2, store_on_device=False)
+    plan = kll.plan_exact(kl, (1, 4, 32, 32), (32, 32))
     assert est["store"] == plan.store_peak_elements * 2 and est["host"] == est["store"]
     assert est["device"] == max(est["tile"], est["mid"])
-    on_dev = te.estimate_exact_peak(kl, (1, 4, 32, 32), (32, 32), 2, store_on_device=True)
+    on_dev = kll.estimate_exact_peak(kl, (1, 4, 32, 32), (32, 32), 2, store_on_device=True)
     assert on_dev["device"] == est["device"] + est["store"] and on_dev["host"] == 0
     # Smaller tiles need less per-tile memory.
-    assert te.estimate_exact_peak(kl, (1, 4, 32, 32), (16, 16), 2, False)["tile"] < est["tile"]
+    assert kll.estimate_exact_peak(kl, (1, 4, 32, 32), (16, 16), 2, False)["tile"] < est["tile"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -594,8 +596,8 @@ def _record_tiles(acc: te._StatAcc, x: torch.Tensor, tiles: list[tuple[int, int]
     parts = []
     for b in range(x.shape[0]):
         th, tw = tiles[b % len(tiles)]
-        for y0, y1 in te.split_even(x.shape[2], th):
-            for x0, x1 in te.split_even(x.shape[3], tw):
+        for y0, y1 in split_even(x.shape[2], th):
+            for x0, x1 in split_even(x.shape[3], tw):
                 parts.append((b, x[b : b + 1, :, y0:y1, x0:x1]))
     order = torch.randperm(len(parts), generator=torch.Generator().manual_seed(seed)).tolist()
     for i in order:

@@ -1,4 +1,4 @@
-"""Temporal-chunk video decode (``memory/executors/wan.py``): the pure parts, without ComfyUI.
+"""Temporal-chunk video decode (``memory/executors/wan.py``, ``blend.py``, ``vae/wan_layout.py``): the pure parts, without ComfyUI.
 
 * chunk / tile / overlap geometry (partitions, halos, ComfyUI's temporal tile positions);
 * Wan 2.2's unpatchify reshape against the ``einops`` pattern ComfyUI uses;
@@ -17,7 +17,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from vramfit.memory import oom, tiles
+from vramfit.memory.executors import blend
 from vramfit.memory.executors import wan as vc
+from vramfit.memory.vae import wan_layout as wl
 
 UP4 = lambda a: max(0, a * 4 - 3)  # noqa: E731  (ComfyUI's upscale_ratio[0] for Wan/Hunyuan/...)
 
@@ -33,7 +36,7 @@ class FakeOOM(RuntimeError):
 @settings(max_examples=200, deadline=None)
 @given(t=st.integers(0, 200), k=st.integers(-1, 60))
 def test_chunk_ranges_first_frame_alone_then_k(t, k):
-    ranges = vc.chunk_ranges(t, k)
+    ranges = tiles.chunk_ranges(t, k)
     if t == 0:
         assert ranges == []
         return
@@ -51,7 +54,7 @@ def test_chunk_ranges_first_frame_alone_then_k(t, k):
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(1, 300), tile=st.integers(1, 120), halo=st.integers(0, 20))
 def test_tile_spans_partition_with_clipped_halo(n, tile, halo):
-    spans = vc.tile_spans(n, tile, halo)
+    spans = tiles.spans(n, tile, halo)
     assert len(spans) == -(-n // tile)
     pos = 0
     for c0, c1, e0, e1 in spans:
@@ -79,7 +82,7 @@ def _comfy_positions(t: int, k: int, o: int) -> list[tuple[int, int]]:
 @given(t=st.integers(1, 80), k=st.integers(1, 20), o=st.integers(0, 19))
 def test_overlap_chunks_match_comfy_positions_and_cover(t, k, o):
     o = min(o, k - 1)
-    chunks = vc.overlap_chunks(t, k, o)
+    chunks = tiles.overlap_chunks(t, k, o)
     assert chunks == _comfy_positions(t, k, o)
     covered = set()
     for a, b in chunks:
@@ -136,12 +139,12 @@ def _consistent_decode(offsets: dict[int, float] | None = None):
 def test_blend_reproduces_a_consistent_decoder_exactly(t, k, o):
     fn = _consistent_decode()
     stats: dict = {}
-    out = vc.decode_overlap_blend(fn, _latent(t), k, o, upscale_ratio=UP4, index_formula=4, stats=stats)
+    out = blend.decode_overlap_blend(fn, _latent(t), k, o, upscale_ratio=UP4, index_formula=4, stats=stats)
     ref = _signal(torch.arange(UP4(t)))
     assert out.shape == ref.shape == (1, 2, UP4(t), 4, 5)
     assert (out - ref).abs().max().item() <= 1e-6
     oo = min(max(o, 1), k - 1)  # overlap 0 is raised to 1 (as ComfyUI does)
-    assert [(p, p + n) for p, n in fn.calls] == vc.overlap_chunks(t, k, oo) == stats["ranges"]
+    assert [(p, p + n) for p, n in fn.calls] == tiles.overlap_chunks(t, k, oo) == stats["ranges"]
     assert stats["exact"] is False
 
 
@@ -149,7 +152,7 @@ def test_blend_cross_fade_ramps_monotonically_across_the_overlap():
     # Chunks [0, 4) and [2, 6) (k=4, o=2): the second one is off by +1. Frames 8..12 are covered by
     # both; the offset seen there must rise strictly from ~0 to ~1 (ComfyUI's linear feather of 5 frames).
     fn = _consistent_decode({0: 0.0, 2: 1.0})
-    out = vc.decode_overlap_blend(fn, _latent(6), 4, 2, upscale_ratio=UP4, index_formula=4)
+    out = blend.decode_overlap_blend(fn, _latent(6), 4, 2, upscale_ratio=UP4, index_formula=4)
     offset = (out - _signal(torch.arange(UP4(6)))).mean(dim=(0, 1, 3, 4))
     assert offset[:8].abs().max() < 1e-6  # only the first chunk
     assert (offset[13:] - 1).abs().max() < 1e-6  # only the second chunk
@@ -168,7 +171,7 @@ def test_blend_resumes_after_oom_identically_and_reports_progress():
             raise FakeOOM(f"injected at {step}")
 
     stats: dict = {}
-    out = vc.decode_overlap_blend(
+    out = blend.decode_overlap_blend(
         fn,
         _latent(t),
         8,
@@ -192,7 +195,7 @@ def test_blend_oom_at_one_frame_propagates_and_stop_is_honoured():
         raise FakeOOM("no memory at all")
 
     with pytest.raises(FakeOOM):
-        vc.decode_overlap_blend(
+        blend.decode_overlap_blend(
             _consistent_decode(),
             _latent(5),
             2,
@@ -215,12 +218,12 @@ def test_blend_oom_at_one_frame_propagates_and_stop_is_honoured():
 
     fn = _consistent_decode()
     with pytest.raises(Stop):
-        vc.decode_overlap_blend(
+        blend.decode_overlap_blend(
             fn, _latent(7), 3, 1, upscale_ratio=UP4, index_formula=4, should_stop=should_stop
         )
     assert len(fn.calls) == 1
     with pytest.raises(InterruptedError):
-        vc.decode_overlap_blend(
+        blend.decode_overlap_blend(
             fn, _latent(7), 3, 1, upscale_ratio=UP4, index_formula=4, should_stop=lambda: True
         )
 
@@ -232,7 +235,7 @@ def test_bare_exception_is_not_treated_as_oom():
         raise ValueError("a bug, not an OOM")
 
     with pytest.raises(ValueError, match="a bug"):
-        vc.decode_overlap_blend(
+        blend.decode_overlap_blend(
             _consistent_decode(),
             _latent(7),
             4,
@@ -242,8 +245,8 @@ def test_bare_exception_is_not_treated_as_oom():
             fault_hook=boom,
             oom_exceptions=(Exception,),
         )
-    assert vc._oom_types((Exception, FakeOOM)) == (FakeOOM,)
-    assert vc._oom_types(None) == vc.default_oom_exceptions()
+    assert oom.oom_types((Exception, FakeOOM)) == (FakeOOM,)
+    assert oom.oom_types(None) == oom.default_oom_exceptions()
 
 
 def test_blend_rejects_a_decoder_with_the_wrong_frame_count():
@@ -251,23 +254,23 @@ def test_blend_rejects_a_decoder_with_the_wrong_frame_count():
         return torch.zeros(1, 3, 4 * zc.shape[2], 2, 2)  # 4 l instead of 4 l - 3
 
     with pytest.raises(RuntimeError, match="frames"):
-        vc.decode_overlap_blend(bad, _latent(5), 2, 1, upscale_ratio=UP4, index_formula=4)
+        blend.decode_overlap_blend(bad, _latent(5), 2, 1, upscale_ratio=UP4, index_formula=4)
 
 
 # --------------------------------------------------------------------------------------------------
 # Planner-facing geometry of a layout
 
 
-def _layout() -> vc.WanLayout:
+def _layout() -> wl.WanLayout:
     slots = (
-        vc.CacheSlot(0, "conv1", 16, 1, "conv"),
-        vc.CacheSlot(1, "middle.0.residual.2", 384, 1, "conv"),
-        vc.CacheSlot(2, "upsamples.0.time_conv", 384, 1, "time_up"),
-        vc.CacheSlot(3, "upsamples.1.residual.2", 192, 2, "conv"),
-        vc.CacheSlot(4, "head.2", 96, 8, "conv"),
+        wl.CacheSlot(0, "conv1", 16, 1, "conv"),
+        wl.CacheSlot(1, "middle.0.residual.2", 384, 1, "conv"),
+        wl.CacheSlot(2, "upsamples.0.time_conv", 384, 1, "time_up"),
+        wl.CacheSlot(3, "upsamples.1.residual.2", 192, 2, "conv"),
+        wl.CacheSlot(4, "head.2", 96, 8, "conv"),
     )
-    splits = (vc.SplitInfo(0, 1, 384, 1, 12.25, 2), vc.SplitInfo(1, 2, 192, 2, 2.75, 3))
-    return vc.WanLayout("2.1", 16, 4, 8, 1, 3, slots, splits, 1, (), 5)
+    splits = (wl.SplitInfo(0, 1, 384, 1, 12.25, 2), wl.SplitInfo(1, 2, 192, 2, 2.75, 3))
+    return wl.WanLayout("2.1", 16, 4, 8, 1, 3, slots, splits, 1, (), 5)
 
 
 def test_layout_geometry_for_the_planner():
@@ -278,7 +281,7 @@ def test_layout_geometry_for_the_planner():
     # Chunks tile the output frames exactly.
     for t in (1, 2, 7):
         for k in (1, 2, 5):
-            n = sum(lay.chunk_out_frames(b - a, first=a == 0) for a, b in vc.chunk_ranges(t, k))
+            n = sum(lay.chunk_out_frames(b - a, first=a == 0) for a, b in tiles.chunk_ranges(t, k))
             assert n == lay.out_frames(t)
     h, w, b, item = 5, 7, 2, 2
     tiled = (192 * 4 + 96 * 64) * 2 * h * w * b * item  # slots >= first_slot 3 of split 1, 2 frames each
@@ -297,8 +300,8 @@ def test_layout_geometry_for_the_planner():
 
 
 def test_non_wan_models_are_rejected():
-    assert not vc.is_wan_vae(torch.nn.Conv2d(3, 3, 3))
+    assert not wl.is_wan_vae(torch.nn.Conv2d(3, 3, 3))
     with pytest.raises(ValueError, match="not a Wan VAE"):
-        vc.wan_layout(torch.nn.Sequential(torch.nn.Conv3d(3, 3, 3)))
+        wl.wan_layout(torch.nn.Sequential(torch.nn.Conv3d(3, 3, 3)))
     with pytest.raises(ValueError, match="not a Wan VAE"):
         vc.decode_wan_chunked(torch.nn.Identity(), torch.zeros(1, 16, 2, 2, 2))

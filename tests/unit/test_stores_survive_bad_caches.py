@@ -58,7 +58,7 @@ def test_corrupt_cache_file_is_ignored_with_a_warning(tmp_path, caplog, text) ->
         store = CostModelStore(cache, defaults_dir=None)
     assert store.keys() == [] and "ignoring unreadable cost-model cache" in caplog.text
     store.put(_model())  # a new calibration replaces the broken file
-    assert [m.key for m in CostModelStore(cache, defaults_dir=None)._cache.values()] == [KEY]
+    assert [m.key for m in CostModelStore(cache, defaults_dir=None).models()] == [KEY]
 
 
 def test_unreadable_cache_file_is_ignored(tmp_path, monkeypatch, caplog) -> None:

@@ -116,7 +116,7 @@ def test_image_budget_same_whether_weights_were_loaded(comfy, fixture_vaes, imag
 
 def test_video_budget_same_whether_weights_were_loaded(comfy, fixture_vaes, video, wan21):
     vae, z, _ = wan21  # loaded by the reference VAEDecode
-    top = video.vd.plan_wan(video._validate(vae, {"samples": z}, 0, 0), 4096 * MiB, 0, None, video.peak_store())
+    top = sys.modules[video.__name__.rsplit('.nodes.', 1)[0] + '.memory.plan.video'].plan_wan(video._validate(vae, {"samples": z}, 0, 0), 4096 * MiB, 0, None, video.comfy_env().peaks)
     budget_mb = int(top.planned / MiB) + 1
     loaded = _outcome(video, vae, z, budget_mb=budget_mb)
     fresh = _outcome(video, _fresh(comfy, fixture_vaes, "wan21"), z, budget_mb=budget_mb)

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vramfit.memory import oom
 from vramfit.memory.cost import exact as dp
+from vramfit.memory.decode import env as denv
 from vramfit.memory.decode import image as idm
 from vramfit.memory.decode import video as vd
 from vramfit.memory.executors import generic as tg
 from vramfit.memory.executors import kl_exact as te
-from vramfit.memory.executors import wan as vc
+from vramfit.memory.plan import exact as pe
+from vramfit.memory.plan import image as pim
+from vramfit.memory.plan import video as pv
 from vramfit.memory.report import fmt_bytes
 
 from tests.unit.test_image_decode import TinyVAE, _stores
@@ -34,12 +38,11 @@ OOM = torch.OutOfMemoryError
 
 
 def test_oom_types_drop_a_bare_exception_in_one_place():
-    assert te.oom_types((Exception,)) == te.default_oom_exceptions() == (OOM,)
-    assert te.oom_types((BaseException, KeyError)) == (KeyError,)
-    assert te.oom_types(None) == te.default_oom_exceptions()
-    assert te.oom_types(()) == ()
-    assert vc._oom_types((Exception,)) == te.oom_types((Exception,))
-
+    assert oom.oom_types((Exception,)) == oom.default_oom_exceptions() == (OOM,)
+    assert oom.oom_types((BaseException, KeyError)) == (KeyError,)
+    assert oom.oom_types(None) == oom.default_oom_exceptions()
+    assert oom.oom_types(()) == ()
+    assert oom.oom_types((Exception,)) == oom.oom_types((Exception,))
 
 @pytest.fixture(scope="module")
 def vae():
@@ -154,13 +157,13 @@ def test_exact_fallback_reports_the_figures_of_the_plan_that_ran(vae):
     job = idm.make_job(vae, _latent((1, 4, 7, 9), seed=1), core=True, out_device="cpu")
     planner = FigPlanner()
     pk = planner.predict(False, True, 64)
-    extra, post = idm.buffer_bytes(job), idm.item_image_bytes(job)
-    first = dp.ExactChoice(64, False, True, pk, extra + max(pk.with_overhead(0.25), post),
+    extra, post = pim.buffer_bytes(job), pim.item_image_bytes(job)
+    first = pe.ExactChoice(64, False, True, pk, extra + max(pk.with_overhead(0.25), post),
                            extra + max(pk.tracked, post), 1.0, True, False)
-    p = idm.DecodePlan("exact", first.describe(), first.planned, first.tracked, exact=first)
+    p = pim.DecodePlan("exact", first.describe(), first.planned, first.tracked, exact=first)
     for _ in range(3):
         old = p
-        p = idm.fallback(job, p, planner, None, 10**9, (0, 0))
+        p = pim.fallback(job, p, planner, None, 10**9, (0, 0))
         c = p.exact
         want = planner.predict(c.recompute, c.store_on_device, c.tile)
         assert c.peak == want
@@ -182,8 +185,8 @@ def test_exact_replan_report_shows_the_new_plan(vae, stores):
     r = _decode(vae, z, stores, {"fault_hook": fault}, tile_size=16, budget_mb=1024)
     assert r.plan.exact.recompute and r.plan.exact.tile == 8 and len(r.oom_events) == 2
     job = idm.make_job(vae, z, core=True, out_device="cpu")
-    overhead = float(idm.full_cost_model(job, idm.DecodeEnv(cost_models=stores[0])).overhead)
-    extra, post = idm.buffer_bytes(job), idm.item_image_bytes(job)
+    overhead = float(pim.full_cost_model(job, idm.DecodeEnv(cost_models=stores[0])).overhead)
+    extra, post = pim.buffer_bytes(job), pim.item_image_bytes(job)
     assert r.plan.planned == extra + max(r.plan.exact.peak.with_overhead(overhead), post)
     assert r.plan.tracked == extra + max(r.plan.exact.peak.tracked, post)
     assert r.plan.planned < clean.plan.planned and r.plan.tracked < clean.plan.tracked
@@ -233,7 +236,7 @@ class TinyVideoVAE:
 
 
 def _video(vae, z, env=None, **kw) -> vd.VideoDecodeResult:
-    return vd.decode_video(vd.make_job(vae, z, "cpu"), env or vd.VideoEnv(), unload_others=False, **kw)
+    return vd.decode_video(vd.make_job(vae, z, "cpu"), env or denv.DecodeEnv(), unload_others=False, **kw)
 
 
 def test_non_wan_video_chunk_follows_the_budget():
@@ -241,7 +244,7 @@ def test_non_wan_video_chunk_follows_the_budget():
     z = torch.randn(1, 4, 9, 16, 16, generator=torch.Generator().manual_seed(0))
     big = _video(vae, z, budget_mb=1024)
     assert not vd.make_job(vae, z, "cpu").wan
-    assert big.plan.planned > 0 and not big.plan.over_budget and big.plan.k == 4 == vd.BLEND_MAX_K
+    assert big.plan.planned > 0 and not big.plan.over_budget and big.plan.k == 4 == pv.BLEND_MAX_K
     assert f"peak {fmt_bytes(big.plan.planned)}" in dict(big.report.rows)["predicted"]
     plans = [big.plan]
     for frac in (0.9, 0.75, 0.6):
@@ -288,7 +291,7 @@ def test_video_offload_asks_min_of_need_and_budget(budget_mb):
         asked.append(need)
         return Freed()
 
-    env = vd.VideoEnv(offload=offload, budget=lambda v, mb: vd._default_budget(v, mb or 1024))
+    env = denv.DecodeEnv(offload=offload, budget=lambda v, mb: denv.default_budget(v, mb or 1024))
     r = vd.decode_video(vd.make_job(vae, z, "cpu"), env, budget_mb=budget_mb, unload_others=True)
     assert dict(r.report.rows)["offload"] == "freed"
     if budget_mb == 0.05:  # needed > budget: the budget

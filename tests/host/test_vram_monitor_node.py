@@ -11,7 +11,7 @@ import uuid
 import numpy as np
 import pytest
 import torch
-from vramfit.memory.measure.monitor import process_rss, rss_peak_supported
+from vramfit.memory.measure.procfs import process_rss, rss_peak_supported
 from vramfit.memory.measure.tracker import PeakTracker
 from vramfit.memory.report import Report
 

@@ -1,0 +1,325 @@
+"""Planning an image decode: the job (what to decode, which paths the decoder allows), the cost models
+(untiled decode, exact executor), and the plan of each path (untiled / exact tiles / approximate tiles),
+fastest first, with the smaller plan to take after an out-of-memory error (:func:`fallback`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from ..cost import exact as dp
+from ..cost.calibration import calibrate_vae, cost_model_for, fit_grid, real_grid, vae_key
+from ..cost.phases import CostModel
+from ..executors import generic as tg
+from ..executors import kl_exact as te
+from ..geometry import Geometry, VaeGeometry
+from ..measure.reach import ReachReport, traced_reach
+from ..measure.sizing import MetaSizer, decode_run
+from ..vae.families import identify, model_name, structure_digest
+from ..vae.kl_layout import count_exact_steps, estimate_exact_peak, unsupported_reason
+from . import exact as pe
+from .grid import ImpossibleBudgetError, Plan, plan_decode
+
+log = logging.getLogger("vramfit.memory.plan.image")
+
+__all__ = ["DecodePlan", "ExactPlanner", "ImageJob", "fallback", "full_cost_model", "make_job", "plan_exact",
+           "plan_generic", "plan_untiled", "reach", "spatial_ratio", "units_of"]
+
+# --------------------------------------------------------------------------------------------------
+# The job
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageJob:
+    vae: Any
+    z: torch.Tensor
+    channels: int
+    ratio: int
+    out_hw: tuple[int, int]
+    core: bool
+    """The VAE's decode is ComfyUI's own contract (``first_stage_model.decode`` + ``process_output``)."""
+    exact_reason: str | None
+    """None when the exact executor supports the decoder (and the contract), else why not."""
+    family: str
+    dtype: torch.dtype
+    device: torch.device
+    out_device: torch.device
+
+
+def spatial_ratio(vae: Any, channels: int) -> int:
+    """Output px per latent px: ``upscale_ratio``, ``latent_scale`` (ComfyUI_ExtraModels' EXVAE), else
+    a meta-sized decode of an 8x8 latent. Raises ValueError when it cannot be inferred."""
+    up = getattr(vae, "upscale_ratio", None)
+    if isinstance(up, int) and up > 0:
+        return up
+    scale = getattr(vae, "latent_scale", None)
+    if isinstance(scale, (int, float)) and scale >= 1 and float(scale).is_integer():
+        return int(scale)
+    model = vae.first_stage_model
+    with MetaSizer([model], getattr(vae, "vae_dtype", torch.float32), getattr(vae, "device", "cpu")):
+        z = torch.empty((1, channels, 8, 8), dtype=getattr(vae, "vae_dtype", torch.float32), device=vae.device)
+        out = model.decode(z)
+        ratio = int(out.shape[-1]) // 8
+    if ratio < 1:
+        raise ValueError(f"cannot infer the VAE's spatial ratio (decode of an 8x8 latent gave {tuple(out.shape)})")
+    return ratio
+
+
+def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device | str) -> ImageJob:
+    """The job of decoding the 4-D latent ``z`` (inputs already validated). ``core``: ``vae`` keeps
+    ComfyUI's ``VAE.decode`` contract; ``out_device``: where the images are assembled."""
+    channels = int(z.shape[1])
+    reason = unsupported_reason(vae.first_stage_model)
+    if reason is None and not core:
+        reason = f"{type(vae).__name__} overrides VAE.decode (its own post-processing is kept)"
+    ratio = spatial_ratio(vae, channels)
+    return ImageJob(
+        vae=vae,
+        z=z,
+        channels=channels,
+        ratio=ratio,
+        out_hw=(int(z.shape[2]) * ratio, int(z.shape[3]) * ratio),
+        core=core,
+        exact_reason=reason,
+        family=identify(vae) or model_name(vae),
+        dtype=getattr(vae, "vae_dtype", torch.float32),
+        device=torch.device(vae.device),
+        out_device=torch.device(out_device),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Cost models and reach
+
+
+def full_cost_model(job: ImageJob, env: Any) -> CostModel:
+    """Cost model of the untiled decode: shipped/cached for known families, else meta-calibrated once."""
+    vae = job.vae
+    store = env.cost_models
+    if identify(vae) is not None:
+        return cost_model_for(vae, store, executor="full", device=job.device, dtype=job.dtype)
+    geo = VaeGeometry(job.family, job.ratio)
+    model = vae.first_stage_model
+    run = decode_run(model.decode, job.channels, job.dtype, job.device)
+
+    def fit() -> CostModel:
+        try:
+            return calibrate_vae(vae, executor="full", run=run, mode="meta", geometries=fit_grid(geo),
+                                 device=job.device, dtype=job.dtype)
+        except Exception as e:  # noqa: BLE001 - an op without a fake kernel: calibrate with real decodes
+            log.warning("meta sizing failed for %s (%s: %s); calibrating with real decodes", job.family,
+                        type(e).__name__, e)
+        if hasattr(vae, "patcher") and env.load_weights is not None:
+            env.load_weights(vae, 0)
+        return calibrate_vae(vae, executor="full", run=run, mode="real", geometries=real_grid(geo),
+                             device=job.device, dtype=job.dtype)
+
+    return store.get_or_calibrate(vae_key(vae, "full", job.device, job.dtype), fit)
+
+
+_REACH: dict[str, tuple[ReachReport, bool]] = {}
+
+
+def reach(job: ImageJob) -> tuple[ReachReport, bool]:
+    """Convolutional reach of the decoder (traced on fake tensors) and whether it has global ops."""
+    model = job.vae.first_stage_model
+    key = f"{job.family}/{type(model).__module__}.{type(model).__qualname__}/{structure_digest(model)}/{job.channels}"
+    if key not in _REACH:
+        with MetaSizer([model], job.dtype, job.device):
+            z = torch.empty((1, job.channels, 8, 8), dtype=job.dtype, device=job.device)
+            report = traced_reach(model, lambda: model.decode(z), (8, 8))
+        norms = any(isinstance(m, (torch.nn.GroupNorm, torch.nn.LayerNorm)) for m in model.modules())
+        _REACH[key] = (report, report.has_global_ops or norms)
+    return _REACH[key]
+
+
+# --------------------------------------------------------------------------------------------------
+# Plans
+
+
+@dataclasses.dataclass
+class DecodePlan:
+    path: str  # "untiled" | "exact" | "generic"
+    description: str
+    planned: int
+    tracked: int
+    full: Plan | None = None
+    exact: pe.ExactChoice | None = None
+    generic: Plan | None = None
+    halo: int = 0
+    feather: int = 0
+    over_budget: bool = False
+
+
+def buffer_bytes(job: ImageJob) -> int:
+    """The output buffer (B, H, W, C) float32 counts when it lives on the decode device's type."""
+    b = int(job.z.shape[0])
+    return b * job.out_hw[0] * job.out_hw[1] * 3 * 4 if job.out_device.type == job.device.type else 0
+
+
+def item_image_bytes(job: ImageJob) -> int:
+    """One decoded image (1, 3, H, W) plus ``process_output``'s temporaries (float32)."""
+    if job.out_device.type != job.device.type:
+        return 0
+    n = job.out_hw[0] * job.out_hw[1] * 3
+    return n * (torch.empty((), dtype=job.dtype).element_size() + 12)
+
+
+def plan_untiled(job: ImageJob, full: CostModel, budget: int) -> DecodePlan | None:
+    geo = VaeGeometry(job.family, job.ratio)
+    extra = buffer_bytes(job)
+    try:
+        p = plan_decode(tuple(job.z.shape), geo, budget - extra, full, allow_tiling=False)
+    except ImpossibleBudgetError:
+        return None
+    g = Geometry(int(job.z.shape[2]), int(job.z.shape[3]), batch=p.images_per_pass, spatial_ratio=job.ratio)
+    tracked = extra + full.predict_tracked(g)
+    return DecodePlan("untiled", p.describe(), extra + p.predicted_peak, tracked, full=p)
+
+
+class ExactPlanner:
+    """Lazily calibrated exact cost models + the mid phase of this latent, for ``choose_exact``."""
+
+    def __init__(self, job: ImageJob, env: Any, overhead: float, attention_bytes: int) -> None:
+        self.job = job
+        self.env = env
+        self.overhead = overhead
+        self.attention_bytes = int(attention_bytes)
+        """Score slices of the mid block's split attention (CPU path): ``env.attention``."""
+        self.model = job.vae.first_stage_model
+        self.latent_hw = (int(job.z.shape[2]), int(job.z.shape[3]))
+        self._mid: dict[bool, int] = {}
+        self.calibrated: list[str] = []
+
+    def cost_model(self, recompute: bool, on_device: bool) -> dp.ExactCostModel:
+        job = self.job
+        key = dp.exact_key(self.model, job.dtype, job.device, recompute, on_device)
+
+        def fit() -> dp.ExactCostModel:
+            m = dp.calibrate_exact(self.model, job.channels, job.dtype, job.device, recompute=recompute,
+                                   store_on_device=on_device)
+            self.calibrated.append(f"{'recompute' if recompute else 'store'}/{'device' if on_device else 'host'} "
+                                   f"{m.calibration_seconds:.1f} s")
+            return m
+
+        return self.env.exact_cost_models.get_or_calibrate(key, fit)
+
+    def mid(self, on_device: bool) -> int:
+        if on_device not in self._mid:
+            job = self.job
+            try:
+                with self.env.attention(self.model, self.attention_bytes):
+                    self._mid[on_device] = dp.measure_mid_peak(self.model, self.latent_hw, job.channels,
+                                                               job.dtype, job.device, on_device)
+            except Exception as e:  # noqa: BLE001 - no fake kernel for some op: analytic, conservative
+                log.warning("meta sizing of the mid block failed (%s: %s); using the analytic estimate",
+                            type(e).__name__, e)
+                est = estimate_exact_peak(self.model, (1, job.channels, *self.latent_hw), (8, 8),
+                                             torch.empty((), dtype=job.dtype).element_size(), on_device)
+                self._mid[on_device] = int(est["mid"])
+        return self._mid[on_device]
+
+    def predict(self, recompute: bool, on_device: bool, tile: int) -> dp.ExactPeak:
+        return self.cost_model(recompute, on_device).predict(self.model, self.latent_hw, tile, self.mid(on_device))
+
+    def choose(self, budget: int, tile: int | None, exclude_whole: bool = False) -> pe.ExactChoice:
+        job = self.job
+        return pe.choose_exact(
+            self.predict,
+            max(job.out_hw),
+            budget,
+            allow_whole=not exclude_whole,
+            overhead=self.overhead,
+            extra_bytes=buffer_bytes(job),
+            post_bytes=item_image_bytes(job),
+            host_store=job.device.type != "cpu",
+            tile=tile,
+            what=f"latent {tuple(job.z.shape)}",
+        )
+
+
+def plan_exact(planner: ExactPlanner, budget: int, tile: int | None, exclude_whole: bool = False) -> DecodePlan:
+    c = planner.choose(budget, tile, exclude_whole)
+    return DecodePlan("exact", c.describe(), c.planned, c.tracked, exact=c, over_budget=not c.fits)
+
+
+def plan_generic(job: ImageJob, full: CostModel, budget: int, tile: int | None, halo: int,
+                 feather: int) -> DecodePlan:
+    geo = VaeGeometry(job.family, job.ratio, halo=halo)
+    extra = buffer_bytes(job) + item_image_bytes(job)
+    shape = (1, *job.z.shape[1:])
+    if tile is not None:
+        t = max(1, tile // job.ratio)
+        try:
+            p = plan_decode(shape, geo, max(0, budget - extra), full, halo=halo, min_tile=1, max_tile=t,
+                            split_batch=False)
+            over = False
+        except ImpossibleBudgetError as e:
+            p = e.smallest
+            over = True
+    else:
+        p = plan_decode(shape, geo, max(0, budget - extra), full, halo=halo, min_tile=8, split_batch=False)
+        over = False
+    g = Geometry(min(shape[2], p.tile_h + 2 * p.halo), min(shape[3], p.tile_w + 2 * p.halo), spatial_ratio=job.ratio)
+    desc = p.describe() + (f", feather {feather} latent px" if feather and p.tiled else "")
+    return DecodePlan("generic", desc, extra + p.predicted_peak, extra + full.predict_tracked(g), generic=p,
+                      halo=halo, feather=feather if p.tiled else 0, over_budget=over)
+
+
+def units_of(job: ImageJob, p: DecodePlan) -> int:
+    """Progress units of one batch item under plan ``p``."""
+    if p.path == "exact":
+        assert p.exact is not None
+        return count_exact_steps(job.vae.first_stage_model, (1, *job.z.shape[1:]), p.exact.tile, p.exact.recompute)
+    if p.path == "generic":
+        assert p.generic is not None
+        return tg.count_generic_steps((1, *job.z.shape[1:]), (p.generic.tile_h, p.generic.tile_w))
+    return 1
+
+
+def fallback(job: ImageJob, p: DecodePlan, planner: ExactPlanner | None, full: CostModel, budget: int,
+             reach: tuple[int, int]) -> DecodePlan:
+    """A smaller plan after an out-of-memory error outside a tile.
+
+    untiled -> exact tiles smaller than the image (half the planned bytes), or generic tiles;
+    exact -> recompute -> host store (accelerators) -> host store + recompute -> half the tile;
+    generic -> half the budget and the tile."""
+    if p.path == "untiled":
+        smaller = min(budget, p.planned // 2)
+        if planner is not None:
+            try:
+                return plan_exact(planner, smaller, None, exclude_whole=True)
+            except ImpossibleBudgetError:
+                return plan_exact(planner, smaller, pe.MIN_AUTO_TILE)
+        try:
+            return plan_generic(job, full, smaller, None, *reach)
+        except ImpossibleBudgetError:
+            return plan_generic(job, full, smaller, 8 * job.ratio, *reach)
+    if p.path == "exact":
+        assert p.exact is not None and planner is not None
+        c = p.exact
+        if not c.recompute:
+            nxt = (True, c.store_on_device, c.tile)
+        elif c.store_on_device and job.device.type != "cpu":
+            nxt = (False, False, c.tile)
+        else:
+            nxt = (c.recompute, c.store_on_device, max(te.MIN_TILE, c.tile // 2))
+        rec, on_dev, tile = nxt
+        pk = planner.predict(rec, on_dev, tile)
+        # The figures of the configuration that runs now, as choose_exact computes them.
+        extra, post = buffer_bytes(job), item_image_bytes(job)
+        planned = extra + max(pk.with_overhead(getattr(planner, "overhead", 0.0)), post)
+        tracked = extra + max(pk.tracked, post)
+        side = max(job.out_hw)
+        choice = dataclasses.replace(c, tile=tile, recompute=rec, store_on_device=on_dev, peak=pk, planned=planned,
+                                     tracked=tracked, score=pe.exact_score(tile, side, rec, on_dev),
+                                     fits=planned <= budget, whole=tile >= side)
+        return DecodePlan("exact", choice.describe(), planned, tracked, exact=choice, over_budget=not choice.fits)
+    g = p.generic
+    assert g is not None
+    return plan_generic(job, full, budget // 2, max(8 * job.ratio, g.tile_h * job.ratio // 2), p.halo, p.feather)
+
+

@@ -1,0 +1,491 @@
+"""Planning a video decode: the chunked Wan executor's candidates sized on fake tensors (or the host's own
+decode when the executor failed its self-check), the overlap-blend chunk for other video VAEs; :func:`plan`
+picks the path. Sized peaks persist in a :class:`PeakStore`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..cost.phases import dtype_name
+from ..executors import wan as vc
+from ..measure.sizing import MetaSizer
+from ..report import fmt_bytes
+from ..store import Store
+from ..tiles import spans
+from ..vae.wan_layout import WanLayout, cache_protocol, wan_layout
+from .grid import ImpossibleBudgetError
+
+log = logging.getLogger("vramfit.memory.plan.video")
+
+__all__ = ["BLEND_MAX_K", "MAX_AUTO_K", "REPORT_NODE", "Candidate", "PeakStore", "VideoJob", "VideoPlan", "blend_fn",
+           "blend_ratios", "candidates", "decode_peak", "lower_bound", "model_key", "peak_key", "plan", "plan_blend",
+           "plan_host_decode", "plan_wan", "size_candidate"]
+
+REPORT_NODE = "Temporal-Chunk Video Decode"
+MAX_AUTO_K = 8
+"""Largest chunk the auto plan considers (latent frames)."""
+CALL_OVERHEAD = {"cuda": 0.3, "cpu": 0.0}
+"""Relative cost of one executor call vs one latent frame of work, for the speed order of candidates
+(GPU: fewer, larger calls pay; CPU: measured k = 1 fastest, see docs/VIDEO_DECODE.md)."""
+IMPOSSIBLE_SIZINGS = 4
+"""Candidates sized (beyond those the plan sized) for the message when no plan fits."""
+BLEND_MAX_K = 4
+"""Largest chunk the auto plan of the overlap-blend path (other video VAEs) considers (latent frames)."""
+
+
+class PeakStore(Store[int]):
+    """Meta-sized peaks by key (:func:`peak_key`): in memory, and in a JSON file when ``path`` is given (the
+    node passes one under ComfyUI's user folder). A plan keeps what it sizes and writes the file once."""
+
+    section = "peaks"
+    schema = 1
+    what = "video peak"
+
+    def decode(self, value: Any) -> int:
+        return int(value)
+
+
+def executor_digest() -> str:
+    """The chunked executor's version (``executors.wan.EXECUTOR_VERSION``), part of every persisted peak's key."""
+    return vc.EXECUTOR_VERSION
+
+
+# --------------------------------------------------------------------------------------------------
+# The job
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoJob:
+    vae: Any
+    z: torch.Tensor
+    wan: bool
+    family: str
+    dtype: torch.dtype
+    device: torch.device
+    out_device: torch.device
+    fingerprint: str
+    """The decoder's code fingerprint (:func:`.self_check.code_fingerprint`), part of every peak's key."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Planning (Wan)
+
+
+@dataclasses.dataclass
+class VideoPlan:
+    k: int
+    tile: tuple[int, int] | None
+    """Tile core in latent px (None: whole frames)."""
+    grid: tuple[int, int]
+    rollback: bool
+    """Keep a tile's committed cache during a chunk (OOM resumes from its last chunk; 2x one tile's cache);
+    False: ComfyUI's in-place protocol (1x; an OOM decodes that tile again from frame 0)."""
+    halo: int
+    split: int
+    store: str | None
+    """Where the global part's output of every frame lives with tiles: "device" or "host" (None: whole
+    frames, no store)."""
+    planned: int
+    """Predicted peak bytes on the compute device (decode + output buffer when it lives there)."""
+    exact: bool = True
+    over_budget: bool = False
+    host_decode: bool = False
+    """The host's own ``first_stage_model.decode`` (what VAEDecode runs), one batch item at a time: the
+    exact path when the chunked executor failed its self-check on this host."""
+    reason: str = ""
+    """Why the output is not (or is) exact, for the report: the self-check's verdict."""
+
+    def describe(self) -> str:
+        if self.host_decode:
+            return "the host's own decode (first_stage_model.decode, as VAE Decode), one batch item at a time"
+        if self.tile is None:
+            tiles = "whole frames"
+        else:
+            tiles = (f"tile-major: {self.grid[0]}x{self.grid[1]} tiles of {self.tile[0]}x{self.tile[1]} latent px "
+                     f"(halo {self.halo}, split {self.split}, store on {self.store})")
+        return f"k = {self.k} latent frames/chunk (frame 0 alone), {tiles}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    speed: float
+    k: int
+    tile: tuple[int, int] | None
+    grid: tuple[int, int]
+    split: int
+    rollback: bool
+    host: bool
+
+    def order(self) -> tuple:
+        return (self.speed, not self.rollback, self.host, self.k)
+
+    def needs_more_than(self, f: Candidate) -> bool:
+        """Surely needs at least the failed ``f``'s memory: same kind, no smaller in k, tile, cache, store."""
+        if (self.tile is None) != (f.tile is None) or self.split != f.split:
+            return False
+        tile_ok = self.tile is None or (self.tile[0] >= f.tile[0] and self.tile[1] >= f.tile[1])  # type: ignore[index]
+        return (tile_ok and self.k >= f.k and self.rollback >= f.rollback and (not self.host or f.host))
+
+
+def out_bytes(job: VideoJob, frames: int, h: int, w: int) -> int:
+    """The float32 output buffer, when it lives on the compute device's type."""
+    if job.out_device.type != job.device.type:
+        return 0
+    return int(job.z.shape[0]) * frames * h * w * 3 * 4
+
+
+def _t_meta(t: int, k: int) -> int:
+    return min(t, 1 + 2 * k)
+
+
+def model_key(job: VideoJob, fingerprint: str | None = None) -> str:
+    """What a sized peak depends on besides the decode's own inputs: the model class, its code fingerprint
+    (``fingerprint``, default :attr:`VideoJob.fingerprint`), the host's cache protocol, the executor's
+    version, dtype and device type."""
+    model = job.vae.first_stage_model
+    cls = type(model)
+    proto = cache_protocol(model).name if job.wan else "-"
+    return (f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__qualname__}/{fingerprint or job.fingerprint}/{proto}"
+            f"/video-{executor_digest()}/{dtype_name(job.dtype)}/{job.device.type}")
+
+
+def peak_key(job: VideoJob, cd: Candidate, fingerprint: str | None = None) -> str:
+    """Key of a sized peak: :func:`model_key`, latent shape (frames as sized) and candidate."""
+    b, c, t, h, w = (int(v) for v in job.z.shape)
+    tile = "whole" if cd.tile is None else f"{cd.tile[0]}x{cd.tile[1]}"
+    return (f"{model_key(job, fingerprint)}/{b}x{c}x{_t_meta(t, cd.k)}x{h}x{w}"
+            f"/k{cd.k}/{tile}/split{cd.split}/{'rollback' if cd.rollback else 'inplace'}"
+            f"/{'host' if cd.host else 'device'}")
+
+
+def size_candidate(job: VideoJob, cd: Candidate) -> int:
+    """Meta-sized peak bytes of ``decode_wan_chunked`` for this candidate at ``min(T, 1 + 2 k)`` latent
+    frames, without the output buffer (the store's growth with ``T`` is added by :func:`decode_peak`)."""
+    model = job.vae.first_stage_model
+    lay = wan_layout(model)
+    b, c, t, h, w = (int(v) for v in job.z.shape)
+    t_meta = _t_meta(t, cd.k)
+    with MetaSizer([model], job.dtype, job.device) as sizer:
+        zf = torch.empty((b, c, t_meta, h, w), dtype=job.dtype, device=job.device)
+        out = vc.decode_wan_chunked(model, zf, cd.k, cd.tile, halo=None, split=cd.split, compute_device=job.device,
+                                    dtype=job.dtype, store_device="cpu" if cd.host else None,
+                                    out_device=job.device, rollback=cd.rollback, sizing=True)
+        del out, zf
+    out_b = b * 3 * lay.out_frames(t_meta) * h * w * lay.spatial_ratio**2 * 4
+    return max(0, int(sizer.peak_bytes) - out_b)
+
+
+def _store_growth(job: VideoJob, lay: WanLayout, cd: Candidate) -> int:
+    if cd.tile is None or cd.host:
+        return 0
+    b, _, t, h, w = (int(v) for v in job.z.shape)
+    item = torch.empty((), dtype=job.dtype).element_size()
+    return lay.store_bytes(h, w, t, b, item, cd.split) - lay.store_bytes(h, w, _t_meta(t, cd.k), b, item, cd.split)
+
+
+def lower_bound(job: VideoJob, lay: WanLayout, cd: Candidate) -> int:
+    """A lower bound of :func:`decode_peak` without sizing: the latent (as sized), a device store of every
+    frame and one tile's committed caches (the largest tile's extended region; whole frames: every cache),
+    ``min(2, T)`` frames per cached conv (temporal upsample states left out), all alive together at the end
+    of each tile's last chunk."""
+    b, c, t, h, w = (int(v) for v in job.z.shape)
+    item = torch.empty((), dtype=job.dtype).element_size()
+    t_meta = _t_meta(t, cd.k)
+    if cd.tile is None:
+        first, eh, ew = 0, h, w
+    else:
+        si = lay.split_info(cd.split)
+        first = si.first_slot
+        eh = max(e1 - e0 for _, _, e0, e1 in spans(h, cd.tile[0], si.halo))
+        ew = max(e1 - e0 for _, _, e0, e1 in spans(w, cd.tile[1], si.halo))
+    frames = min(2, t_meta)
+    cache = sum(s.channels * frames * eh * s.scale * ew * s.scale for s in lay.slots
+                if s.index >= first and s.kind == "conv")
+    store = 0 if cd.tile is None or cd.host else lay.store_bytes(h, w, t, b, item, cd.split)
+    return int(b * c * t_meta * h * w * item + cache * b * item + store)
+
+
+def decode_peak(job: VideoJob, lay: WanLayout, cd: Candidate, peaks: PeakStore, fingerprint: str,
+                sized: list[int] | None = None) -> int:
+    """Peak bytes of the decode (without the output buffer) for the whole clip: the stored or sized peak
+    plus the store's growth with ``T``."""
+    key = peak_key(job, cd, fingerprint)
+    peak = peaks.get(key)
+    if peak is None:
+        peak = size_candidate(job, cd)
+        peaks.put(key, peak, write=False)
+        if sized is not None:
+            sized.append(1)
+    return peak + _store_growth(job, lay, cd)
+
+
+def _grids(h: int, w: int, tile: tuple[int, int] | None) -> list[tuple[tuple[int, int] | None, tuple[int, int]]]:
+    if tile is not None:
+        th, tw = min(h, tile[0]), min(w, tile[1])
+        if (th, tw) == (h, w):
+            return [(None, (1, 1))]
+        return [((th, tw), (math.ceil(h / th), math.ceil(w / tw)))]
+    out: list[tuple[tuple[int, int] | None, tuple[int, int]]] = [(None, (1, 1))]
+    seen = set()
+    for n in range(2, max(h, w) + 1):
+        th, tw = math.ceil(h / min(n, h)), math.ceil(w / min(n, w))
+        if (th, tw) in seen or (th, tw) == (h, w):
+            continue
+        seen.add((th, tw))
+        out.append(((th, tw), (math.ceil(h / th), math.ceil(w / tw))))
+    return out
+
+
+def area_factor(h: int, w: int, tile: tuple[int, int] | None, halo: int) -> float:
+    """Latent px the tiled part computes (cores + halos, clipped at the frame) per frame px."""
+    if tile is None:
+        return 1.0
+    ys = sum(e1 - e0 for _, _, e0, e1 in spans(h, tile[0], halo))
+    xs = sum(e1 - e0 for _, _, e0, e1 in spans(w, tile[1], halo))
+    return ys * xs / (h * w)
+
+
+def _split_options(lay: WanLayout) -> list[int]:
+    """Split points for tiles: the default (scale 2, small halo) and the last one at latent scale (a store
+    of 1/8 the size, larger halo); none whose tiled part holds a global op."""
+    at_latent = max(s.split for s in lay.splits if s.scale == 1)
+    opts = [lay.default_split] + ([at_latent] if at_latent != lay.default_split else [])
+    return [s for s in opts if not (lay.tiled_global_ops and s == 0)]
+
+
+def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None) -> list[Candidate]:
+    """Every candidate in the speed order the planner tries them."""
+    lay = wan_layout(job.vae.first_stage_model)
+    _, _, t, h, w = (int(v) for v in job.z.shape)
+    rest = max(1, t - 1)
+    ks = [min(k_user, rest)] if k_user else list(range(1, min(rest, MAX_AUTO_K) + 1))
+    c = CALL_OVERHEAD.get(job.device.type, 0.3)
+    hosts = (False, True) if job.device.type != "cpu" else (False,)
+    cands = []
+    for tile, grid in _grids(h, w, tile_user):
+        for split in [lay.default_split] if tile is None else _split_options(lay):
+            area = area_factor(h, w, tile, lay.split_info(split).halo)
+            for host in (False,) if tile is None else hosts:
+                for k in ks:
+                    speed = area * (1 + c / k) * (1 + 1e-3 * k) * (1.02 if host else 1.0)
+                    for rollback in (True, False):
+                        cands.append(Candidate(speed, k, tile, grid, split, rollback, host))
+    cands.sort(key=Candidate.order)
+    return cands
+
+
+def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int] | None,
+             peaks: PeakStore | None = None, stats: dict | None = None) -> VideoPlan:
+    """The fastest plan whose predicted peak fits ``budget``: :func:`candidates` in speed order, each skipped
+    when it needs at least the memory of one that failed (:meth:`Candidate.needs_more_than`) or when its
+    :func:`lower_bound` exceeds the budget, else sized (:func:`decode_peak`). With a user ``k`` or tile and
+    nothing fitting: the smallest plan, marked over budget; otherwise :class:`ImpossibleBudgetError`.
+    ``stats``: filled with ``sized`` (candidates meta-sized now), ``bounded`` (skipped by the lower bound)."""
+    peaks = PeakStore() if peaks is None else peaks
+    model = job.vae.first_stage_model
+    lay = wan_layout(model)
+    fingerprint = job.fingerprint
+    _, _, t, h, w = (int(v) for v in job.z.shape)
+    out_b = out_bytes(job, lay.out_frames(t), h * lay.spatial_ratio, w * lay.spatial_ratio)
+    # process_output per output frame: two float32 temporaries of one frame
+    post = 2 * int(job.z.shape[0]) * 3 * h * w * lay.spatial_ratio**2 * 4
+    sized: list[int] = []
+    bounded = 0
+
+    def make(cd: Candidate, dec: int) -> VideoPlan:
+        store = None if cd.tile is None else ("host" if cd.host else "device")
+        return VideoPlan(cd.k, cd.tile, cd.grid, cd.rollback, lay.split_info(cd.split).halo, cd.split, store,
+                         out_b + max(dec, post))
+
+    found: VideoPlan | None = None
+    failed: list[Candidate] = []
+    known: list[tuple[int, bool, Candidate]] = []  # (planned or its lower bound, exact, candidate)
+    try:
+        for cd in candidates(job, k_user, tile_user):
+            if any(cd.needs_more_than(f) for f in failed):
+                continue
+            low = out_b + max(lower_bound(job, lay, cd), post)
+            if low > budget:
+                bounded += 1
+                failed.append(cd)
+                known.append((low, False, cd))
+                continue
+            p = make(cd, decode_peak(job, lay, cd, peaks, fingerprint, sized))
+            if p.planned <= budget:
+                found = p
+                break
+            failed.append(cd)
+            known.append((p.planned, True, cd))
+        if found is None:
+            # Size lower-bounded candidates, smallest bound first, until a sized one is below every bound: the
+            # smallest plan (run over budget with a user k / tile: few candidates); for the message of an
+            # impossible budget at most IMPOSSIBLE_SIZINGS more.
+            cap = None if (tile_user is not None or k_user) else IMPOSSIBLE_SIZINGS
+            known.sort(key=lambda e: e[0])
+            while not known[0][1] and (cap is None or cap > 0):
+                cd = known[0][2]
+                known[0] = (make(cd, decode_peak(job, lay, cd, peaks, fingerprint, sized)).planned, True, cd)
+                known.sort(key=lambda e: e[0])
+                cap = None if cap is None else cap - 1
+            floor = known[0][0]
+            cd = min((e for e in known if e[1]), key=lambda e: e[0], default=known[0])[2]
+            found = make(cd, decode_peak(job, lay, cd, peaks, fingerprint, sized))
+            found.over_budget = True
+    finally:
+        peaks.flush()
+        if stats is not None:
+            stats.update(sized=len(sized), bounded=bounded)
+    if found.over_budget and tile_user is None and not k_user:
+        raise ImpossibleBudgetError(
+            f"no plan fits the budget of {fmt_bytes(budget)}: every plan needs at least {fmt_bytes(floor)}; the "
+            f"smallest found ({found.describe()}) needs {fmt_bytes(found.planned)}; raise budget_mb or free memory",
+            budget, floor)
+    return found
+
+
+# --------------------------------------------------------------------------------------------------
+# The host's own decode (the exact fallback)
+
+
+def host_decode_peak(job: VideoJob, peaks: PeakStore) -> int:
+    """Meta-sized peak bytes of the host's own decode of one batch item at the full clip length, its own
+    output included (persisted in ``peaks``); the node's output buffer comes on top."""
+    _, c, t, h, w = (int(v) for v in job.z.shape)
+    key = f"{model_key(job)}/1x{c}x{t}x{h}x{w}/host-decode"
+    peak = peaks.get(key)
+    if peak is None:
+        model = job.vae.first_stage_model
+        with MetaSizer([model], job.dtype, job.device) as sizer:
+            out = model.decode(torch.empty((1, c, t, h, w), dtype=job.dtype, device=job.device))
+            del out
+        peak = int(sizer.peak_bytes)
+        peaks.put(key, peak)
+    return peak
+
+
+def plan_host_decode(job: VideoJob, budget: int, peaks: PeakStore, verdict: Any) -> VideoPlan | None:
+    """The exact fallback when the chunked executor failed its self-check (``verdict``: the self-check's
+    :class:`.self_check.Verdict`): the host's own decode, if its peak (+ the output buffer) fits ``budget``;
+    else None."""
+    lay = wan_layout(job.vae.first_stage_model)
+    _, _, t, h, w = (int(v) for v in job.z.shape)
+    planned = out_bytes(job, lay.out_frames(t), h * lay.spatial_ratio, w * lay.spatial_ratio)
+    planned += host_decode_peak(job, peaks)
+    if planned > budget:
+        return None
+    return VideoPlan(max(1, t - 1), None, (1, 1), True, 0, 0, None, planned, host_decode=True,
+                     reason=f"the chunked executor's {verdict.describe()}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Planning (other video VAEs: overlap-blend)
+
+
+def blend_ratios(vae: Any) -> tuple[Callable[[int], Any] | int | float, Callable[[int], Any] | int | None, int]:
+    """``(frames, index_formula, spatial)`` of ``vae.upscale_ratio`` for :func:`.blend.decode_overlap_blend`:
+    a ComfyUI video VAE's ``(frames of l latent frames, h, w)`` tuple, or an int (spatial only: one output
+    frame per latent frame). Raises ValueError naming the value when it is neither."""
+    up = getattr(vae, "upscale_ratio", None)
+    if isinstance(up, (tuple, list)) and len(up) >= 2:
+        frames, spatial = up[0], up[1]
+        idx = getattr(vae, "upscale_index_formula", None)
+        index = idx[0] if isinstance(idx, (tuple, list)) and idx else None
+    else:
+        frames, spatial, index = 1, up, None
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+    ok_frames = callable(frames) or number(frames)
+    ok_spatial = number(spatial) and spatial >= 1 and float(spatial).is_integer()
+    if not (ok_frames and ok_spatial):
+        raise ValueError(f"{REPORT_NODE}: cannot use the VAE's upscale_ratio {up!r} ({type(vae).__name__}): "
+                         "expected (frames of a latent chunk, h ratio, w ratio) or an int spatial ratio")
+    return frames, index, int(spatial)
+
+
+def blend_fn(job: VideoJob) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One chunk's decode as ``VAE.decode`` feeds it (the VAE's dtype and device), float32 frames."""
+    model = job.vae.first_stage_model
+
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        return model.decode(a.to(job.dtype).to(job.device)).float()
+
+    return fn
+
+
+def blend_chunk_peak(job: VideoJob, k: int, peaks: PeakStore) -> int:
+    """Meta-sized peak bytes of one chunk of ``min(k, T)`` latent frames (its float32 frames included),
+    persisted in ``peaks``."""
+    b, c, t, h, w = (int(v) for v in job.z.shape)
+    kk = min(int(k), t)
+    key = f"{model_key(job)}/{b}x{c}x{kk}x{h}x{w}/blend"
+    peak = peaks.get(key)
+    if peak is None:
+        with MetaSizer([job.vae.first_stage_model], job.dtype, job.device) as sizer:
+            out = blend_fn(job)(torch.empty((b, c, kk, h, w), dtype=job.dtype, device=job.device))
+            del out
+        peak = int(sizer.peak_bytes)
+        peaks.put(key, peak, write=False)
+    return peak
+
+
+def plan_blend(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> VideoPlan:
+    """The largest chunk (at most :data:`BLEND_MAX_K`, or the user's ``k``) whose meta-sized peak plus the
+    output buffer fits ``budget``; the smallest, marked over budget, when none does. When meta sizing
+    fails: the largest chunk, not predicted (``planned`` 0)."""
+    frames_of, _, r = blend_ratios(job.vae)
+    b, _, t, h, w = (int(v) for v in job.z.shape)
+    frames = int(round(frames_of(t))) if callable(frames_of) else int(round(frames_of * t))
+    out_b = out_bytes(job, frames, h * r, w * r)
+    post = 2 * b * 3 * h * w * r * r * 4  # process_output per output frame: two float32 temporaries
+    ks = [max(2, k_user)] if k_user else list(range(max(2, min(t, BLEND_MAX_K)), 1, -1))
+    reason = "overlapping temporal chunks decoded independently and cross-faded (not a causal Wan VAE)"
+    plan = None
+    try:
+        for k in ks:
+            plan = VideoPlan(k, None, (1, 1), True, 0, 0, None, out_b + max(blend_chunk_peak(job, k, peaks), post),
+                             exact=False, reason=reason)
+            if plan.planned <= budget:
+                return plan
+    except Exception as e:  # noqa: BLE001 - an op without a fake kernel: the chunk is not predicted
+        log.warning("meta sizing of %s failed (%s: %s); chunk not predicted", job.family, type(e).__name__, e)
+        return VideoPlan(ks[0], None, (1, 1), True, 0, 0, None, 0, exact=False, reason=reason)
+    finally:
+        peaks.flush()
+    assert plan is not None
+    plan.over_budget = True
+    return plan
+
+
+# --------------------------------------------------------------------------------------------------
+# The entry
+
+
+def plan(job: VideoJob, budget: int, k_user: int = 0, tile_size: int = 0, peaks: PeakStore | None = None,
+         verdict: Any = None, stats: dict | None = None) -> VideoPlan:
+    """The plan of ``job`` within ``budget`` bytes. ``k_user`` (latent frames) / ``tile_size`` (output px): 0 =
+    auto. Wan: when the chunked executor failed its self-check (``verdict``, a :class:`.self_check.Verdict`)
+    and nothing is set by the user, the host's own decode if it fits; else :func:`plan_wan`, exact as the
+    verdict says (``verdict`` None: no verdict applied). Other video VAEs: :func:`plan_blend`. ``stats``:
+    :func:`plan_wan`'s."""
+    peaks = PeakStore() if peaks is None else peaks
+    if not job.wan:
+        return plan_blend(job, budget, k_user, peaks)
+    tile_user = None
+    if tile_size:
+        lt = max(1, int(tile_size) // wan_layout(job.vae.first_stage_model).spatial_ratio)
+        tile_user = (lt, lt)
+    if verdict is not None and not verdict.ok and not k_user and tile_user is None:
+        found = plan_host_decode(job, budget, peaks, verdict)
+        if found is not None:
+            return found
+    found = plan_wan(job, budget, k_user, tile_user, peaks, stats)
+    if verdict is not None:
+        found.exact, found.reason = verdict.ok, verdict.describe()
+    return found

@@ -1,0 +1,708 @@
+"""Layout of a GroupNorm KL decoder (SD1.x/SD2/SDXL, SD3/Flux, Flux 2) for the exact tiled executor.
+
+The decoder is walked once per model object (:func:`kl_layout`, cached): the structure check, the up path
+cut into *segments* at every GroupNorm, and the pure-integer geometry that the executor
+(:mod:`..executors.kl_exact`) runs and the cost model (:mod:`..cost.exact`) predicts: row bands of the
+store, the rows a tile reads, the live store per row of tiles (:func:`store_schedule`), step counts
+(:func:`plan_exact`). Duck-typed: no ComfyUI import.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..tiles import pair, split_even, tile_count
+
+log = logging.getLogger("vramfit.memory.kl_layout")
+
+__all__ = [
+    "BAND_TAIL",
+    "ExactPlan",
+    "KlLayout",
+    "RowStep",
+    "SegmentInfo",
+    "axis_extents",
+    "count_exact_steps",
+    "estimate_exact_peak",
+    "find_decoder",
+    "kl_layout",
+    "plan_exact",
+    "store_schedule",
+    "supports_exact",
+    "tile_bytes",
+    "unsupported_reason",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# Structure check
+
+
+def find_decoder(model: Any) -> Any:
+    """The ``Decoder`` of ``first_stage_model`` (``model.decoder``) or ``model`` itself if it is one."""
+    dec = getattr(model, "decoder", None)
+    return dec if dec is not None else model
+
+
+def _is_conv2d(m: Any, kernel: int | None = None) -> bool:
+    if not isinstance(m, torch.nn.Conv2d):
+        return False
+    if kernel is not None and tuple(m.kernel_size) != (kernel, kernel):
+        return False
+    k = m.kernel_size[0]
+    return (
+        tuple(m.stride) == (1, 1)
+        and tuple(m.dilation) == (1, 1)
+        and m.groups == 1
+        and m.padding_mode == "zeros"
+        and tuple(m.padding) == (k // 2, k // 2)
+        and m.kernel_size[0] == m.kernel_size[1]
+    )
+
+
+def _is_gn(m: Any) -> bool:
+    return isinstance(m, torch.nn.GroupNorm)
+
+
+def _resnet_reason(blk: Any, where: str) -> str | None:
+    for name in ("norm1", "conv1", "norm2", "conv2"):
+        if getattr(blk, name, None) is None:
+            return f"{where}: no {name}"
+    if not (_is_gn(blk.norm1) and _is_gn(blk.norm2)):
+        return f"{where}: norm1/norm2 are not GroupNorm"
+    if not (_is_conv2d(blk.conv1, 3) and _is_conv2d(blk.conv2, 3)):
+        return f"{where}: conv1/conv2 are not 3x3 stride-1 Conv2d"
+    if getattr(blk, "temb_proj", None) is not None:
+        return f"{where}: has a timestep projection"
+    cin = blk.conv1.in_channels
+    cout = blk.conv2.out_channels
+    if cin != cout:
+        sc = getattr(blk, "nin_shortcut", None)
+        if getattr(blk, "use_conv_shortcut", False):
+            sc = getattr(blk, "conv_shortcut", None)
+            if not _is_conv2d(sc, 3):
+                return f"{where}: conv_shortcut is not a 3x3 Conv2d"
+        elif not _is_conv2d(sc, 1):
+            return f"{where}: nin_shortcut is not a 1x1 Conv2d"
+    return None
+
+
+def _structure_reason(model: Any) -> str | None:
+    bn = getattr(model, "bn", None)
+    if bn is not None and not isinstance(bn, torch.nn.BatchNorm2d):
+        return "latent batch-norm of an unknown kind"
+    dec = find_decoder(model)
+    if dec is None:
+        return "no decoder"
+    for name in ("conv_in", "mid", "up", "norm_out", "conv_out"):
+        if getattr(dec, name, None) is None:
+            return f"decoder has no {name}"
+    if not (_is_conv2d(dec.conv_in, 3) and _is_conv2d(dec.conv_out, 3)):
+        return "conv_in/conv_out are not 3x3 Conv2d (3-D or video decoder)"
+    if not _is_gn(dec.norm_out):
+        return "norm_out is not GroupNorm"
+    mid = dec.mid
+    for name in ("block_1", "attn_1", "block_2"):
+        if getattr(mid, name, None) is None:
+            return f"mid has no {name}"
+    if not callable(mid.block_1) or not callable(mid.attn_1) or not callable(mid.block_2):
+        return "mid blocks are not callable"
+    up = dec.up
+    try:
+        levels = len(up)
+    except TypeError:
+        return "decoder.up is not a list"
+    if levels == 0:
+        return "decoder.up is empty"
+    for i in range(levels):
+        level = up[i]
+        blocks = getattr(level, "block", None)
+        if blocks is None or len(blocks) == 0:
+            return f"up[{i}] has no blocks"
+        if len(getattr(level, "attn", ())) > 0:
+            return f"up[{i}] has attention in the up path"
+        for j in range(len(blocks)):
+            reason = _resnet_reason(blocks[j], f"up[{i}].block[{j}]")
+            if reason:
+                return reason
+        if i > 0:
+            upsample = getattr(level, "upsample", None)
+            if upsample is None:
+                return f"up[{i}] has no upsample"
+            sf = getattr(upsample, "scale_factor", None)
+            if isinstance(sf, (tuple, list)):
+                if len(sf) != 2 or any(float(s) != 2.0 for s in sf):
+                    return f"up[{i}].upsample scale {sf} is not 2x2"
+            elif sf is None or float(sf) != 2.0:
+                return f"up[{i}].upsample scale {sf} is not 2"
+            if getattr(upsample, "with_conv", False) and not _is_conv2d(getattr(upsample, "conv", None), 3):
+                return f"up[{i}].upsample.conv is not a 3x3 Conv2d"
+    if not all(isinstance(getattr(dec, a, False), bool) for a in ("give_pre_end", "tanh_out")):
+        return "give_pre_end/tanh_out are not booleans"
+    return None
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why the exact executor cannot run ``model`` (a ``first_stage_model`` or a ``Decoder``), or None."""
+    return kl_layout(model).reason
+
+
+def supports_exact(model: Any) -> bool:
+    """True when ``model`` (``first_stage_model`` or its ``Decoder``) has the KL 2-D GroupNorm structure."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        log.debug("exact tiled decode not supported: %s", reason)
+    return reason is None
+
+
+# --------------------------------------------------------------------------------------------------
+# Segments
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentInfo:
+    """One segment of the up path (kinds ``conv1``, ``conv2``, ``conv12``, ``upsample``, ``out``)."""
+
+    name: str
+    kind: str
+    inputs: tuple[str, ...]
+    output: str
+    store_output: bool
+    in_channels: int
+    out_channels: int
+    scale: int
+    """Output resolution / input resolution (2 for ``upsample``, else 1)."""
+    level_scale: int
+    """Output resolution / mid-block resolution."""
+    halo: int
+    """Context px read around the tile's region, at the resolution its convolutions run at (for
+    ``upsample``: the 2x output resolution; the low-res input region is derived from it)."""
+    residual_channels: int = 0
+    """Channels of the resnet block's input ``x`` read for the shortcut (``conv2``/``conv12``)."""
+    inplace_of: str | None = None
+    """``conv2`` of a block with an identity shortcut writes ``x + conv2(...)`` over ``x`` itself: each
+    tile reads ``x`` only at its own core, so no other tile needs the overwritten values."""
+    residual_halo: int = 0
+    """Halo of the shortcut's read of ``x`` in a ``conv12`` tile (1 for a 3x3 ``conv_shortcut``, else 0)."""
+    shortcut_output: str | None = None
+    """``conv1`` of a channel-changing block (without ``recompute``) also writes ``shortcut(x)`` at its
+    cores under this name, so ``x`` dies with this segment; the block's ``conv2`` then adds ``conv2(...)``
+    over it in place."""
+    module: str = ""
+    """Path from the decoder to the module the segment calls (:func:`module_at`): its resnet block
+    (``up.i.block.j``) or upsample (``up.i.upsample``); ``""``: the decoder itself (``out``)."""
+
+
+def module_at(dec: Any, path: str) -> Any:
+    """The submodule of ``dec`` at a dotted ``path`` (integer parts index lists); ``""``: ``dec``."""
+    m = dec
+    for part in path.split(".") if path else ():
+        m = m[int(part)] if part.isdigit() else getattr(m, part)
+    return m
+
+
+def block_shortcut(blk: Any) -> tuple[Any, int]:
+    """(shortcut module of a resnet block, or None for the identity; its halo)."""
+    if blk.conv1.in_channels == blk.conv2.out_channels:
+        return None, 0
+    if getattr(blk, "use_conv_shortcut", False):
+        return blk.conv_shortcut, 1
+    return blk.nin_shortcut, 0
+
+
+def _build_segments(dec: Any, recompute: bool) -> tuple[list[SegmentInfo], dict[str, str]]:
+    """Segments in execution order and the path of the GroupNorm consuming each activation."""
+    segs: list[SegmentInfo] = []
+    consumer: dict[str, str] = {}
+    cur = "mid"
+    n = 0
+    scale = 1
+
+    def add(name: str, kind: str, inputs: tuple[str, ...], output: str, stored: bool, cin: int, cout: int,
+            halo: int, module: str, *, up: int = 1, residual: int = 0, inplace_of: str | None = None,
+            shortcut_output: str | None = None, residual_halo: int = 0) -> None:
+        segs.append(SegmentInfo(name, kind, inputs, output, stored, cin, cout, up, scale, halo, residual,
+                                inplace_of, residual_halo, shortcut_output, module))
+
+    for i in reversed(range(len(dec.up))):
+        blocks = dec.up[i].block
+        for j in range(len(blocks)):
+            blk = blocks[j]
+            cin, cout = int(blk.conv1.in_channels), int(blk.conv2.out_channels)
+            prefix = f"up.{i}.block.{j}"
+            consumer[cur] = f"{prefix}.norm1"
+            h_name, y_name = f"h{n}", f"a{n + 1}"
+            consumer[h_name] = f"{prefix}.norm2"
+            n += 1
+            sc, sc_halo = block_shortcut(blk)
+            if sc is None:
+                # Stores: x (overwritten by y in place) + h: two activations, no recomputation.
+                add(f"{prefix}.conv1", "conv1", (cur,), h_name, True, cin, cout, 1, prefix)
+                add(f"{prefix}.conv2", "conv2", (h_name, cur), y_name, True, cout, cout, 1, prefix,
+                    residual=cin, inplace_of=cur)
+            elif recompute:
+                # conv1 runs once for norm2's statistics only; conv12 recomputes it with a 2-px halo.
+                # Stores: x + y.
+                add(f"{prefix}.conv1", "conv1", (cur,), h_name, False, cin, cout, 1, prefix)
+                add(f"{prefix}.conv12", "conv12", (cur,), y_name, True, cin, cout, 2, prefix, residual=cin,
+                    residual_halo=sc_halo)
+            else:
+                # conv1 also writes s = shortcut(x) at its cores, so x dies with it (its rows are freed
+                # as conv1's tiles pass); conv2 writes y = s + conv2(...) over s. Stores: x -> h + s -> y.
+                s_name = f"s{n}"
+                add(f"{prefix}.conv1", "conv1", (cur,), h_name, True, cin, cout, 1, prefix, residual=cin,
+                    shortcut_output=s_name)
+                add(f"{prefix}.conv2", "conv2", (h_name, s_name), y_name, True, cout, cout, 1, prefix,
+                    residual=cout, inplace_of=s_name)
+            cur = y_name
+        if i > 0:
+            upsample = dec.up[i].upsample
+            c = int(blocks[len(blocks) - 1].conv2.out_channels)
+            scale *= 2
+            halo = 1 if getattr(upsample, "with_conv", False) else 0
+            add(f"up.{i}.upsample", "upsample", (cur,), f"u{i}", True, c, c, halo, f"up.{i}.upsample", up=2)
+            cur = f"u{i}"
+    if not getattr(dec, "give_pre_end", False):
+        consumer[cur] = "norm_out"
+        c_in, c_out = int(dec.conv_out.in_channels), int(dec.conv_out.out_channels)
+        add("out", "out", (cur,), "image", True, c_in, c_out, 1, "")
+    return segs, consumer
+
+
+# --------------------------------------------------------------------------------------------------
+# Row bands and reads
+
+
+def read_span(info: SegmentInfo, name: str, a: int, b: int, n_in: int) -> tuple[int, int]:
+    """Px ``[a', b')`` along one axis of input ``name`` (``n_in`` px) that a tile of segment ``info`` with
+    core ``[a, b)`` reads: core + halo, clipped (for ``upsample``: the low-resolution px). An input the
+    segment writes over in place is read at the core only."""
+    halo = 0 if name == info.inplace_of else info.halo
+    if info.kind == "upsample":
+        return max(0, (a - halo) // 2), min(n_in, (b - 1 + halo) // 2 + 1)
+    return max(0, a - halo), min(n_in, b + halo)
+
+
+def bands_in(rows: Sequence[tuple[int, int]], a: int, b: int, starts: Sequence[int] | None = None) -> range:
+    """Indices of the bands ``rows`` (sorted, contiguous; ``starts``: their first rows) that intersect
+    rows ``[a, b)``."""
+    if starts is None:
+        starts = [r[0] for r in rows]
+    return range(max(0, bisect.bisect_right(starts, a) - 1), bisect.bisect_left(starts, b))
+
+
+BAND_TAIL = 2
+"""Rows at the bottom of each band kept as a band of their own: the halo the next row of tiles reads
+(at most 2 px at the same resolution, 1 low-resolution row for an upsample), so the rest of a band is
+released as soon as its own row of tiles is done."""
+
+
+def band_rows(h: int, tile_h: int) -> list[tuple[int, int]]:
+    """Bands of an activation of ``h`` rows written by tiles ``tile_h`` px high: every tile row, its
+    bottom ``BAND_TAIL`` rows split off (except the last row's)."""
+    rows = split_even(h, tile_h)
+    out: list[tuple[int, int]] = []
+    for i, (a, b) in enumerate(rows):
+        if i + 1 < len(rows) and b - a > BAND_TAIL:
+            out += [(a, b - BAND_TAIL), (b - BAND_TAIL, b)]
+        else:
+            out.append((a, b))
+    return out
+
+
+def dying_inputs(info: SegmentInfo, k: int, last_use: Mapping[str, int]) -> tuple[str, ...]:
+    """Inputs whose rows segment ``k`` releases as its tiles pass (last read here, not written over)."""
+    return tuple(n for n in info.inputs if last_use.get(n) == k and n != info.inplace_of)
+
+
+def whole_output(info: SegmentInfo, k: int, n_segments: int) -> bool:
+    """The returned activation (the image, or the last one with ``give_pre_end``) is one tensor."""
+    return info.output == "image" or k == n_segments - 1
+
+
+def axis_extents(info: SegmentInfo, n_out: int, tile: int) -> list[tuple[int, int, int]]:
+    """``(start, core length, input extent)`` of every tile along one axis of segment ``info``'s output
+    (``n_out`` px); input extent: px of the segment's first input read (:func:`read_span`)."""
+    n_in = n_out // 2 if info.kind == "upsample" else n_out
+    out = []
+    for a, b in split_even(n_out, tile):
+        lo, hi = read_span(info, info.inputs[0], a, b, n_in)
+        out.append((a, b - a, hi - lo))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RowStep:
+    """One row of tiles of one segment, one batch item, as the executor runs it (no OOM shrink)."""
+
+    live: int
+    """Store elements alive while the row runs: its output bands allocated, the input bands that rows
+    above released already gone."""
+    core_rows: int
+    in_rows: int
+    """Rows of the segment's first input read (core + halo, clipped; low-resolution rows for ``upsample``)."""
+    copies: int
+    """How many of a tile's reads (halo input, in-place residual, ``conv12``'s shortcut) span two or more
+    bands, so are assembled into a new tensor (a read inside one band is a view of the store when the
+    store is on the compute device)."""
+
+
+def _reads(info: SegmentInfo, y0: int, y1: int, n_in: int) -> list[tuple[str, int, int]]:
+    """``(input, first row, end row)`` of every read of a tile of ``info`` with core rows ``[y0, y1)``."""
+    x = info.inputs[0]
+    reads = [(x, *read_span(info, x, y0, y1, n_in))]
+    if info.kind == "conv2":
+        reads.append((info.inputs[1], y0, y1))
+    elif info.kind == "conv12":
+        reads.append((x, max(0, y0 - info.residual_halo), min(n_in, y1 + info.residual_halo)))
+    return reads
+
+
+class _SimEntry:
+    """Bands of one simulated activation; ``live[0]`` is the running total of all live elements."""
+
+    def __init__(self, c: int, w: int, rows: list[tuple[int, int]], alive: bool, live: list[int]) -> None:
+        self.c, self.w, self.rows, self.live = c, w, rows, live
+        self.starts = [r[0] for r in rows]
+        self.released = 0  # bands below this index are released (the simulation runs in raster order)
+        self.alive = [alive] * len(rows)
+        if alive:
+            live[0] += c * w * sum(r1 - r0 for r0, r1 in rows)
+
+    def set(self, j: int, alive: bool) -> None:
+        if self.alive[j] != alive:
+            self.alive[j] = alive
+            r0, r1 = self.rows[j]
+            self.live[0] += (1 if alive else -1) * self.c * (r1 - r0) * self.w
+
+
+# --------------------------------------------------------------------------------------------------
+# The layout
+
+
+@dataclasses.dataclass(frozen=True)
+class KlLayout:
+    """One KL decoder as the exact executor runs it (one ``recompute`` variant); ``reason``: why it is
+    not supported (then nothing else is filled in)."""
+
+    reason: str | None
+    recompute: bool = False
+    pre_scale: int = 1
+    """Mid-block resolution / latent resolution (2 for Flux-2 style latent batch-norm + pixel shuffle)."""
+    mid_channels: int = 0
+    levels: int = 0
+    tanh_out: bool = False
+    segments: tuple[SegmentInfo, ...] = ()
+    consumer: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Activation -> path (:func:`module_at`) of the GroupNorm that reads it."""
+    last_use: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """Activation -> index of the last segment reading it."""
+
+    def require(self) -> KlLayout:
+        if self.reason is not None:
+            raise ValueError(f"exact tiled decode does not support this model: {self.reason}")
+        return self
+
+    def mid_hw(self, latent_hw: Sequence[int]) -> tuple[int, int]:
+        return int(latent_hw[0]) * self.pre_scale, int(latent_hw[1]) * self.pre_scale
+
+    def segment_hw(self, info: SegmentInfo, latent_hw: Sequence[int]) -> tuple[int, int]:
+        """Output size of segment ``info`` for a latent of ``latent_hw``."""
+        mh, mw = self.mid_hw(latent_hw)
+        return mh * info.level_scale, mw * info.level_scale
+
+    def tile_counts(self, latent_hw: Sequence[int], tile: tuple[int, int]) -> tuple[int, ...]:
+        """Tiles of every segment, one batch item."""
+        return tuple(tile_count(*self.segment_hw(s, latent_hw), tile) for s in self.segments)
+
+    def schedule(self, latent_hw: Sequence[int], tile: tuple[int, int]) -> list[list[RowStep]]:
+        """Per segment, per row of tiles: the live store and the reads of one batch item (see
+        :func:`store_schedule`)."""
+        return self._schedule(self.mid_hw(latent_hw), tile)
+
+    def units(self, latent_hw: Sequence[int], tile: tuple[int, int]) -> Iterator[tuple[int, int, int, int, int]]:
+        """``(segment index, in_px, core_px, copies, live store elements)`` of every tile unit of one batch
+        item, in execution order (rows of tiles, left to right)."""
+        for k, (info, steps) in enumerate(zip(self.segments, self.schedule(latent_hw, tile), strict=True)):
+            cols = axis_extents(info, self.segment_hw(info, latent_hw)[1], tile[1])
+            for st in steps:
+                for _, cw, iw in cols:
+                    yield k, st.in_rows * iw, st.core_rows * cw, st.copies, st.live
+
+    def _schedule(self, mid_hw: Sequence[int], tile: tuple[int, int]) -> list[list[RowStep]]:
+        segs = self.segments
+        mh, mw = int(mid_hw[0]), int(mid_hw[1])
+        live = [0]
+        entries: dict[str, _SimEntry] = {"mid": _SimEntry(self.mid_channels, mw, [(0, mh)], True, live)}
+        hw: dict[str, tuple[int, int]] = {"mid": (mh, mw)}
+        out: list[list[RowStep]] = []
+        for k, info in enumerate(segs):
+            hi, wi = hw[info.inputs[0]]
+            ho, wo = hi * info.scale, wi * info.scale
+            hw[info.output] = (ho, wo)
+            tile_rows = split_even(ho, tile[0])
+            bands = band_rows(ho, tile[0])
+            fresh: list[_SimEntry] = []
+            if info.inplace_of is not None:
+                entries[info.output] = entries[info.inplace_of]
+            elif info.store_output:
+                e = _SimEntry(info.out_channels, wo, bands, whole_output(info, k, len(segs)), live)
+                entries[info.output] = e
+                fresh.append(e)
+            if info.shortcut_output is not None:
+                hw[info.shortcut_output] = (ho, wo)
+                e = _SimEntry(info.out_channels, wo, bands, False, live)
+                entries[info.shortcut_output] = e
+                fresh.append(e)
+            dying = dying_inputs(info, k, self.last_use)
+            steps = []
+            for i, (y0, y1) in enumerate(tile_rows):
+                for e in fresh:
+                    for j in bands_in(e.rows, y0, y1, e.starts):
+                        e.set(j, True)
+                a, b = read_span(info, info.inputs[0], y0, y1, hi)
+                copies = sum(len(bands_in(entries[n].rows, ra, rb, entries[n].starts)) > 1
+                             for n, ra, rb in _reads(info, y0, y1, hi))
+                steps.append(RowStep(live[0], y1 - y0, b - a, copies))
+                for name in dying:
+                    e = entries[name]
+                    low = read_span(info, name, *tile_rows[i + 1], hi)[0] if i + 1 < len(tile_rows) else 1 << 62
+                    while e.released < len(e.rows) and e.rows[e.released][1] <= low:
+                        e.set(e.released, False)
+                        e.released += 1
+            for name in info.inputs:
+                if self.last_use.get(name) == k:
+                    e = entries.pop(name)
+                    if all(other is not e for other in entries.values()):  # not aliased by an in-place output
+                        for j in range(len(e.rows)):
+                            e.set(j, False)
+            out.append(steps)
+        return out
+
+    def plan(self, latent_shape: Sequence[int], tile: tuple[int, int]) -> ExactPlan:
+        """The segments, step counts and sizes of one decode of a ``(B, C, h, w)`` latent."""
+        self.require()
+        b, c, lh, lw = (int(s) for s in latent_shape)
+        tile = pair(tile)
+        mid_hw = self.mid_hw((lh, lw))
+        store_peak = self.mid_channels * mid_hw[0] * mid_hw[1]
+        store_peak_seg = "mid"
+        cores: list[tuple[int, int]] = []
+        for info, steps in zip(self.segments, self.schedule((lh, lw), tile), strict=True):
+            total = max(st.live for st in steps)
+            if total > store_peak:
+                store_peak, store_peak_seg = total, info.name
+            h_out, w_out = self.segment_hw(info, (lh, lw))
+            cores.append((max(p[1] - p[0] for p in split_even(h_out, tile[0])),
+                          max(p[1] - p[0] for p in split_even(w_out, tile[1]))))
+        tiles = self.tile_counts((lh, lw), tile)
+        last = self.segments[-1] if self.segments else None
+        out_c = last.out_channels if last else self.mid_channels
+        out_hw = self.segment_hw(last, (lh, lw)) if last else mid_hw
+        return ExactPlan(
+            latent_shape=(b, c, lh, lw),
+            tile=tile,
+            recompute=self.recompute,
+            segments=self.segments,
+            tiles_per_segment=tiles,
+            mid_steps=b,
+            total_steps=b + b * sum(tiles),
+            store_peak_elements=b * store_peak,
+            store_peak_segment=store_peak_seg,
+            mid_elements=self.mid_channels * mid_hw[0] * mid_hw[1],
+            segment_cores=tuple(cores),
+            out_channels=out_c,
+            out_hw=out_hw,
+        )
+
+
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _walk(model: Any, recompute: bool) -> KlLayout:
+    reason = _structure_reason(model)
+    if reason is not None:
+        return KlLayout(reason, recompute)
+    dec = find_decoder(model)
+    segs, consumer = _build_segments(dec, recompute)
+    last_use: dict[str, int] = {}
+    for k, s in enumerate(segs):
+        for name in s.inputs:
+            last_use[name] = k
+    return KlLayout(
+        reason=None,
+        recompute=recompute,
+        pre_scale=2 if isinstance(getattr(model, "bn", None), torch.nn.BatchNorm2d) else 1,
+        mid_channels=int(dec.conv_in.out_channels),
+        levels=len(dec.up),
+        tanh_out=bool(getattr(dec, "tanh_out", False)),
+        segments=tuple(segs),
+        consumer=consumer,
+        last_use=last_use,
+    )
+
+
+def kl_layout(model: Any, recompute: bool = False) -> KlLayout:
+    """The layout of ``model`` (``first_stage_model`` or its ``Decoder``), walked once per model object
+    and ``recompute`` variant (a decoder's structure does not change)."""
+    try:
+        cached = _LAYOUTS.get(model)
+    except TypeError:  # not weak-referenceable or not hashable: walked every time
+        return _walk(model, recompute)
+    if cached is None:
+        cached = {}
+        _LAYOUTS[model] = cached
+    found = cached.get(recompute)
+    if found is None:
+        found = cached[recompute] = _walk(model, recompute)
+    return found
+
+
+def store_schedule(model: Any, mid_hw: Sequence[int], tile: tuple[int, int],
+                   recompute: bool = False) -> list[list[RowStep]]:
+    """Per segment, per row of tiles: the store's live elements and the reads of one batch item of
+    ``decode_exact`` (``mid_hw``: resolution of the mid block's output), mirroring the executor's band
+    allocation and release (output bands are the segment's tile rows, allocated when a row starts; an
+    input's bands are released once no remaining tile of the segment reads them and no later segment
+    needs the activation)."""
+    return kl_layout(model, recompute).require()._schedule(mid_hw, pair(tile))
+
+
+# --------------------------------------------------------------------------------------------------
+# Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactPlan:
+    """Geometry of one exact decode: segments, steps, store and per-tile sizes (elements)."""
+
+    latent_shape: tuple[int, int, int, int]
+    tile: tuple[int, int]
+    recompute: bool
+    segments: tuple[SegmentInfo, ...]
+    tiles_per_segment: tuple[int, ...]
+    """Per batch item."""
+    mid_steps: int
+    total_steps: int
+    store_peak_elements: int
+    """Largest sum of store elements alive at once (row bands, see :func:`store_schedule`), per batch item
+    times the batch: an upper bound for the whole batch."""
+    store_peak_segment: str
+    mid_elements: int
+    """Largest activation of the whole-latent mid block for one batch item (mid res x channels)."""
+    segment_cores: tuple[tuple[int, int], ...]
+    """Largest tile core (h, w) of each segment (px at the segment's output resolution)."""
+    out_channels: int
+    out_hw: tuple[int, int]
+
+    def tile_bytes(self, dtype_bytes: int, inputs_copied: bool = True) -> int:
+        """Largest per-tile working set on the compute device over all segments (see :func:`tile_bytes`)."""
+        return max((tile_bytes(info, core, dtype_bytes, inputs_copied)
+                    for info, core in zip(self.segments, self.segment_cores, strict=True)), default=0)
+
+
+def plan_exact(model: Any, latent_shape: Sequence[int], tile: tuple[int, int], recompute: bool = False) -> ExactPlan:
+    """The segments, step counts and sizes of ``decode_exact(model, z, tile, recompute=...)``."""
+    return kl_layout(model, recompute).plan(latent_shape, tile)
+
+
+def count_exact_steps(model: Any, latent_shape: Sequence[int], tile: tuple[int, int], recompute: bool = False) -> int:
+    """Progress units of one uninterrupted decode (mid steps + tile steps)."""
+    return plan_exact(model, latent_shape, tile, recompute).total_steps
+
+
+# --------------------------------------------------------------------------------------------------
+# Analytic sizes (the measured model is ``cost.exact.ExactCostModel``; this is the fallback for the
+# whole-latent phase when it cannot be meta-sized)
+
+
+def tile_bytes(info: SegmentInfo, core: tuple[int, int], dtype_bytes: int, inputs_copied: bool = True) -> int:
+    """Peak bytes one tile of segment ``info`` with core ``(h, w)`` holds on the compute device.
+
+    Phase by phase (``d`` = activation bytes, GroupNorm works in float32 ``f = 4``, or in float64 for
+    float64 activations): the input tile with halo (only when ``inputs_copied``: the store lives
+    elsewhere), its normalised copy (float32 temp + cast back for half types), each convolution's
+    input and output with halo, the shortcut path, and the float32 copy of the core that the
+    statistics of the next GroupNorm reduce (half types only).
+    """
+    d = int(dtype_bytes)
+    f = 8 if d == 8 else 4
+    th, tw = core
+    cin, cout = info.in_channels, info.out_channels
+    load = d if inputs_copied else 0
+    half = d < f
+
+    def gn(c: int, px: int) -> int:  # input alive while its normalised copy is made
+        return c * px * (load + f + (d if half else 0))
+
+    stats = cout * th * tw * f if half else 0
+    if info.kind == "upsample":
+        lo = (th // 2 + 2) * (tw // 2 + 2)
+        hi = (th + 4) * (tw + 4)
+        # The loaded tile stays referenced until the module returns: load + upsampled + conv output.
+        return cin * lo * load + cin * hi * d + cout * hi * d + stats
+    h = info.halo
+    px = (th + 2 * h) * (tw + 2 * h)
+    p1 = (th + 2) * (tw + 2)
+    core_px = th * tw
+    if info.kind in ("conv1", "out"):
+        # conv1 of a channel-changing block also keeps shortcut(x) (core; a 3x3 conv_shortcut: the region).
+        sc = 0 if info.shortcut_output is None else cout * px * d
+        return max(gn(cin, px), cin * px * d + cout * px * d, cout * px * d + stats) + sc
+    cres = info.residual_channels or cin
+    shortcut_in = cres * core_px * load if info.kind == "conv2" else 0
+    shortcut = shortcut_in + cout * core_px * d * 2  # shortcut output and the sum
+    if info.kind == "conv2":
+        return max(gn(cout, px), cout * px * d * 2, cout * px * d + shortcut + stats)
+    # conv12: conv1 on the 2-px halo, then conv2 on its output.
+    return max(
+        gn(cin, px),
+        cin * px * d + cout * px * d,
+        gn(cout, px) - cout * px * load + cout * px * d,
+        cout * px * d * 2,
+        cout * px * d + cres * p1 * load + shortcut + stats,
+    )
+
+
+def estimate_exact_peak(
+    model: Any,
+    latent_shape: Sequence[int],
+    tile: tuple[int, int],
+    dtype_bytes: int,
+    store_on_device: bool,
+    recompute: bool = False,
+    attention_scores: bool = True,
+) -> dict[str, int]:
+    """Analytic bytes of one exact decode: a conservative starting point (calibrate by measurement).
+
+    Returns ``store`` (all stores at their peak), ``tile`` (one tile's working set, :func:`tile_bytes`;
+    measured on CPU it is 0.9-1.6x of this), ``mid`` (the whole-latent mid block of one item: 8
+    activations, plus the ``N x N`` attention scores twice when ``attention_scores``, i.e. when the
+    attention kernel materialises them as the CPU math path does; flash / memory-efficient kernels do
+    not), ``device`` (what the compute device needs on top of the model weights: the larger of tile and
+    mid, plus the store when ``store_on_device``) and ``host`` (the store when it is not on the device).
+    Convolution workspaces (cuDNN) are not included.
+    """
+    lay = kl_layout(model, recompute)
+    plan = lay.plan(latent_shape, tile)
+    store = plan.store_peak_elements * dtype_bytes
+    tile_b = plan.tile_bytes(dtype_bytes, inputs_copied=not store_on_device)
+    work_bytes = max(dtype_bytes, 4)
+    mh, mw = lay.mid_hw(plan.latent_shape[2:])
+    n = mh * mw
+    mid = 8 * plan.mid_elements * work_bytes + (2 * n * n * work_bytes if attention_scores else 0)
+    work = max(tile_b, mid)
+    return {
+        "store": store,
+        "tile": tile_b,
+        "mid": mid,
+        "device": work + (store if store_on_device else 0),
+        "host": 0 if store_on_device else store,
+    }

@@ -1,0 +1,91 @@
+"""What the two decode nodes share: ComfyUI's callables and the pack's stores in one ``DecodeEnv``, the
+``budget_mb`` / ``unload_others`` inputs and the report output, and :func:`run` (validate, decode, an
+impossible budget reported as the node's input error, the report logged and shown on the node)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from comfy_api.v0_0_2 import io, ui
+
+from ..memory.cost.exact import ExactCostStore
+from ..memory.cost.phases import CostModelStore
+from ..memory.decode import self_check
+from ..memory.decode.env import DecodeEnv
+from ..memory.plan.grid import ImpossibleBudgetError
+from ..memory.plan.video import PeakStore
+from . import _comfy
+from ._vae_ops import bounded_vae_attention, group_norm_params
+
+__all__ = ["budget_inputs", "comfy_env", "report_output", "run"]
+
+Job = TypeVar("Job")
+
+_STORES: dict[str, Any] = {}
+
+
+def _store(name: str, make: Callable[[Any], Any], what: str) -> Any:
+    """The process-wide store ``name`` under ComfyUI's user folder (in memory when it is not writable)."""
+    if name not in _STORES:
+        _STORES[name] = make(_comfy.user_cache_file(name, what))
+    return _STORES[name]
+
+
+def comfy_env(node_id: str | None, fault_hook: Callable[[str, int], None] | None = None,
+              measure_cpu_tensors: bool = False) -> DecodeEnv:
+    """ComfyUI's callables and the pack's persisted stores for either decode engine."""
+    return DecodeEnv(
+        should_stop=_comfy.should_stop,
+        on_oom=_comfy.on_oom,
+        oom_exceptions=_comfy.oom_exceptions(),
+        progress_bar=lambda total: _comfy.progress_callback(total, node_id),
+        budget=_comfy.vae_budget,
+        offload=lambda vae, need: _comfy.offload_others(vae, need, "needed" if need is not None else "all"),
+        load_weights=_comfy.load_vae_weights,
+        cost_models=_store("cost_models.json", CostModelStore, "cost-model"),
+        exact_cost_models=_store("exact_cost_models.json", ExactCostStore, "exact cost-model"),
+        peaks=_store("video_peaks.json", PeakStore, "video peak"),
+        checks=self_check.store_at(_comfy.user_cache_file(self_check.FILE_NAME, "self-check")),
+        attention=bounded_vae_attention,
+        norm_params=group_norm_params,
+        fault_hook=fault_hook,
+        measure_cpu_tensors=measure_cpu_tensors,
+    )
+
+
+def run(node: str, validate: Callable[[], Job], decode: Callable[[Job, float], Any]) -> Any:
+    """``decode(validate(), t_start)``; an impossible budget becomes the node's input error."""
+    t_start = time.perf_counter()
+    job = validate()
+    try:
+        return decode(job, t_start)
+    except ImpossibleBudgetError as e:
+        raise _comfy.NodeInputError(node, str(e)) from e
+
+
+def budget_inputs() -> list[Any]:
+    """The decode nodes' shared inputs: ``budget_mb`` and ``unload_others``."""
+    return [
+        io.Int.Input("budget_mb", default=0, min=0, max=1 << 22, step=64,
+                     tooltip="Working memory the decode may use on the VAE's device, in MB: what it "
+                     "allocates beyond the VAE's weights (the weights are not counted, loaded or not). 0 = the "
+                     "free memory ComfyUI reports, minus the VAE weights still to load and a safety reserve."),
+        io.Boolean.Input("unload_others", default=True,
+                         tooltip="Offload other models (diffusion model, text encoders) from the VAE's "
+                         "device first, as far as this decode needs the room."),
+    ]  # fmt: skip
+
+
+def report_output(tooltip: str) -> Any:
+    """The decode nodes' STRING ``report`` output."""
+    return io.String.Output("report", display_name="report", tooltip=tooltip)
+
+
+def output(result: Any, logger: logging.Logger) -> io.NodeOutput:
+    """A decode result as the node's outputs: images, the report text (logged, and shown on the node)."""
+    text = result.report.text()
+    logger.info("%s", text)
+    return io.NodeOutput(result.images, text, ui=ui.PreviewText(text))
