@@ -28,7 +28,7 @@ from ..measure.tracker import tracker_factory
 from ..vae.families import FAMILIES, identify, model_key_name, model_name, vae_geometry
 from .phases import CostModel, CostModelStore, ModelKey, calibrate
 
-log = logging.getLogger("vramfit.memory.calibration")
+log = logging.getLogger("vramfit.memory.cost.calibration")
 
 IMAGE_PHASES: tuple[tuple[str, ...], ...] = (("const", "px"), ("const", "px", "tokens_sq"))
 VIDEO_PHASES: tuple[tuple[str, ...], ...] = (("const", "px", "px_step", "px_cache2", "px_frames"),)

@@ -25,7 +25,7 @@ from ..tiles import pair
 from ..vae.kl_layout import SegmentInfo, axis_extents, kl_layout
 from .phases import dtype_name, nnls
 
-log = logging.getLogger("vramfit.memory.decode_plan")
+log = logging.getLogger("vramfit.memory.cost.exact")
 
 __all__ = [
     "ExactCostModel",

@@ -42,7 +42,7 @@ from ..geometry import FEATURES, Geometry
 from ..measure.tracker import PeakMeter
 from ..store import Store
 
-log = logging.getLogger("vramfit.memory.cost_model")
+log = logging.getLogger("vramfit.memory.cost.phases")
 
 DATA_DIR = pathlib.Path(__file__).resolve().parent / "data"
 SCHEMA = 1

@@ -7,7 +7,7 @@ Paths (chosen per run, reported in the plan report):
 * **untiled**: the VAE's own decode (``first_stage_model.decode`` + ``process_output``, batched as the
   budget allows) when its predicted peak fits: it is the reference result and the fastest.
 * **exact tiles** (GroupNorm KL decoders: SD1.x/SD2/SDXL/SD3/Flux and any decoder of that structure,
-  ComfyUI's own decode contract): :func:`.tiled_exact.decode_exact`: mid block on the whole latent,
+  ComfyUI's own decode contract): :func:`..executors.kl_exact.decode_exact`: mid block on the whole latent,
   exact shared GroupNorm statistics, 1-px halos per segment; equal to the untiled decode up to float
   rounding. Tile size, recomputation and store placement come from :mod:`.decode_plan`.
 * **approximate tiles** (any other VAE, third-party ``comfy.sd.VAE`` subclasses included):
@@ -18,7 +18,7 @@ Batch items are decoded within the budget and written into one output buffer on 
 (ComfyUI's intermediate device) as they finish. Cancel is checked between units; an out-of-memory
 error inside a tile shrinks the tile and resumes (executors); one outside a tile (mid block, store
 allocation, an untiled pass) re-plans smaller (:func:`fallback`) and retries the unfinished items,
-outside the ``except`` block (:class:`.oom_resume.OomResume`); finished items are kept.
+outside the ``except`` block (:class:`..oom.OomResume`); finished items are kept.
 
 The VAE is duck-typed as ComfyUI's ``comfy.sd.VAE``: ``first_stage_model`` (with ``decode``),
 ``vae_dtype``, ``device``, ``process_output`` (for the core contract), optionally ``decode`` (own
@@ -64,7 +64,7 @@ from ..report import Report, flag_measured_overrun, fmt_bytes, fmt_seconds
 from .env import DecodeEnv, load_weights, measured, prepare
 from .self_check import CheckStore, Verdict, code_fingerprint, verify
 
-log = logging.getLogger("vramfit.memory.image_decode")
+log = logging.getLogger("vramfit.memory.decode.image")
 
 __all__ = ["DecodeEnv", "DecodeResult", "ImageJob", "check_exact", "decode_image", "make_job"]
 
@@ -87,7 +87,7 @@ def check_exact(job: ImageJob, store: CheckStore, norm_params: te.NormParamsFn |
                 prepare: Callable[[], None] | None = None) -> Verdict:
     """Self-check of the exact tiled walker for this decoder on this host (:func:`.self_check.verify`): a
     tiny random latent (:data:`CHECK_LATENT_HW`) decoded by ``first_stage_model.decode`` and by
-    :func:`.tiled_exact.decode_exact` in tiles of :data:`CHECK_TILE` px. Keyed by the decoder's code fingerprint, the walker's source, dtype and device type. ``prepare()`` runs
+    :func:`..executors.kl_exact.decode_exact` in tiles of :data:`CHECK_TILE` px. Keyed by the decoder's code fingerprint, the walker's source, dtype and device type. ``prepare()`` runs
     first when the check runs (the node loads the weights)."""
     model = job.vae.first_stage_model
     cls = type(model)

@@ -37,7 +37,7 @@ from ..report import fmt_seconds
 from ..store import Store
 from ..vae.families import structure_digest
 
-log = logging.getLogger("vramfit.memory.self_check")
+log = logging.getLogger("vramfit.memory.decode.self_check")
 
 __all__ = ["FILE_NAME", "CheckStore", "Verdict", "code_fingerprint", "memory_store", "store_at", "tolerance", "verify"]
 

@@ -24,7 +24,7 @@ from ..vae.wan_layout import cache_protocol, is_wan_vae, wan_layout
 from .env import DecodeEnv, load_weights, measured, prepare
 from .self_check import CheckStore, Verdict, code_fingerprint, verify
 
-log = logging.getLogger("vramfit.memory.video_decode")
+log = logging.getLogger("vramfit.memory.decode.video")
 
 __all__ = ["REPORT_NODE", "VideoDecodeResult", "VideoJob", "check_chunked", "decode_video", "make_job"]
 

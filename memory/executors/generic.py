@@ -37,7 +37,7 @@ import torch
 from ..oom import OomEvent, OomResume, oom_types
 from ..tiles import split_even
 
-log = logging.getLogger("vramfit.memory.tiled_generic")
+log = logging.getLogger("vramfit.memory.executors.generic")
 
 __all__ = ["count_generic_steps", "decode_generic", "generic_tiles"]
 
@@ -242,7 +242,7 @@ def decode_generic(
     where the output buffer lives (default ``z.device``; pass ComfyUI's intermediate device);
     ``out_dtype``: its dtype (default: the decoder's, float32 with ``feather``). ``progress(done,
     total)``, ``should_stop()``, ``fault_hook(k)``, ``oom_exceptions``, ``on_oom()``: as in
-    :func:`vramfit.memory.tiled_exact.decode_exact`.
+    :func:`.kl_exact.decode_exact`.
     """
     if z.ndim not in (4, 5):
         raise ValueError(f"expected a (B, C, h, w) or (B, C, t, h, w) latent, got {tuple(z.shape)}")

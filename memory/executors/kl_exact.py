@@ -33,7 +33,7 @@ from ..vae.kl_layout import (
     whole_output,
 )
 
-log = logging.getLogger("vramfit.memory.tiled_exact")
+log = logging.getLogger("vramfit.memory.executors.kl_exact")
 
 EXECUTOR_VERSION = "v1"
 """Version of this executor's allocation pattern, part of every exact cost-model key (shipped and cached).

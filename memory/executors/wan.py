@@ -18,7 +18,7 @@ from ..tiles import chunk_ranges, spans
 from ..vae.wan_layout import CACHE_T, WanLayout, accepts, cache_protocol, frames_of, is_causal, wan_layout
 from .blend import stop_driver
 
-log = logging.getLogger("vramfit.memory.video_chunked")
+log = logging.getLogger("vramfit.memory.executors.wan")
 
 EXECUTOR_VERSION = "v1"
 """Version of the chunked executor's allocation pattern, part of every persisted video peak's key: bump it

@@ -53,7 +53,7 @@ import torch
 from ..report import Report, byte_unit, fmt_bytes
 from .procfs import process_rss, read_rss_peak, reset_rss_peak
 
-log = logging.getLogger("vramfit.memory.monitor")
+log = logging.getLogger("vramfit.memory.measure.monitor")
 
 
 # ------------------------------------------------------------------------------------ tensor bytes

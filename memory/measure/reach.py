@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger("vramfit.memory.reach")
+log = logging.getLogger("vramfit.memory.measure.reach")
 
 __all__ = [
     "GroupNormFreezer",

@@ -46,7 +46,7 @@ from ..report import fmt_bytes
 from . import procfs
 from .procfs import rss_peak_supported as rss_supported
 
-log = logging.getLogger("vramfit.memory.tracker")
+log = logging.getLogger("vramfit.memory.measure.tracker")
 
 Method = Literal["auto", "dispatch", "cuda", "rss"]
 

@@ -20,7 +20,7 @@ import torch
 
 from ..tiles import pair, split_even, tile_count
 
-log = logging.getLogger("vramfit.memory.kl_layout")
+log = logging.getLogger("vramfit.memory.vae.kl_layout")
 
 __all__ = [
     "BAND_TAIL",
