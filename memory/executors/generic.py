@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..oom import OomEvent, OomResume, oom_types
-from ..tiles import split_even
+from ..tiles import pair, split_even
 
 log = logging.getLogger("vramfit.memory.executors.generic")
 
@@ -43,15 +43,6 @@ __all__ = ["count_generic_steps", "decode_generic", "generic_tiles"]
 
 ProgressFn = Callable[[int, int], None]
 Rect = tuple[int, int, int, int, int]  # b, y0, y1, x0, x1 (latent px)
-
-
-def _pair(v: int | Sequence[int], what: str) -> tuple[int, int]:
-    if isinstance(v, int):
-        v = (v, v)
-    a, b = int(v[0]), int(v[1])
-    if a < 0 or b < 0:
-        raise ValueError(f"{what} must be >= 0, got {v}")
-    return a, b
 
 
 def generic_tiles(batch: int, h: int, w: int, tile: tuple[int, int], y0: int = 0, x0: int = 0) -> list[Rect]:
@@ -66,7 +57,7 @@ def generic_tiles(batch: int, h: int, w: int, tile: tuple[int, int], y0: int = 0
 
 def count_generic_steps(latent_shape: Sequence[int], tile: int | Sequence[int]) -> int:
     """Tile steps of an uninterrupted ``decode_generic`` (batch x tiles)."""
-    t = _pair(tile, "tile")
+    t = pair(tile, "tile", 0)
     b, h, w = int(latent_shape[0]), int(latent_shape[-2]), int(latent_shape[-1])
     return len(generic_tiles(b, h, w, t))
 
@@ -246,15 +237,15 @@ def decode_generic(
     """
     if z.ndim not in (4, 5):
         raise ValueError(f"expected a (B, C, h, w) or (B, C, t, h, w) latent, got {tuple(z.shape)}")
-    t = _pair(tile, "tile")
+    t = pair(tile, "tile", 0)
     if min(t) < 1:
         raise ValueError(f"tile must be >= 1, got {tile}")
     run = _GenericRun(
         decode_fn,
         z,
         t,
-        _pair(halo, "halo"),
-        None if scale is None else _pair(scale, "scale"),
+        pair(halo, "halo", 0),
+        None if scale is None else pair(scale, "scale", 0),
         torch.device(out_device) if out_device is not None else z.device,
         out_dtype,
         max(0, int(feather)),
