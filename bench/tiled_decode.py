@@ -89,22 +89,15 @@ def _image_plan() -> Any:
     return importlib.import_module(_pack_name() + ".memory.plan.image")
 
 
-def _image_decode() -> Any:
-    from importlib import import_module
-
-    return import_module(_pack_name() + ".memory.decode.image")
-
-
 def _budget_for_tile(mod: Any, vae: Any, z: torch.Tensor, tile: int) -> int:
     """Smallest ``budget_mb`` at which the planner can use ``tile``-px exact tiles (store on the device, with
     or without recomputation): planning only, no decode."""
-    idm = _image_decode()
     env = mod.comfy_env()
     job = mod._validate(vae, {"samples": z}, 0, -1)
     full = _image_plan().full_cost_model(job, env)
     need = 0
     for _ in range(3):  # the mid block's attention slices depend on the budget: iterate to a fixed point
-        attention = max(idm.ATTENTION_MIN, need // 4) if need else 1 << 62
+        attention = max(_image_plan().ATTENTION_MIN, need // 4) if need else 1 << 62
         planner = _image_plan().ExactPlanner(job, env, float(full.overhead), attention)
         extra = _image_plan().buffer_bytes(job)
         post = _image_plan().item_image_bytes(job)

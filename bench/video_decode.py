@@ -109,14 +109,14 @@ def bench_size(nodes: Any, mod: Any, tracker_mod: Any, vae: Any, px: int, frames
     # tracker starts after planning); the planning times are reported.
     plan_auto, cold, warm, st = _plan_of(mod, vae, z, 0, store_dir)
     auto = _measure(tracker_mod, lambda: mod.decode(vae, {"samples": z}).images)
-    row("Temporal-Chunk, auto", auto, f"{plan_auto.describe()}; planned cold {cold:.2f} s ({st['sized']} sized), "
+    row("Temporal-Chunk, auto", auto, f"{plan_auto.description}; planned cold {cold:.2f} s ({st['sized']} sized), "
         f"warm {warm:.3f} s")
     budget_mb = max(1, int(0.40 * core["peak"] / MiB))
     try:
         plan_tight, cold, warm, st = _plan_of(mod, vae, z, budget_mb, store_dir)
         tight = _measure(tracker_mod, lambda: mod.decode(vae, {"samples": z}, budget_mb=budget_mb).images)
         row(f"Temporal-Chunk, budget {budget_mb} MiB (40 % of VAEDecode)", tight,
-            f"{plan_tight.describe()}, {'rollback' if plan_tight.rollback else 'in-place'} cache; predicted "
+            f"{plan_tight.description}, {'rollback' if plan_tight.config.rollback else 'in-place'} cache; predicted "
             f"{plan_tight.planned / MiB:.1f} MiB; planned cold {cold:.2f} s ({st['sized']} sized, {st['bounded']} "
             f"bounded), warm {warm:.3f} s")
     except ValueError as e:
@@ -159,7 +159,7 @@ def plan_rows(mod: Any, vae: Any, px: int, frames: int, budget_mb: int, store_di
         name = f"{px}x{px}x{frames} " + (f"budget {mb} MiB" if mb else "free memory")
         try:
             plan, cold, warm, st = _plan_of(mod, vae, z, mb, store_dir)
-            text = f"{plan.describe()}, {'rollback' if plan.rollback else 'in place'}; {plan.planned / MiB:.1f} MiB"
+            text = f"{plan.description}, {'rollback' if plan.config.rollback else 'in place'}; {plan.planned / MiB:.1f} MiB"
         except ValueError as e:
             cold, warm, st, text = float("nan"), float("nan"), {}, f"impossible: {e}"
         rows.append({"case": name, "cold_s": cold, "warm_s": warm, **st, "plan": text})

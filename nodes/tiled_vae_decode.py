@@ -72,7 +72,8 @@ def _validate(vae: Any, samples: Any, tile_size: int, halo: int) -> idm.ImageJob
     if hasattr(vae, "throw_exception_if_invalid"):
         vae.throw_exception_if_invalid()
     try:
-        return idm.make_job(vae, z, core=_comfy.has_core_decode(vae), out_device=_comfy.intermediate_device())
+        return idm.make_job(vae, z, core=_comfy.has_core_decode(vae), out_device=_comfy.intermediate_device(),
+                            tile_size=tile_size, halo=halo)
     except ValueError as e:  # the spatial ratio cannot be inferred
         raise _error(str(e)) from e
 
@@ -95,8 +96,8 @@ def decode(
     return _decode_node.run(
         REPORT_NODE,
         lambda: _validate(vae, samples, int(tile_size), int(halo)),
-        lambda job, t0: idm.decode_image(job, comfy_env(node_id), tile_size=int(tile_size), halo=int(halo),
-                                         budget_mb=int(budget_mb), unload_others=bool(unload_others), t_start=t0),
+        lambda job, t0: idm.decode_image(job, comfy_env(node_id), budget_mb=int(budget_mb),
+                                         unload_others=bool(unload_others), t_start=t0),
     )
 
 

@@ -67,7 +67,7 @@ def _validate(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int) -> 
         raise _error(f"tile_size {tile_size}: use 0 (auto) or a tile side in output pixels")
     if hasattr(vae, "throw_exception_if_invalid"):
         vae.throw_exception_if_invalid()
-    return vd.make_job(vae, z, _comfy.intermediate_device())
+    return vd.make_job(vae, z, _comfy.intermediate_device(), frames_per_chunk=frames_per_chunk, tile_size=tile_size)
 
 
 def comfy_env(node_id: str | None = None) -> DecodeEnv:
@@ -88,8 +88,7 @@ def decode(
     return _decode_node.run(
         REPORT_NODE,
         lambda: _validate(vae, samples, int(frames_per_chunk), int(tile_size)),
-        lambda job, t0: vd.decode_video(job, comfy_env(node_id), frames_per_chunk=int(frames_per_chunk),
-                                        tile_size=int(tile_size), budget_mb=int(budget_mb),
+        lambda job, t0: vd.decode_video(job, comfy_env(node_id), budget_mb=int(budget_mb),
                                         unload_others=bool(unload_others), t_start=t0),
     )
 

@@ -44,7 +44,7 @@ def seam_ratio(out: torch.Tensor, ref: torch.Tensor, ys: Iterable[int], xs: Iter
 
 def exact_tile_borders(plan: Any, ratio: int) -> tuple[set[int], set[int]]:
     """Output-px rows and columns of every internal tile border of every segment of ``plan`` (an
-    ``ExactPlan`` of ``memory.executors.kl_exact``); ``ratio``: output px per latent px."""
+    ``ExactGeometry`` of ``memory.vae.kl_layout``); ``ratio``: output px per latent px."""
     from vramfit.memory.tiles import split_even
 
     ys: set[int] = set()

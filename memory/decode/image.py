@@ -38,28 +38,23 @@ from typing import Any
 import torch
 
 from ..cost import exact as dp
-from ..cost.phases import CostModel
 from ..executors import generic as tg
 from ..executors import kl_exact as te
-from ..geometry import Geometry
-from ..measure.reach import default_halo
 from ..oom import OomEvent, OomResume, oom_types
+from ..plan import plan
 from ..plan.exact import ExactChoice
 from ..plan.grid import ImpossibleBudgetError
 from ..plan.image import (
-    DecodePlan,
-    ExactPlanner,
     ImageJob,
-    buffer_bytes,
+    ImageModels,
     fallback,
     full_cost_model,
+    ideal_bytes,
+    image_models,
     make_job,
-    plan_exact,
-    plan_generic,
-    plan_untiled,
-    reach,
     units_of,
 )
+from ..plan.types import Plan
 from ..report import Report, flag_measured_overrun, fmt_bytes, fmt_seconds
 from .env import DecodeEnv, load_weights, measured, prepare
 from .self_check import CheckStore, Verdict, code_fingerprint, verify
@@ -69,8 +64,6 @@ log = logging.getLogger("vramfit.memory.decode.image")
 __all__ = ["DecodeEnv", "DecodeResult", "ImageJob", "check_exact", "decode_image", "make_job"]
 
 REPORT_NODE = "Tiled VAE Decode"
-ATTENTION_MIN = 16 * 2**20
-"""Smallest score-slice budget of the mid block's split attention."""
 MAX_RETRIES = 3
 """Re-plans after an out-of-memory error outside a tile, per decode."""
 
@@ -220,11 +213,10 @@ class _Run:
         del img
         self.write(b, images)
 
-    def generic_item(self, b: int, p: DecodePlan, cb: ProgressFn) -> None:
+    def generic_item(self, b: int, p: Plan, cb: ProgressFn) -> None:
         job = self.job
         self._pass()
-        g = p.generic
-        assert g is not None
+        g = p.config
         if job.core:
             model = job.vae.first_stage_model
 
@@ -259,8 +251,7 @@ class _Run:
             self.env.on_oom()
 
 
-def _execute(run: _Run, plan: DecodePlan, planner: ExactPlanner | None, full: CostModel, budget: int,
-             reach: tuple[int, int]) -> DecodePlan:
+def _execute(run: _Run, plan: Plan, models: ImageModels, budget: int) -> Plan:
     """Decode every batch item (untiled groups or tiled items) into the output buffer. Out of memory
     outside a tile: re-plan smaller and retry the unfinished items, outside the ``except`` block (the
     failed pass's frames and tensors are released first). Returns the plan that finished."""
@@ -271,8 +262,7 @@ def _execute(run: _Run, plan: DecodePlan, planner: ExactPlanner | None, full: Co
     def attempt() -> None:
         p, start = state["plan"], state["start"]
         if p.path == "untiled":
-            assert p.full is not None
-            stop = min(b_total, start + p.full.images_per_pass)
+            stop = min(b_total, start + p.config.images_per_pass)
             rest = b_total - stop
         else:
             stop = start + 1
@@ -284,15 +274,15 @@ def _execute(run: _Run, plan: DecodePlan, planner: ExactPlanner | None, full: Co
             run.untiled_pass(start, stop)
             cb(stop - start, stop - start)
         elif p.path == "exact":
-            assert p.exact is not None and planner is not None
-            run.exact_item(start, p.exact, cb, planner.attention_bytes)
+            assert models.exact is not None
+            run.exact_item(start, p.config, cb, models.exact.attention_bytes)
         else:
             run.generic_item(start, p, cb)
 
     def recover(event: OomEvent) -> None:
-        old: DecodePlan = state["plan"]
+        old: Plan = state["plan"]
         what = f"{event.type_name} in the {old.path} pass of item(s) {state['start']}..{state['stop'] - 1}"
-        state["plan"] = fallback(job, old, planner, full, budget, reach)
+        state["plan"] = fallback(job, old, models, budget)
         run.oom_events.append(f"{what}: re-planned ({old.description} -> {state['plan'].description}); retrying")
         log.warning("Tiled VAE Decode: %s", run.oom_events[-1])
 
@@ -310,7 +300,7 @@ def _execute(run: _Run, plan: DecodePlan, planner: ExactPlanner | None, full: Co
 class DecodeResult:
     images: torch.Tensor
     report: Report
-    plan: DecodePlan
+    plan: Plan
     budget: Any
     seconds: float
     """Decode time (the passes), without planning."""
@@ -326,92 +316,67 @@ def decode_image(
     job: ImageJob,
     env: DecodeEnv,
     *,
-    tile_size: int = 0,
-    halo: int = -1,
     budget_mb: float = 0,
     unload_others: bool = True,
     t_start: float | None = None,
 ) -> DecodeResult:
     """Decode ``job`` within the budget; returns the images (B, H, W, C) float32 on [0, 1] and the report.
 
-    ``tile_size``: output px per tile (0: auto, untiled when it fits); ``halo``: latent px of context of
-    the approximate path (-1: the decoder's reach); ``budget_mb``: 0 = free memory (``env.budget``);
-    ``unload_others``: offload upstream models first (``env.offload``, VAEs with a patcher only).
-    ``t_start``: ``time.perf_counter()`` when planning started (validation included). Raises
-    :class:`.planner.ImpossibleBudgetError` (message with the budget) when no plan fits.
+    ``budget_mb``: 0 = free memory (``env.budget``); ``unload_others``: offload upstream models first
+    (``env.offload``, VAEs with a patcher only); the tile and halo are the job's. ``t_start``:
+    ``time.perf_counter()`` when planning started (validation included). Raises
+    :class:`..plan.grid.ImpossibleBudgetError` (message with the budget) when no plan fits.
     """
     t_plan = time.perf_counter() if t_start is None else t_start
-    vae = job.vae
-    verdict = None
-    if job.exact_reason is None:  # the exact walker must have reproduced this host's decode once
-        load = (lambda: env.load_weights(vae, 0)) if hasattr(vae, "patcher") and env.load_weights else None
-        verdict = check_exact(job, env.checks, env.norm_params, load)
-        if not verdict.ok:
-            job = dataclasses.replace(job, exact_reason=f"the exact tiled walker's {verdict.describe()}")
+    job, verdict = _self_check(job, env)
     full = full_cost_model(job, env)
-    overhead = float(full.overhead)
-    user_tile = int(tile_size) or None
-
-    # Generic path parameters: halo from the decoder's convolutional reach, feather for global decoders.
-    reach_text = ""
-    g_halo, g_feather = 0, 0
-    if job.exact_reason is not None:
-        report_reach, global_ops = reach(job)
-        g_halo = default_halo(report_reach) if halo < 0 else int(halo)
-        g_feather = g_halo // 2 if global_ops else 0
-        reach_text = f"{report_reach.describe()}; halo {g_halo} latent px{' (auto)' if halo < 0 else ''}"
-
     # Offload upstream models for the fastest plan's need (what ComfyUI's own decode would need).
-    def ideal() -> int:
-        g = Geometry(int(job.z.shape[2]), int(job.z.shape[3]), batch=1, spatial_ratio=job.ratio)
-        return buffer_bytes(job) + full.predict(g)
-
-    prep = prepare(vae, env, ideal, budget_mb, unload_others)
-    budget, offload_text = prep.budget, prep.offload
+    prep = prepare(job.vae, env, lambda: ideal_bytes(job, full), budget_mb, unload_others)
+    budget = prep.budget
     avail = int(budget.available)
-    # The mid block's split attention (CPU) gets at most a quarter of the budget for its score slices.
-    planner = (ExactPlanner(job, env, overhead, max(ATTENTION_MIN, avail // 4))
-               if job.exact_reason is None else None)
-    reach_pair = (g_halo, g_feather)
+    models = image_models(job, env, full, avail)
     try:
-        plan = None if user_tile else plan_untiled(job, full, avail)
-        if plan is None:
-            if planner is not None:
-                plan = plan_exact(planner, avail, user_tile)
-            else:
-                plan = plan_generic(job, full, avail, user_tile, g_halo, g_feather)
+        p = plan(job, avail, models)
     except ImpossibleBudgetError as e:
         raise ImpossibleBudgetError(f"{e} (budget: {budget.describe()})", budget=e.budget, minimum=e.minimum,
                                     smallest=e.smallest) from e
-
-    load_weights(vae, env, plan.planned)
-
+    load_weights(job.vae, env, p.planned)
     plan_seconds = time.perf_counter() - t_plan
-    b_total = int(job.z.shape[0])
-    total = b_total * (units_of(job, plan) if plan.path != "untiled" else 1)
+
+    total = int(job.z.shape[0]) * units_of(job, p)
     bar = env.progress_bar(max(1, total)) if env.progress_bar is not None else None
     run = _Run(job, env, _Progress(bar, total))
     t0 = time.perf_counter()
     with measured(env, job.device) as m:
-        plan = _execute(run, plan, planner, full, avail, reach_pair)
+        p = _execute(run, p, models, avail)
     assert run.out is not None
     seconds = time.perf_counter() - t0
-    peak, method = m.peak, m.method
 
-    calibrated = planner.calibrated if planner is not None else []
-    report = _report(job, plan, budget, offload_text, reach_text, seconds, plan_seconds, peak, method, run,
-                     calibrated, verdict)
-    return DecodeResult(run.out, report, plan, budget, seconds, plan_seconds, peak, method, run.oom_events,
+    calibrated = models.exact.calibrated if models.exact is not None else []
+    report = _report(job, p, models, budget, prep.offload, seconds, plan_seconds, m, run, calibrated, verdict)
+    return DecodeResult(run.out, report, p, budget, seconds, plan_seconds, m.peak, m.method, run.oom_events,
                         calibrated)
+
+
+def _self_check(job: ImageJob, env: DecodeEnv) -> tuple[ImageJob, Verdict | None]:
+    """The exact walker must have reproduced this host's decode once (:func:`check_exact`); when it did not,
+    the job has no exact path (its reason says why)."""
+    if job.exact_reason is not None:
+        return job, None
+    vae = job.vae
+    load = (lambda: env.load_weights(vae, 0)) if hasattr(vae, "patcher") and env.load_weights else None
+    verdict = check_exact(job, env.checks, env.norm_params, load)
+    if not verdict.ok:
+        job = dataclasses.replace(job, exact_reason=f"the exact tiled walker's {verdict.describe()}")
+    return job, verdict
 
 
 # --------------------------------------------------------------------------------------------------
 # Report
 
 
-def _report(job: ImageJob, plan: DecodePlan, budget: Any, offload_text: str, reach_text: str, seconds: float,
-            plan_seconds: float, measured: int | None, method: str, run: _Run, calibrated: list[str],
-            verdict: Verdict | None) -> Report:
+def _report(job: ImageJob, plan: Plan, models: ImageModels, budget: Any, offload_text: str, seconds: float,
+            plan_seconds: float, m: Any, run: _Run, calibrated: list[str], verdict: Verdict | None) -> Report:
     b = int(job.z.shape[0])
     h, w = job.out_hw
     r = Report(REPORT_NODE, str(job.device))
@@ -434,15 +399,15 @@ def _report(job: ImageJob, plan: DecodePlan, budget: Any, offload_text: str, rea
     if plan.path == "exact":
         plan_text += f", {b} image{'s' if b != 1 else ''} one after another"
     r.add("plan", plan_text)
-    if reach_text:
-        r.add("halo", reach_text)
+    if models.reach:
+        r.add("halo", models.reach)
     pct = plan.planned / budget.available if budget.available else math.inf
     over = " - OVER BUDGET (user tile)" if plan.over_budget else ""
-    where = f", at {plan.exact.peak.segment}" if plan.exact is not None else ""
+    where = f", at {plan.config.peak.segment}" if plan.path == "exact" else ""
     r.add("predicted", f"peak {fmt_bytes(plan.planned)} ({pct:.0%} of budget){over}; tensor-level "
                        f"{fmt_bytes(plan.tracked)}{where}")
-    r.add("measured", f"peak {fmt_bytes(measured)} ({method})" if measured is not None else method)
-    flag_measured_overrun(r, measured, method, int(budget.available), log)
+    r.add("measured", f"peak {fmt_bytes(m.peak)} ({m.method})" if m.peak is not None else m.method)
+    flag_measured_overrun(r, m.peak, m.method, int(budget.available), log)
     r.add("time", f"{fmt_seconds(seconds)} decoding ({run.passes} pass{'es' if run.passes != 1 else ''}), "
                   f"{fmt_seconds(plan_seconds)} planning")
     if calibrated:

@@ -16,8 +16,9 @@ import torch
 
 from ..executors.blend import decode_overlap_blend
 from ..executors.wan import decode_wan_chunked
-from ..plan.video import REPORT_NODE, VideoJob, VideoPlan, blend_fn, blend_ratios, model_key
-from ..plan.video import plan as plan_video
+from ..plan import plan
+from ..plan.types import Plan
+from ..plan.video import REPORT_NODE, VideoJob, blend_fn, blend_ratios, model_key
 from ..report import Report, flag_measured_overrun, fmt_bytes, fmt_seconds
 from ..vae.families import identify, model_name
 from ..vae.wan_layout import cache_protocol, is_wan_vae, wan_layout
@@ -31,8 +32,10 @@ __all__ = ["REPORT_NODE", "VideoDecodeResult", "VideoJob", "check_chunked", "dec
 ProgressFn = Callable[[int, int], None]
 
 
-def make_job(vae: Any, z: torch.Tensor, out_device: torch.device | str) -> VideoJob:
-    """A validated video latent ``z`` (5-D) and its VAE (duck-typed ``comfy.sd.VAE``)."""
+def make_job(vae: Any, z: torch.Tensor, out_device: torch.device | str, *, frames_per_chunk: int = 0,
+             tile_size: int = 0) -> VideoJob:
+    """A validated video latent ``z`` (5-D), its VAE (duck-typed ``comfy.sd.VAE``) and the user's settings:
+    ``frames_per_chunk`` (latent frames) and ``tile_size`` (output px; Wan only), 0 = auto."""
     model = vae.first_stage_model
     return VideoJob(
         vae=vae,
@@ -43,6 +46,8 @@ def make_job(vae: Any, z: torch.Tensor, out_device: torch.device | str) -> Video
         device=torch.device(vae.device),
         out_device=torch.device(out_device),
         fingerprint=code_fingerprint(model),
+        frames_per_chunk=int(frames_per_chunk),
+        tile_size=int(tile_size),
     )
 
 
@@ -90,14 +95,13 @@ def check_chunked(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
 class VideoDecodeResult:
     images: torch.Tensor
     report: Report
-    plan: VideoPlan
+    plan: Plan
     budget: Any
     seconds: float
     measured_peak: int | None
     measure_method: str
     stats: dict
     plan_seconds: float
-    plan_stats: dict = dataclasses.field(default_factory=dict)
 
 
 def _host_decode(job: VideoJob, view: torch.Tensor, bar: ProgressFn | None, env: DecodeEnv, stats: dict) -> None:
@@ -129,43 +133,38 @@ def decode_video(
     job: VideoJob,
     env: DecodeEnv,
     *,
-    frames_per_chunk: int = 0,
-    tile_size: int = 0,
     budget_mb: float = 0,
     unload_others: bool = True,
     t_start: float | None = None,
 ) -> VideoDecodeResult:
     """Decode ``job`` within the budget; returns frames ``(B*T, H, W, 3)`` on [0, 1] (as VAEDecode) and the
-    report. ``frames_per_chunk`` / ``tile_size`` (output px): 0 = auto; ``budget_mb``: 0 = free memory
+    report. ``budget_mb``: 0 = free memory
     (``env.budget``); ``unload_others``: offload upstream models first (``env.offload``, VAEs with a
     patcher). ``t_start``: ``time.perf_counter()`` when planning started. Raises
     :class:`.grid.ImpossibleBudgetError` when no plan fits."""
     vae, z = job.vae, job.z
     b, _, t, h, w = (int(v) for v in z.shape)
     model = vae.first_stage_model
-    k_user = int(frames_per_chunk)
 
     t0 = time.perf_counter() if t_start is None else t_start  # planning time, offload included
-    plan_stats: dict = {}
     # Offload for the fastest plan's peak (sized once, kept for the plan below); 0: not predicted.
-    prep = prepare(vae, env, lambda: plan_video(job, 1 << 62, k_user, tile_size, env.peaks).planned or None,
-                   budget_mb, unload_others)
+    prep = prepare(vae, env, lambda: plan(job, 1 << 62, env.peaks).planned or None, budget_mb, unload_others)
     budget = prep.budget
 
     stats: dict = {}
-    verdict = None
     if job.wan:
         lay = wan_layout(model)
         r = lay.spatial_ratio
         frames = lay.out_frames(t)
-        verdict = check_chunked(job, env.checks, lambda: load_weights(vae, env, 0))
+        job = dataclasses.replace(job, verdict=check_chunked(job, env.checks, lambda: load_weights(vae, env, 0)))
     else:
         frames_of, index_formula, r = blend_ratios(vae)
         frames = int(round(frames_of(t))) if callable(frames_of) else int(round(frames_of * t))
     oh, ow = h * r, w * r
-    plan = plan_video(job, int(budget.available), k_user, tile_size, env.peaks, verdict, plan_stats)
+    p = plan(job, int(budget.available), env.peaks)
+    c = p.config
     plan_seconds = time.perf_counter() - t0
-    load_weights(vae, env, plan.planned)
+    load_weights(vae, env, p.planned)
 
     buf = torch.empty((b * frames, oh, ow, 3), dtype=torch.float32, device=job.out_device)
     view = buf.view(b, frames, oh, ow, 3).permute(0, 4, 1, 2, 3)  # (B, 3, T, H, W) view
@@ -173,31 +172,31 @@ def decode_video(
     hook = env.fault_hook
     t1 = time.perf_counter()
     with measured(env, job.device) as m:
-        if plan.host_decode:
+        if p.path == "host":
             _host_decode(job, view, bar, env, stats)
-        elif job.wan:
+        elif p.path == "wan":
             decode_wan_chunked(
-                model, z, plan.k, plan.tile, halo=plan.halo, split=plan.split, out=view,
-                compute_device=job.device, dtype=job.dtype, store_device="cpu" if plan.store == "host" else None,
-                rollback=plan.rollback, progress=bar, should_stop=env.should_stop,
+                model, z, c.k, c.tile, halo=p.halo, split=c.split, out=view,
+                compute_device=job.device, dtype=job.dtype, store_device="cpu" if c.store == "host" else None,
+                rollback=c.rollback, progress=bar, should_stop=env.should_stop,
                 fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
                 oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
         else:  # accumulated in the output buffer itself (the plan counts one output)
             decode_overlap_blend(
-                blend_fn(job), z, plan.k, 1, upscale_ratio=frames_of, index_formula=index_formula, out=view,
+                blend_fn(job), z, c.k, 1, upscale_ratio=frames_of, index_formula=index_formula, out=view,
                 progress=bar, should_stop=env.should_stop, oom_exceptions=env.oom_exceptions, on_oom=env.on_oom,
                 stats=stats)
         _post(vae, view)
     seconds = time.perf_counter() - t1
-    report = _report(job, plan, budget, prep.offload, stats, seconds, plan_seconds, m.peak, m.method)
-    return VideoDecodeResult(buf, report, plan, budget, seconds, m.peak, m.method, stats, plan_seconds, plan_stats)
+    report = _report(job, p, budget, prep.offload, stats, seconds, plan_seconds, m.peak, m.method)
+    return VideoDecodeResult(buf, report, p, budget, seconds, m.peak, m.method, stats, plan_seconds)
 
 
-def _report(job: VideoJob, plan: VideoPlan, budget: Any, offload_text: str, stats: dict, seconds: float,
+def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: dict, seconds: float,
             plan_seconds: float, measured: int | None, method: str) -> Report:
     r = Report(REPORT_NODE, str(job.device))
     r.add("vae", f"{job.family} ({str(job.dtype).removeprefix('torch.')}); latent {tuple(job.z.shape)}")
-    if plan.host_decode:
+    if plan.path == "host":
         r.add("path", f"exact: the host's own decode, as VAE Decode ({plan.reason})")
     elif job.wan and plan.exact:
         r.add("path", "exact: causal caches carried across chunks (same frames as VAE Decode)")
@@ -209,23 +208,24 @@ def _report(job: VideoJob, plan: VideoPlan, budget: Any, offload_text: str, stat
         proto = cache_protocol(job.vae.first_stage_model)
         how = "carried by the host's blocks" if not proto.restores else "restored by the executor"
         r.add("check", f"cache protocol {proto.name} (history {how}); "
-                       f"{plan.reason if not plan.host_decode else 'chunked executor not used'}")
+                       f"{plan.reason if plan.path != 'host' else 'chunked executor not used'}")
     r.add("budget", budget.describe())
     r.add("offload", offload_text)
-    r.add("plan", plan.describe() if job.wan else f"k = {plan.k} latent frames/chunk, overlap 1")
-    if job.wan and not plan.host_decode:
-        scope = "whole frame" if plan.tile is None else "one tile at a time (tile-major)"
-        if plan.rollback:
+    r.add("plan", plan.description)
+    c = plan.config
+    if plan.path == "wan":
+        scope = "whole frame" if c.tile is None else "one tile at a time (tile-major)"
+        if c.rollback:
             cache = f"{job.device}, {scope}, committed + next (an OOM resumes from the last chunk)"
         else:
             cache = f"{job.device}, {scope}, in place as ComfyUI (1x; an OOM decodes that tile again from frame 0)"
-        if plan.store is not None:
-            cache += f"; global part of every frame stored on the {plan.store}"
+        if c.store is not None:
+            cache += f"; global part of every frame stored on the {c.store}"
         r.add("cache", cache)
     if job.wan or plan.planned:
         avail = budget.available
         pct = plan.planned / avail if avail else math.inf
-        why = "user setting" if job.wan else f"chunks of {plan.k} latent frames"
+        why = "user setting" if job.wan else f"chunks of {c.k} latent frames"
         over = f" - OVER BUDGET ({why})" if plan.over_budget else ""
         r.add("predicted", f"peak {fmt_bytes(plan.planned)} ({pct:.0%} of budget, meta sizing){over}; "
                            f"planned in {fmt_seconds(plan_seconds)} (offload and self-check included)")

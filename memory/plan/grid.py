@@ -1,7 +1,7 @@
 """Planner: the fastest decode plan whose predicted peak fits a budget.
 
 Given a latent shape, the VAE's geometry, a budget in bytes and a cost model (anything with
-``predict(Geometry) -> bytes``), :func:`plan_decode` returns a :class:`Plan`: spatial tiles (core
+``predict(Geometry) -> bytes``), :func:`plan_tiling` returns a :class:`Tiling`: spatial tiles (core
 size, halo, grid), images per pass, and for video the latent frames per temporal chunk. Throughput
 objective: fewest passes first, then least computed area (halos are recomputed work), then tile
 cores aligned to ``VaeGeometry.align``, then the lowest predicted peak. The predicted peak of every plan it returns is <= the budget; when even the
@@ -36,7 +36,7 @@ class Predictor(Protocol):
 class ImpossibleBudgetError(ValueError):
     """Even the smallest plan's predicted peak exceeds the budget."""
 
-    def __init__(self, message: str, budget: int, minimum: int, smallest: Plan | None = None):
+    def __init__(self, message: str, budget: int, minimum: int, smallest: Tiling | None = None):
         super().__init__(message)
         self.budget = budget
         self.minimum = minimum
@@ -60,7 +60,7 @@ class Tile:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Tiling:
     """A decode plan (plain data; ``str(plan)`` is the user-facing summary)."""
 
     latent_shape: tuple[int, ...]
@@ -194,7 +194,7 @@ def _chunks(t: int, k: int, chunking: bool) -> tuple[int, ...]:
     return (1,) + (k,) * (rest // k) + ((rest % k,) if rest % k else ())
 
 
-def plan_decode(
+def plan_tiling(
     latent_shape: Sequence[int],
     vae: VaeGeometry,
     budget: int,
@@ -207,7 +207,7 @@ def plan_decode(
     min_tile: int = 8,
     max_tile: int | None = None,
     max_frames_per_chunk: int | None = None,
-) -> Plan:
+) -> Tiling:
     """The plan with the fewest passes (then least computed area) whose predicted peak <= ``budget``.
 
     ``min_tile``/``max_tile`` bound the tile core edge in latent px (a latent edge smaller than
@@ -277,10 +277,10 @@ def plan_decode(
 
     def make(
         bp: int, r: tuple[int, int, int, int], c: tuple[int, int, int, int], chunks: tuple[int, ...], pk: int
-    ) -> Plan:
+    ) -> Tiling:
         n_batches = -(-b_total // bp)
         passes = n_batches * r[1] * c[1] * max(1, len(chunks))
-        return Plan(
+        return Tiling(
             latent_shape=shape,
             family=vae.family,
             spatial_ratio=vae.spatial_ratio,
@@ -324,7 +324,7 @@ def plan_decode(
             smallest=plan,
         )
 
-    best: tuple[tuple[int, int, int, int], Plan] | None = None
+    best: tuple[tuple[int, int, int, int], Tiling] | None = None
     for k in k_opts:
         chunks = _chunks(t, k, temporal_chunking) if video else ()
         n_chunks = max(1, len(chunks))
@@ -350,7 +350,7 @@ def plan_decode(
     return best[1]
 
 
-def compute_overhead(plan: Plan) -> float:
+def compute_overhead(plan: Tiling) -> float:
     """Recompute ``plan.overhead`` from its tiles (computed / needed latent area - 1)."""
     h, w = plan.latent_hw
     computed = sum((t.cy1 - t.cy0) * (t.cx1 - t.cx0) for t in plan.tiles())

@@ -1,6 +1,7 @@
-"""Planning an image decode: the job (what to decode, which paths the decoder allows), the cost models
-(untiled decode, exact executor), and the plan of each path (untiled / exact tiles / approximate tiles),
-fastest first, with the smaller plan to take after an out-of-memory error (:func:`fallback`)."""
+"""Planning an image decode: the job (what to decode, which paths the decoder allows, the user's settings),
+the models plans come from (:class:`ImageModels`: untiled decode, exact executor, reach), :func:`plan` (the
+fastest of untiled / exact tiles / approximate tiles that fits) and the smaller plan to take after an
+out-of-memory error (:func:`fallback`)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,21 @@ from ..cost.phases import CostModel
 from ..executors import generic as tg
 from ..executors import kl_exact as te
 from ..geometry import Geometry, VaeGeometry
-from ..measure.reach import ReachReport, traced_reach
+from ..measure.reach import ReachReport, default_halo, traced_reach
 from ..measure.sizing import MetaSizer, decode_run
 from ..vae.families import identify, model_name, structure_digest
 from ..vae.kl_layout import count_exact_steps, estimate_exact_peak, unsupported_reason
 from . import exact as pe
-from .grid import ImpossibleBudgetError, Plan, plan_decode
+from .grid import ImpossibleBudgetError, plan_tiling
+from .types import Plan
 
 log = logging.getLogger("vramfit.memory.plan.image")
 
-__all__ = ["DecodePlan", "ExactPlanner", "ImageJob", "fallback", "full_cost_model", "make_job", "plan_exact",
-           "plan_generic", "plan_untiled", "reach", "spatial_ratio", "units_of"]
+__all__ = ["ExactPlanner", "ImageJob", "ImageModels", "fallback", "full_cost_model", "ideal_bytes", "image_models",
+           "make_job", "plan", "plan_exact", "plan_generic", "plan_untiled", "reach", "spatial_ratio", "units_of"]
+
+ATTENTION_MIN = 16 * 2**20
+"""Smallest score-slice budget of the mid block's split attention."""
 
 # --------------------------------------------------------------------------------------------------
 # The job
@@ -47,6 +52,10 @@ class ImageJob:
     dtype: torch.dtype
     device: torch.device
     out_device: torch.device
+    tile_size: int = 0
+    """The user's tile side in output px (0: auto, untiled when it fits)."""
+    halo: int = -1
+    """The user's context per tile of the approximate path in latent px (-1: the decoder's reach)."""
 
 
 def spatial_ratio(vae: Any, channels: int) -> int:
@@ -68,9 +77,11 @@ def spatial_ratio(vae: Any, channels: int) -> int:
     return ratio
 
 
-def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device | str) -> ImageJob:
+def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device | str, tile_size: int = 0,
+             halo: int = -1) -> ImageJob:
     """The job of decoding the 4-D latent ``z`` (inputs already validated). ``core``: ``vae`` keeps
-    ComfyUI's ``VAE.decode`` contract; ``out_device``: where the images are assembled."""
+    ComfyUI's ``VAE.decode`` contract; ``out_device``: where the images are assembled; ``tile_size``,
+    ``halo``: the user's settings (:attr:`ImageJob.tile_size`, :attr:`ImageJob.halo`)."""
     channels = int(z.shape[1])
     reason = unsupported_reason(vae.first_stage_model)
     if reason is None and not core:
@@ -88,6 +99,8 @@ def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device 
         dtype=getattr(vae, "vae_dtype", torch.float32),
         device=torch.device(vae.device),
         out_device=torch.device(out_device),
+        tile_size=int(tile_size),
+        halo=int(halo),
     )
 
 
@@ -140,24 +153,16 @@ def reach(job: ImageJob) -> tuple[ReachReport, bool]:
 # Plans
 
 
-@dataclasses.dataclass
-class DecodePlan:
-    path: str  # "untiled" | "exact" | "generic"
-    description: str
-    planned: int
-    tracked: int
-    full: Plan | None = None
-    exact: pe.ExactChoice | None = None
-    generic: Plan | None = None
-    halo: int = 0
-    feather: int = 0
-    over_budget: bool = False
-
-
 def buffer_bytes(job: ImageJob) -> int:
     """The output buffer (B, H, W, C) float32 counts when it lives on the decode device's type."""
     b = int(job.z.shape[0])
     return b * job.out_hw[0] * job.out_hw[1] * 3 * 4 if job.out_device.type == job.device.type else 0
+
+
+def ideal_bytes(job: ImageJob, full: CostModel) -> int:
+    """What the fastest plan needs: the untiled decode of one batch item (+ the output buffer)."""
+    g = Geometry(int(job.z.shape[2]), int(job.z.shape[3]), batch=1, spatial_ratio=job.ratio)
+    return buffer_bytes(job) + full.predict(g)
 
 
 def item_image_bytes(job: ImageJob) -> int:
@@ -168,16 +173,17 @@ def item_image_bytes(job: ImageJob) -> int:
     return n * (torch.empty((), dtype=job.dtype).element_size() + 12)
 
 
-def plan_untiled(job: ImageJob, full: CostModel, budget: int) -> DecodePlan | None:
+def plan_untiled(job: ImageJob, full: CostModel, budget: int) -> Plan | None:
+    """The VAE's own decode, as many batch items per pass as fit; None when one item does not fit."""
     geo = VaeGeometry(job.family, job.ratio)
     extra = buffer_bytes(job)
     try:
-        p = plan_decode(tuple(job.z.shape), geo, budget - extra, full, allow_tiling=False)
+        p = plan_tiling(tuple(job.z.shape), geo, budget - extra, full, allow_tiling=False)
     except ImpossibleBudgetError:
         return None
     g = Geometry(int(job.z.shape[2]), int(job.z.shape[3]), batch=p.images_per_pass, spatial_ratio=job.ratio)
     tracked = extra + full.predict_tracked(g)
-    return DecodePlan("untiled", p.describe(), extra + p.predicted_peak, tracked, full=p)
+    return Plan("untiled", p, p.describe(), extra + p.predicted_peak, tracked)
 
 
 class ExactPlanner:
@@ -241,52 +247,97 @@ class ExactPlanner:
         )
 
 
-def plan_exact(planner: ExactPlanner, budget: int, tile: int | None, exclude_whole: bool = False) -> DecodePlan:
-    c = planner.choose(budget, tile, exclude_whole)
-    return DecodePlan("exact", c.describe(), c.planned, c.tracked, exact=c, over_budget=not c.fits)
+def _exact(c: pe.ExactChoice) -> Plan:
+    return Plan("exact", c, c.describe(), c.planned, c.tracked, over_budget=not c.fits)
+
+
+def plan_exact(planner: ExactPlanner, budget: int, tile: int | None, exclude_whole: bool = False) -> Plan:
+    """The exact executor's fastest configuration that fits (:func:`.exact.choose_exact`)."""
+    return _exact(planner.choose(budget, tile, exclude_whole))
 
 
 def plan_generic(job: ImageJob, full: CostModel, budget: int, tile: int | None, halo: int,
-                 feather: int) -> DecodePlan:
+                 feather: int) -> Plan:
+    """Approximate tiles with ``halo`` latent px of context (the largest that fit, or the user's ``tile``)."""
     geo = VaeGeometry(job.family, job.ratio, halo=halo)
     extra = buffer_bytes(job) + item_image_bytes(job)
     shape = (1, *job.z.shape[1:])
     if tile is not None:
         t = max(1, tile // job.ratio)
         try:
-            p = plan_decode(shape, geo, max(0, budget - extra), full, halo=halo, min_tile=1, max_tile=t,
+            p = plan_tiling(shape, geo, max(0, budget - extra), full, halo=halo, min_tile=1, max_tile=t,
                             split_batch=False)
             over = False
         except ImpossibleBudgetError as e:
             p = e.smallest
             over = True
     else:
-        p = plan_decode(shape, geo, max(0, budget - extra), full, halo=halo, min_tile=8, split_batch=False)
+        p = plan_tiling(shape, geo, max(0, budget - extra), full, halo=halo, min_tile=8, split_batch=False)
         over = False
     g = Geometry(min(shape[2], p.tile_h + 2 * p.halo), min(shape[3], p.tile_w + 2 * p.halo), spatial_ratio=job.ratio)
     desc = p.describe() + (f", feather {feather} latent px" if feather and p.tiled else "")
-    return DecodePlan("generic", desc, extra + p.predicted_peak, extra + full.predict_tracked(g), generic=p,
-                      halo=halo, feather=feather if p.tiled else 0, over_budget=over)
+    return Plan("generic", p, desc, extra + p.predicted_peak, extra + full.predict_tracked(g), exact=False,
+                reason=job.exact_reason or "", halo=halo, feather=feather if p.tiled else 0, over_budget=over)
 
 
-def units_of(job: ImageJob, p: DecodePlan) -> int:
+def units_of(job: ImageJob, p: Plan) -> int:
     """Progress units of one batch item under plan ``p``."""
+    c = p.config
     if p.path == "exact":
-        assert p.exact is not None
-        return count_exact_steps(job.vae.first_stage_model, (1, *job.z.shape[1:]), p.exact.tile, p.exact.recompute)
+        return count_exact_steps(job.vae.first_stage_model, (1, *job.z.shape[1:]), c.tile, c.recompute)
     if p.path == "generic":
-        assert p.generic is not None
-        return tg.count_generic_steps((1, *job.z.shape[1:]), (p.generic.tile_h, p.generic.tile_w))
+        return tg.count_generic_steps((1, *job.z.shape[1:]), (c.tile_h, c.tile_w))
     return 1
 
 
-def fallback(job: ImageJob, p: DecodePlan, planner: ExactPlanner | None, full: CostModel, budget: int,
-             reach: tuple[int, int]) -> DecodePlan:
+@dataclasses.dataclass
+class ImageModels:
+    """What image plans are computed from."""
+
+    full: CostModel
+    """The untiled decode's cost model."""
+    exact: ExactPlanner | None
+    """The exact executor's cost models (None: the decoder has no exact path)."""
+    halo: int = 0
+    """Latent px of context of the approximate path (the user's, or the decoder's traced reach)."""
+    feather: int = 0
+    """Latent px of cross-fade inside the halo (decoders with global ops)."""
+    reach: str = ""
+    """The traced reach and the halo taken from it, for the report (approximate path)."""
+
+
+def image_models(job: ImageJob, env: Any, full: CostModel, budget: int) -> ImageModels:
+    """The models of ``job``'s plans: ``full`` (:func:`full_cost_model`), the exact executor's (its mid
+    block's split attention, on CPU, gets a quarter of ``budget`` for its score slices) or, without an exact
+    path, the decoder's reach for the approximate tiles' halo."""
+    if job.exact_reason is None:
+        return ImageModels(full, ExactPlanner(job, env, float(full.overhead), max(ATTENTION_MIN, budget // 4)))
+    traced, global_ops = reach(job)
+    halo = default_halo(traced) if job.halo < 0 else int(job.halo)
+    text = f"{traced.describe()}; halo {halo} latent px{' (auto)' if job.halo < 0 else ''}"
+    return ImageModels(full, None, halo, halo // 2 if global_ops else 0, text)
+
+
+def plan(job: ImageJob, budget: int, models: ImageModels) -> Plan:
+    """The fastest plan of ``job`` within ``budget`` bytes: the VAE's own decode when it fits (and no tile is
+    set), else exact tiles (decoders the exact executor supports), else approximate tiles."""
+    tile = int(job.tile_size) or None
+    if tile is None:
+        found = plan_untiled(job, models.full, budget)
+        if found is not None:
+            return found
+    if models.exact is not None:
+        return plan_exact(models.exact, budget, tile)
+    return plan_generic(job, models.full, budget, tile, models.halo, models.feather)
+
+
+def fallback(job: ImageJob, p: Plan, models: ImageModels, budget: int) -> Plan:
     """A smaller plan after an out-of-memory error outside a tile.
 
     untiled -> exact tiles smaller than the image (half the planned bytes), or generic tiles;
     exact -> recompute -> host store (accelerators) -> host store + recompute -> half the tile;
     generic -> half the budget and the tile."""
+    planner, full = models.exact, models.full
     if p.path == "untiled":
         smaller = min(budget, p.planned // 2)
         if planner is not None:
@@ -295,12 +346,12 @@ def fallback(job: ImageJob, p: DecodePlan, planner: ExactPlanner | None, full: C
             except ImpossibleBudgetError:
                 return plan_exact(planner, smaller, pe.MIN_AUTO_TILE)
         try:
-            return plan_generic(job, full, smaller, None, *reach)
+            return plan_generic(job, full, smaller, None, models.halo, models.feather)
         except ImpossibleBudgetError:
-            return plan_generic(job, full, smaller, 8 * job.ratio, *reach)
+            return plan_generic(job, full, smaller, 8 * job.ratio, models.halo, models.feather)
     if p.path == "exact":
-        assert p.exact is not None and planner is not None
-        c = p.exact
+        assert planner is not None
+        c = p.config
         if not c.recompute:
             nxt = (True, c.store_on_device, c.tile)
         elif c.store_on_device and job.device.type != "cpu":
@@ -314,12 +365,9 @@ def fallback(job: ImageJob, p: DecodePlan, planner: ExactPlanner | None, full: C
         planned = extra + max(pk.with_overhead(getattr(planner, "overhead", 0.0)), post)
         tracked = extra + max(pk.tracked, post)
         side = max(job.out_hw)
-        choice = dataclasses.replace(c, tile=tile, recompute=rec, store_on_device=on_dev, peak=pk, planned=planned,
-                                     tracked=tracked, score=pe.exact_score(tile, side, rec, on_dev),
-                                     fits=planned <= budget, whole=tile >= side)
-        return DecodePlan("exact", choice.describe(), planned, tracked, exact=choice, over_budget=not choice.fits)
-    g = p.generic
-    assert g is not None
+        return _exact(dataclasses.replace(c, tile=tile, recompute=rec, store_on_device=on_dev, peak=pk,
+                                          planned=planned, tracked=tracked,
+                                          score=pe.exact_score(tile, side, rec, on_dev), fits=planned <= budget,
+                                          whole=tile >= side))
+    g = p.config
     return plan_generic(job, full, budget // 2, max(8 * job.ratio, g.tile_h * job.ratio // 2), p.halo, p.feather)
-
-

@@ -20,10 +20,11 @@ from ..store import Store
 from ..tiles import spans
 from ..vae.wan_layout import WanLayout, cache_protocol, wan_layout
 from .grid import ImpossibleBudgetError
+from .types import Chunking, Plan
 
 log = logging.getLogger("vramfit.memory.plan.video")
 
-__all__ = ["BLEND_MAX_K", "MAX_AUTO_K", "REPORT_NODE", "Candidate", "PeakStore", "VideoJob", "VideoPlan", "blend_fn",
+__all__ = ["BLEND_MAX_K", "MAX_AUTO_K", "REPORT_NODE", "PeakStore", "VideoJob", "blend_fn",
            "blend_ratios", "candidates", "decode_peak", "lower_bound", "model_key", "peak_key", "plan", "plan_blend",
            "plan_host_decode", "plan_wan", "size_candidate"]
 
@@ -71,66 +72,26 @@ class VideoJob:
     out_device: torch.device
     fingerprint: str
     """The decoder's code fingerprint (:func:`.self_check.code_fingerprint`), part of every peak's key."""
+    frames_per_chunk: int = 0
+    """The user's latent frames per chunk (0: auto)."""
+    tile_size: int = 0
+    """The user's tile side in output px (0: auto; Wan only)."""
+    verdict: Any = None
+    """The chunked executor's self-check on this host (a :class:`.self_check.Verdict`; None: not checked)."""
 
 
 # --------------------------------------------------------------------------------------------------
 # Planning (Wan)
 
 
-@dataclasses.dataclass
-class VideoPlan:
-    k: int
-    tile: tuple[int, int] | None
-    """Tile core in latent px (None: whole frames)."""
-    grid: tuple[int, int]
-    rollback: bool
-    """Keep a tile's committed cache during a chunk (OOM resumes from its last chunk; 2x one tile's cache);
-    False: ComfyUI's in-place protocol (1x; an OOM decodes that tile again from frame 0)."""
-    halo: int
-    split: int
-    store: str | None
-    """Where the global part's output of every frame lives with tiles: "device" or "host" (None: whole
-    frames, no store)."""
-    planned: int
-    """Predicted peak bytes on the compute device (decode + output buffer when it lives there)."""
-    exact: bool = True
-    over_budget: bool = False
-    host_decode: bool = False
-    """The host's own ``first_stage_model.decode`` (what VAEDecode runs), one batch item at a time: the
-    exact path when the chunked executor failed its self-check on this host."""
-    reason: str = ""
-    """Why the output is not (or is) exact, for the report: the self-check's verdict."""
-
-    def describe(self) -> str:
-        if self.host_decode:
-            return "the host's own decode (first_stage_model.decode, as VAE Decode), one batch item at a time"
-        if self.tile is None:
-            tiles = "whole frames"
-        else:
-            tiles = (f"tile-major: {self.grid[0]}x{self.grid[1]} tiles of {self.tile[0]}x{self.tile[1]} latent px "
-                     f"(halo {self.halo}, split {self.split}, store on {self.store})")
-        return f"k = {self.k} latent frames/chunk (frame 0 alone), {tiles}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    speed: float
-    k: int
-    tile: tuple[int, int] | None
-    grid: tuple[int, int]
-    split: int
-    rollback: bool
-    host: bool
-
-    def order(self) -> tuple:
-        return (self.speed, not self.rollback, self.host, self.k)
-
-    def needs_more_than(self, f: Candidate) -> bool:
-        """Surely needs at least the failed ``f``'s memory: same kind, no smaller in k, tile, cache, store."""
-        if (self.tile is None) != (f.tile is None) or self.split != f.split:
-            return False
-        tile_ok = self.tile is None or (self.tile[0] >= f.tile[0] and self.tile[1] >= f.tile[1])  # type: ignore[index]
-        return (tile_ok and self.k >= f.k and self.rollback >= f.rollback and (not self.host or f.host))
+def describe(c: Chunking, halo: int) -> str:
+    """The report's ``plan`` row of the chunked executor."""
+    if c.tile is None:
+        tiles = "whole frames"
+    else:
+        tiles = (f"tile-major: {c.grid[0]}x{c.grid[1]} tiles of {c.tile[0]}x{c.tile[1]} latent px "
+                 f"(halo {halo}, split {c.split}, store on {c.store})")
+    return f"k = {c.k} latent frames/chunk (frame 0 alone), {tiles}"
 
 
 def out_bytes(job: VideoJob, frames: int, h: int, w: int) -> int:
@@ -155,16 +116,16 @@ def model_key(job: VideoJob, fingerprint: str | None = None) -> str:
             f"/video-{executor_digest()}/{dtype_name(job.dtype)}/{job.device.type}")
 
 
-def peak_key(job: VideoJob, cd: Candidate, fingerprint: str | None = None) -> str:
+def peak_key(job: VideoJob, cd: Chunking, fingerprint: str | None = None) -> str:
     """Key of a sized peak: :func:`model_key`, latent shape (frames as sized) and candidate."""
     b, c, t, h, w = (int(v) for v in job.z.shape)
     tile = "whole" if cd.tile is None else f"{cd.tile[0]}x{cd.tile[1]}"
     return (f"{model_key(job, fingerprint)}/{b}x{c}x{_t_meta(t, cd.k)}x{h}x{w}"
             f"/k{cd.k}/{tile}/split{cd.split}/{'rollback' if cd.rollback else 'inplace'}"
-            f"/{'host' if cd.host else 'device'}")
+            f"/{'host' if cd.store == 'host' else 'device'}")
 
 
-def size_candidate(job: VideoJob, cd: Candidate) -> int:
+def size_candidate(job: VideoJob, cd: Chunking) -> int:
     """Meta-sized peak bytes of ``decode_wan_chunked`` for this candidate at ``min(T, 1 + 2 k)`` latent
     frames, without the output buffer (the store's growth with ``T`` is added by :func:`decode_peak`)."""
     model = job.vae.first_stage_model
@@ -174,22 +135,22 @@ def size_candidate(job: VideoJob, cd: Candidate) -> int:
     with MetaSizer([model], job.dtype, job.device) as sizer:
         zf = torch.empty((b, c, t_meta, h, w), dtype=job.dtype, device=job.device)
         out = vc.decode_wan_chunked(model, zf, cd.k, cd.tile, halo=None, split=cd.split, compute_device=job.device,
-                                    dtype=job.dtype, store_device="cpu" if cd.host else None,
+                                    dtype=job.dtype, store_device="cpu" if cd.store == "host" else None,
                                     out_device=job.device, rollback=cd.rollback, sizing=True)
         del out, zf
     out_b = b * 3 * lay.out_frames(t_meta) * h * w * lay.spatial_ratio**2 * 4
     return max(0, int(sizer.peak_bytes) - out_b)
 
 
-def _store_growth(job: VideoJob, lay: WanLayout, cd: Candidate) -> int:
-    if cd.tile is None or cd.host:
+def _store_growth(job: VideoJob, lay: WanLayout, cd: Chunking) -> int:
+    if cd.store != "device":
         return 0
     b, _, t, h, w = (int(v) for v in job.z.shape)
     item = torch.empty((), dtype=job.dtype).element_size()
     return lay.store_bytes(h, w, t, b, item, cd.split) - lay.store_bytes(h, w, _t_meta(t, cd.k), b, item, cd.split)
 
 
-def lower_bound(job: VideoJob, lay: WanLayout, cd: Candidate) -> int:
+def lower_bound(job: VideoJob, lay: WanLayout, cd: Chunking) -> int:
     """A lower bound of :func:`decode_peak` without sizing: the latent (as sized), a device store of every
     frame and one tile's committed caches (the largest tile's extended region; whole frames: every cache),
     ``min(2, T)`` frames per cached conv (temporal upsample states left out), all alive together at the end
@@ -207,11 +168,11 @@ def lower_bound(job: VideoJob, lay: WanLayout, cd: Candidate) -> int:
     frames = min(2, t_meta)
     cache = sum(s.channels * frames * eh * s.scale * ew * s.scale for s in lay.slots
                 if s.index >= first and s.kind == "conv")
-    store = 0 if cd.tile is None or cd.host else lay.store_bytes(h, w, t, b, item, cd.split)
+    store = 0 if cd.store != "device" else lay.store_bytes(h, w, t, b, item, cd.split)
     return int(b * c * t_meta * h * w * item + cache * b * item + store)
 
 
-def decode_peak(job: VideoJob, lay: WanLayout, cd: Candidate, peaks: PeakStore, fingerprint: str,
+def decode_peak(job: VideoJob, lay: WanLayout, cd: Chunking, peaks: PeakStore, fingerprint: str,
                 sized: list[int] | None = None) -> int:
     """Peak bytes of the decode (without the output buffer) for the whole clip: the stored or sized peak
     plus the store's growth with ``T``."""
@@ -259,8 +220,9 @@ def _split_options(lay: WanLayout) -> list[int]:
     return [s for s in opts if not (lay.tiled_global_ops and s == 0)]
 
 
-def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None) -> list[Candidate]:
-    """Every candidate in the speed order the planner tries them."""
+def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None) -> list[Chunking]:
+    """Every candidate in the speed order the planner tries them (fastest first; among equals the rollback
+    cache, the device store, the smaller k)."""
     lay = wan_layout(job.vae.first_stage_model)
     _, _, t, h, w = (int(v) for v in job.z.shape)
     rest = max(1, t - 1)
@@ -275,15 +237,16 @@ def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None) ->
                 for k in ks:
                     speed = area * (1 + c / k) * (1 + 1e-3 * k) * (1.02 if host else 1.0)
                     for rollback in (True, False):
-                        cands.append(Candidate(speed, k, tile, grid, split, rollback, host))
-    cands.sort(key=Candidate.order)
-    return cands
+                        store = None if tile is None else ("host" if host else "device")
+                        cands.append((speed, not rollback, host, k, Chunking(k, tile, grid, split, rollback, store)))
+    cands.sort(key=lambda e: e[:4])
+    return [e[4] for e in cands]
 
 
 def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int] | None,
-             peaks: PeakStore | None = None, stats: dict | None = None) -> VideoPlan:
+             peaks: PeakStore | None = None, stats: dict | None = None) -> Plan:
     """The fastest plan whose predicted peak fits ``budget``: :func:`candidates` in speed order, each skipped
-    when it needs at least the memory of one that failed (:meth:`Candidate.needs_more_than`) or when its
+    when it needs at least the memory of one that failed (:meth:`.types.Chunking.needs_more_than`) or when its
     :func:`lower_bound` exceeds the budget, else sized (:func:`decode_peak`). With a user ``k`` or tile and
     nothing fitting: the smallest plan, marked over budget; otherwise :class:`ImpossibleBudgetError`.
     ``stats``: filled with ``sized`` (candidates meta-sized now), ``bounded`` (skipped by the lower bound)."""
@@ -298,14 +261,13 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
     sized: list[int] = []
     bounded = 0
 
-    def make(cd: Candidate, dec: int) -> VideoPlan:
-        store = None if cd.tile is None else ("host" if cd.host else "device")
-        return VideoPlan(cd.k, cd.tile, cd.grid, cd.rollback, lay.split_info(cd.split).halo, cd.split, store,
-                         out_b + max(dec, post))
+    def make(cd: Chunking, dec: int) -> Plan:
+        halo = lay.split_info(cd.split).halo
+        return Plan("wan", cd, describe(cd, halo), out_b + max(dec, post), halo=halo)
 
-    found: VideoPlan | None = None
-    failed: list[Candidate] = []
-    known: list[tuple[int, bool, Candidate]] = []  # (planned or its lower bound, exact, candidate)
+    found: Plan | None = None
+    failed: list[Chunking] = []
+    known: list[tuple[int, bool, Chunking]] = []  # (planned or its lower bound, exact, candidate)
     try:
         for cd in candidates(job, k_user, tile_user):
             if any(cd.needs_more_than(f) for f in failed):
@@ -344,7 +306,7 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
     if found.over_budget and tile_user is None and not k_user:
         raise ImpossibleBudgetError(
             f"no plan fits the budget of {fmt_bytes(budget)}: every plan needs at least {fmt_bytes(floor)}; the "
-            f"smallest found ({found.describe()}) needs {fmt_bytes(found.planned)}; raise budget_mb or free memory",
+            f"smallest found ({found.description}) needs {fmt_bytes(found.planned)}; raise budget_mb or free memory",
             budget, floor)
     return found
 
@@ -369,7 +331,7 @@ def host_decode_peak(job: VideoJob, peaks: PeakStore) -> int:
     return peak
 
 
-def plan_host_decode(job: VideoJob, budget: int, peaks: PeakStore, verdict: Any) -> VideoPlan | None:
+def plan_host_decode(job: VideoJob, budget: int, peaks: PeakStore, verdict: Any) -> Plan | None:
     """The exact fallback when the chunked executor failed its self-check (``verdict``: the self-check's
     :class:`.self_check.Verdict`): the host's own decode, if its peak (+ the output buffer) fits ``budget``;
     else None."""
@@ -379,8 +341,8 @@ def plan_host_decode(job: VideoJob, budget: int, peaks: PeakStore, verdict: Any)
     planned += host_decode_peak(job, peaks)
     if planned > budget:
         return None
-    return VideoPlan(max(1, t - 1), None, (1, 1), True, 0, 0, None, planned, host_decode=True,
-                     reason=f"the chunked executor's {verdict.describe()}")
+    return Plan("host", Chunking(max(1, t - 1)), "the host's own decode (first_stage_model.decode, as VAE Decode), "
+                "one batch item at a time", planned, reason=f"the chunked executor's {verdict.describe()}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -435,7 +397,7 @@ def blend_chunk_peak(job: VideoJob, k: int, peaks: PeakStore) -> int:
     return peak
 
 
-def plan_blend(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> VideoPlan:
+def plan_blend(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Plan:
     """The largest chunk (at most :data:`BLEND_MAX_K`, or the user's ``k``) whose meta-sized peak plus the
     output buffer fits ``budget``; the smallest, marked over budget, when none does. When meta sizing
     fails: the largest chunk, not predicted (``planned`` 0)."""
@@ -449,13 +411,14 @@ def plan_blend(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Vid
     plan = None
     try:
         for k in ks:
-            plan = VideoPlan(k, None, (1, 1), True, 0, 0, None, out_b + max(blend_chunk_peak(job, k, peaks), post),
-                             exact=False, reason=reason)
+            plan = Plan("blend", Chunking(k), f"k = {k} latent frames/chunk, overlap 1",
+                        out_b + max(blend_chunk_peak(job, k, peaks), post), exact=False, reason=reason)
             if plan.planned <= budget:
                 return plan
     except Exception as e:  # noqa: BLE001 - an op without a fake kernel: the chunk is not predicted
         log.warning("meta sizing of %s failed (%s: %s); chunk not predicted", job.family, type(e).__name__, e)
-        return VideoPlan(ks[0], None, (1, 1), True, 0, 0, None, 0, exact=False, reason=reason)
+        return Plan("blend", Chunking(ks[0]), f"k = {ks[0]} latent frames/chunk, overlap 1", 0, exact=False,
+                    reason=reason)
     finally:
         peaks.flush()
     assert plan is not None
@@ -467,25 +430,26 @@ def plan_blend(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Vid
 # The entry
 
 
-def plan(job: VideoJob, budget: int, k_user: int = 0, tile_size: int = 0, peaks: PeakStore | None = None,
-         verdict: Any = None, stats: dict | None = None) -> VideoPlan:
-    """The plan of ``job`` within ``budget`` bytes. ``k_user`` (latent frames) / ``tile_size`` (output px): 0 =
-    auto. Wan: when the chunked executor failed its self-check (``verdict``, a :class:`.self_check.Verdict`)
-    and nothing is set by the user, the host's own decode if it fits; else :func:`plan_wan`, exact as the
-    verdict says (``verdict`` None: no verdict applied). Other video VAEs: :func:`plan_blend`. ``stats``:
-    :func:`plan_wan`'s."""
+def plan(job: VideoJob, budget: int, peaks: PeakStore | None = None) -> Plan:
+    """The plan of ``job`` within ``budget`` bytes, its peaks sized on fake tensors (kept in ``peaks``). Wan:
+    when the chunked executor failed its self-check (``job.verdict``) and the user set neither chunk nor tile,
+    the host's own decode if it fits; else :func:`plan_wan`, exact as the verdict says (no verdict: exact by
+    construction). Other video VAEs: :func:`plan_blend`."""
     peaks = PeakStore() if peaks is None else peaks
+    k_user, verdict = int(job.frames_per_chunk), job.verdict
     if not job.wan:
         return plan_blend(job, budget, k_user, peaks)
     tile_user = None
-    if tile_size:
-        lt = max(1, int(tile_size) // wan_layout(job.vae.first_stage_model).spatial_ratio)
+    if job.tile_size:
+        lt = max(1, int(job.tile_size) // wan_layout(job.vae.first_stage_model).spatial_ratio)
         tile_user = (lt, lt)
     if verdict is not None and not verdict.ok and not k_user and tile_user is None:
         found = plan_host_decode(job, budget, peaks, verdict)
         if found is not None:
             return found
+    stats: dict = {}
     found = plan_wan(job, budget, k_user, tile_user, peaks, stats)
+    found.stats = stats
     if verdict is not None:
         found.exact, found.reason = verdict.ok, verdict.describe()
     return found

@@ -4,7 +4,7 @@ The decoder is walked once per model object (:func:`kl_layout`, cached): the str
 cut into *segments* at every GroupNorm, and the pure-integer geometry that the executor
 (:mod:`..executors.kl_exact`) runs and the cost model (:mod:`..cost.exact`) predicts: row bands of the
 store, the rows a tile reads, the live store per row of tiles (:func:`store_schedule`), step counts
-(:func:`plan_exact`). Duck-typed: no ComfyUI import.
+(:func:`exact_geometry`). Duck-typed: no ComfyUI import.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ log = logging.getLogger("vramfit.memory.vae.kl_layout")
 
 __all__ = [
     "BAND_TAIL",
-    "ExactPlan",
+    "ExactGeometry",
     "KlLayout",
     "RowStep",
     "SegmentInfo",
@@ -33,7 +33,7 @@ __all__ = [
     "estimate_exact_peak",
     "find_decoder",
     "kl_layout",
-    "plan_exact",
+    "exact_geometry",
     "store_schedule",
     "supports_exact",
     "tile_bytes",
@@ -486,7 +486,7 @@ class KlLayout:
             out.append(steps)
         return out
 
-    def plan(self, latent_shape: Sequence[int], tile: tuple[int, int]) -> ExactPlan:
+    def geometry(self, latent_shape: Sequence[int], tile: tuple[int, int]) -> ExactGeometry:
         """The segments, step counts and sizes of one decode of a ``(B, C, h, w)`` latent."""
         self.require()
         b, c, lh, lw = (int(s) for s in latent_shape)
@@ -506,7 +506,7 @@ class KlLayout:
         last = self.segments[-1] if self.segments else None
         out_c = last.out_channels if last else self.mid_channels
         out_hw = self.segment_hw(last, (lh, lw)) if last else mid_hw
-        return ExactPlan(
+        return ExactGeometry(
             latent_shape=(b, c, lh, lw),
             tile=tile,
             recompute=self.recompute,
@@ -580,7 +580,7 @@ def store_schedule(model: Any, mid_hw: Sequence[int], tile: tuple[int, int],
 
 
 @dataclasses.dataclass(frozen=True)
-class ExactPlan:
+class ExactGeometry:
     """Geometry of one exact decode: segments, steps, store and per-tile sizes (elements)."""
 
     latent_shape: tuple[int, int, int, int]
@@ -608,14 +608,14 @@ class ExactPlan:
                     for info, core in zip(self.segments, self.segment_cores, strict=True)), default=0)
 
 
-def plan_exact(model: Any, latent_shape: Sequence[int], tile: tuple[int, int], recompute: bool = False) -> ExactPlan:
+def exact_geometry(model: Any, latent_shape: Sequence[int], tile: tuple[int, int], recompute: bool = False) -> ExactGeometry:
     """The segments, step counts and sizes of ``decode_exact(model, z, tile, recompute=...)``."""
-    return kl_layout(model, recompute).plan(latent_shape, tile)
+    return kl_layout(model, recompute).geometry(latent_shape, tile)
 
 
 def count_exact_steps(model: Any, latent_shape: Sequence[int], tile: tuple[int, int], recompute: bool = False) -> int:
     """Progress units of one uninterrupted decode (mid steps + tile steps)."""
-    return plan_exact(model, latent_shape, tile, recompute).total_steps
+    return exact_geometry(model, latent_shape, tile, recompute).total_steps
 
 
 # --------------------------------------------------------------------------------------------------
@@ -691,7 +691,7 @@ def estimate_exact_peak(
     Convolution workspaces (cuDNN) are not included.
     """
     lay = kl_layout(model, recompute)
-    plan = lay.plan(latent_shape, tile)
+    plan = lay.geometry(latent_shape, tile)
     store = plan.store_peak_elements * dtype_bytes
     tile_b = plan.tile_bytes(dtype_bytes, inputs_copied=not store_on_device)
     work_bytes = max(dtype_bytes, 4)

@@ -100,7 +100,7 @@ def _outcome(mod, vae, z, **kw):
         r = mod.decode(vae, {"samples": z}, **kw)
     except ValueError as e:
         return ("error", str(e).split(" (budget:")[0])
-    return ("ok", r.budget.available, r.plan.describe() if hasattr(r.plan, "describe") else r.plan.description)
+    return ("ok", r.budget.available, r.plan.description)
 
 
 def test_image_budget_same_whether_weights_were_loaded(comfy, fixture_vaes, image, kl_vae):

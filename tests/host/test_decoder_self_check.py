@@ -98,14 +98,14 @@ def test_wan_mismatched_decoder_is_caught_and_reported_approximate(comfy, wan_pa
     path = dict(r.report.rows)["path"]
     log.info("altered Wan, k = 3: %s", path)
     assert path.startswith("APPROXIMATE") and "self-check FAILED" in path and "max abs diff" in path
-    assert not r.plan.exact and not r.plan.host_decode
+    assert not r.plan.exact and r.plan.path != "host"
     assert _diff(r.images, refs["altered"]) > 1e-3  # the executor indeed does not reproduce this decoder
 
     # The auto plan takes the host's own decode instead: exact by construction.
     r = mod.decode(_vae(altered), {"samples": z})
     path = dict(r.report.rows)["path"]
     log.info("altered Wan, auto: %s", path)
-    assert r.plan.host_decode and path.startswith("exact: the host's own decode") and "self-check FAILED" in path
+    assert r.plan.path == "host" and path.startswith("exact: the host's own decode") and "self-check FAILED" in path
     assert _diff(r.images, refs["altered"]) <= 1e-6
 
     # The unaltered model passes, and says so.

@@ -51,7 +51,7 @@ def test_flux_vae_tiles_are_exact(comfy, tiled, flux_vae):
         ref = comfy.VAEDecode().decode(flux_vae, {"samples": z})[0].clone()
     r = tiled.decode(flux_vae, {"samples": z}, tile_size=64)
     text = r.report.text()
-    assert r.plan.path == "exact" and r.plan.exact.tile == 64, text
+    assert r.plan.path == "exact" and r.plan.config.tile == 64, text
     assert "self-check passed" in text, text
     diff = (r.images - ref).abs().max().item()
     assert diff <= 1e-4, (diff, text)

@@ -112,12 +112,12 @@ def test_exact_tiles_match_vae_decode_odd_size_batch2(mod, pack, kl_vae, odd_cas
     z, ref = odd_case
     r = mod.decode(kl_vae, {"samples": z}, tile_size=64)
     out = r.images
-    assert r.plan.path == "exact" and r.plan.exact.tile == 64
+    assert r.plan.path == "exact" and r.plan.config.tile == 64
     assert out.shape == ref.shape == (2, 168, 232, 3)
     assert out.dtype == ref.dtype and out.device == ref.device
     assert 0.0 <= out.min().item() and out.max().item() <= 1.0
     value = psnr(out, ref)
-    ys, xs = exact_tile_borders(pack["kl_layout"].plan_exact(kl_vae.first_stage_model, (1, *ODD[1:]), (64, 64)), 8)
+    ys, xs = exact_tile_borders(pack["kl_layout"].exact_geometry(kl_vae.first_stage_model, (1, *ODD[1:]), (64, 64)), 8)
     assert len(ys) >= 2 and len(xs) >= 3
     ratio = seam_ratio(out, ref, ys, xs)
     log.info("exact node vs VAEDecode: PSNR %.1f dB, max abs %.2e, seam ratio %.3f", value,
@@ -135,7 +135,7 @@ def test_exact_tiles_match_vae_decode_odd_size_batch2(mod, pack, kl_vae, odd_cas
 def test_untiled_when_it_fits_is_core_decode(mod, kl_vae, small_case):
     z, ref = small_case
     r = mod.decode(kl_vae, {"samples": z})
-    assert r.plan.path == "untiled" and r.plan.full.images_per_pass == 2
+    assert r.plan.path == "untiled" and r.plan.config.images_per_pass == 2
     assert torch.equal(r.images, ref)
 
 
@@ -153,7 +153,7 @@ def test_budget_sweep_tracked_within_budget_and_prediction(mod, kl_vae, small_ca
             r = mod.decode(kl_vae, {"samples": z}, budget_mb=budget_mb)
             tracked, predicted = r.measured_peak, r.plan.tracked
             err = (predicted - tracked) / tracked
-            label = (r.plan.path, getattr(r.plan.exact, "tile", None), getattr(r.plan.exact, "recompute", None))
+            label = (r.plan.path, getattr(r.plan.config, "tile", None), getattr(r.plan.config, "recompute", None))
             log.info("budget %d MiB: %s; planned %.1f MiB, predicted tensor-level %.1f MiB, tracked %.1f MiB "
                      "(%+.1f%%), PSNR %.1f dB", budget_mb, label, r.plan.planned / MiB, predicted / MiB,
                      tracked / MiB, 100 * err, psnr(r.images, ref))
@@ -223,7 +223,7 @@ def test_oom_outside_tile_replans_and_retries(mod, kl_vae, small_case, clean_sma
     hook(fault)
     r = mod.decode(kl_vae, {"samples": z}, tile_size=64)
     assert calls == [0, 1, 2]
-    assert r.plan.exact.recompute and len(r.oom_events) == 1
+    assert r.plan.config.recompute and len(r.oom_events) == 1
     assert torch.equal(r.images[0], clean.images[0])
     assert (r.images - clean.images).abs().max().item() <= 1e-5
 
@@ -237,7 +237,7 @@ def test_oom_in_untiled_pass_falls_back_to_exact_tiles(mod, kl_vae, small_case, 
 
     hook(fault)
     r = mod.decode(kl_vae, {"samples": z})
-    assert r.plan.path == "exact" and not r.plan.exact.whole
+    assert r.plan.path == "exact" and not r.plan.config.whole
     assert "untiled pass" in r.oom_events[0]
     assert psnr(r.images, ref) >= 60.0
 
@@ -346,7 +346,7 @@ def test_generic_path_auto_halo_reproduces_vae_decode(comfy, mod, taesd_vae):
     (ref,) = comfy.VAEDecode().decode(taesd_vae, {"samples": z})
     r = mod.decode(taesd_vae, {"samples": z}, tile_size=128)
     rows = dict(r.report.rows)
-    assert r.plan.path == "generic" and r.plan.generic.tiled
+    assert r.plan.path == "generic" and r.plan.config.tiled
     assert rows["path"].startswith("approximate") and "decoder has no" in rows["path"]
     assert r.plan.halo >= 17 and r.plan.feather == 0, rows["halo"]  # TAESD's traced reach: 18.125 latent px
     assert r.images.shape == ref.shape

@@ -109,11 +109,11 @@ def test_wan21_matches_core_vaedecode(mod, wan21, runs, k, tile_px):
     runs[(k, tile_px)] = r
     assert r.images.shape == ref.shape and r.images.dtype == ref.dtype
     d = _diff(r.images, ref)
-    log.info("wan21 k=%d tile=%d px: %s, max abs diff %.2e, %.2f s (plan %.2f s)", k, tile_px, r.plan.describe(), d,
+    log.info("wan21 k=%d tile=%d px: %s, max abs diff %.2e, %.2f s (plan %.2f s)", k, tile_px, r.plan.description, d,
              r.seconds, r.plan_seconds)
-    assert r.plan.k == k and (r.plan.tile is None) == (tile_px == 0)
+    assert r.plan.config.k == k and (r.plan.config.tile is None) == (tile_px == 0)
     if tile_px:
-        assert r.plan.grid[0] * r.plan.grid[1] > 1
+        assert r.plan.config.grid[0] * r.plan.config.grid[1] > 1
     rows = dict(r.report.rows)
     assert rows["path"].startswith("exact") and "self-check passed" in rows["check"]
     assert d <= FIDELITY
@@ -128,10 +128,10 @@ def test_wan22_matches_core_vaedecode(mod, wan22, k, tile_px):
     r = mod.decode(vae, {"samples": z}, frames_per_chunk=k, tile_size=tile_px)
     assert r.images.shape == ref.shape
     d = _diff(r.images, ref)
-    log.info("wan22 k=%d tile=%d px: %s, max abs diff %.2e, %.2f s", k, tile_px, r.plan.describe(), d, r.seconds)
+    log.info("wan22 k=%d tile=%d px: %s, max abs diff %.2e, %.2f s", k, tile_px, r.plan.description, d, r.seconds)
     assert r.plan.halo == 6  # the walked reach at the default split, not families.py's 4
     if tile_px:
-        assert r.plan.grid[0] * r.plan.grid[1] > 1
+        assert r.plan.config.grid[0] * r.plan.config.grid[1] > 1
     assert d <= FIDELITY
 
 
@@ -161,7 +161,7 @@ def test_auto_plan_report_rows(auto_run, wan21):
     for key in ("vae", "path", "budget", "offload", "plan", "cache", "predicted", "measured", "time"):
         assert key in rows, key
     assert rows["path"].startswith("exact") and "k = " in rows["plan"]
-    assert r.plan.tile is None  # free memory: whole frames
+    assert r.plan.config.tile is None  # free memory: whole frames
     assert _diff(r.images, ref) <= TOL
 
 
@@ -185,18 +185,18 @@ def test_budget_sweep_tracked_within_budget_and_prediction(mod, wan21):
             tracked = r.measured_peak
             err = (r.plan.planned - tracked) / tracked
             log.info("budget %d MiB: %s; predicted %.1f MiB, tracked %.1f MiB (%+.1f%%)", budget_mb,
-                     r.plan.describe(), r.plan.planned / MiB, tracked / MiB, 100 * err)
+                     r.plan.description, r.plan.planned / MiB, tracked / MiB, 100 * err)
             assert r.plan.planned <= budget_mb * MiB
             assert tracked <= budget_mb * MiB, (budget_mb, tracked)
             assert abs(err) <= 0.15, (budget_mb, r.plan.planned, tracked)
             assert _diff(r.images, ref) <= TOL
-            seen.append((r.plan.k, r.plan.tile, r.plan.rollback))
+            seen.append((r.plan.config.k, r.plan.config.tile, r.plan.config.rollback))
             again: dict = {}
             _pv(mod).plan_wan(job, int(r.budget.available), 0, None, mod.comfy_env().peaks, again)
             assert again["sized"] == 0, again
     finally:
         mod.MEASURE_CPU_TENSORS = False
-    assert seen[0] == (free.k, free.tile, free.rollback)
+    assert seen[0] == (free.config.k, free.config.tile, free.config.rollback)
     assert len(set(seen)) == len(seen), f"every budget should give another plan: {seen}"
 
 
@@ -264,7 +264,7 @@ def test_cancel_between_chunks(mod, wan21, hook):
 
 def test_progress_reaches_total(auto_run):
     r, events = auto_run
-    assert r.plan.k == 1 and r.plan.tile is None  # CPU, free memory: one latent frame per chunk
+    assert r.plan.config.k == 1 and r.plan.config.tile is None  # CPU, free memory: one latent frame per chunk
     values = [v for v, _ in events]
     assert values == sorted(values) and events[-1] == (4, 4)  # frame 0 + 3 chunks of one latent frame
 

@@ -69,7 +69,7 @@ def test_shipped_exact_cost_models_match_this_executor(kl_vae):
 def test_exact_matches_core_vae_decode(kl_vae, reference, exact_clean):
     z, ref = reference
     out, calls = exact_clean
-    plan = kll.plan_exact(kl_vae.first_stage_model, z.shape, TILE)
+    plan = kll.exact_geometry(kl_vae.first_stage_model, z.shape, TILE)
     assert plan.tiles_per_segment[-1] == 12  # 3 x 4 tiles per image at full resolution
     assert out.shape == ref.shape == (2, 168, 232, 3)
     value = psnr(out, ref)
@@ -89,7 +89,7 @@ def test_host_store_with_oom_resume_matches_uninterrupted(kl_vae, reference, exa
     OOM injected in the middle of the first full-resolution segment, tile halved, decode resumed."""
     z, ref = reference
     clean, _ = exact_clean
-    plan = kll.plan_exact(kl_vae.first_stage_model, (1, *z.shape[1:]), TILE)
+    plan = kll.exact_geometry(kl_vae.first_stage_model, (1, *z.shape[1:]), TILE)
     first_full = next(i for i, s in enumerate(plan.segments) if s.level_scale == 8)
     fail_at = sum(plan.tiles_per_segment[:first_full]) + 5  # 6th tile of the first full-res segment
     seen: list[int] = []
@@ -115,7 +115,7 @@ def test_seam_metric_detects_a_faint_seam(kl_vae, reference, exact_clean):
     """Control for the seam threshold: a 2-px line off by one 8-bit step on one tile border fails it."""
     z, ref = reference
     out = exact_clean[0].clone()
-    plan = kll.plan_exact(kl_vae.first_stage_model, z.shape, TILE)
+    plan = kll.exact_geometry(kl_vae.first_stage_model, z.shape, TILE)
     ys, xs = exact_tile_borders(plan, 8)
     y = min(ys)
     out[:, y - 1 : y + 1, :, :] += 1.0 / 255.0

@@ -24,6 +24,7 @@ from vramfit.memory import tiles
 from vramfit.memory.executors import blend
 from vramfit.memory.executors import wan as vc
 from vramfit.memory.measure.reach import impulse_extent
+from vramfit.memory.plan.types import Chunking
 from vramfit.memory.vae import wan_layout as wl
 
 from tests.video_refs import tiny_wan
@@ -470,14 +471,14 @@ def test_planner_persists_sized_peaks_and_a_new_key_resizes(case21, tmp_path, mo
     budget = int(0.6 * free.planned)
     st: dict = {}
     first = pv.plan_wan(job, budget, 0, None, pv.PeakStore(path), st)
-    assert first.tile is not None and first.planned <= budget
+    assert first.config.tile is not None and first.planned <= budget
     assert st["sized"] == len(calls) - 1 > 0 and path.is_file()
     n = len(calls)
     st2: dict = {}
     second = pv.plan_wan(job, budget, 0, None, pv.PeakStore(path), st2)
     assert len(calls) == n and st2["sized"] == 0
-    assert (second.k, second.tile, second.split, second.rollback, second.planned) == (
-        first.k, first.tile, first.split, first.rollback, first.planned)
+    assert (second.config, second.planned) == (
+        first.config, first.planned)
     monkeypatch.setattr(pv.vc, "EXECUTOR_VERSION", "v-changed")
     third = pv.plan_wan(job, budget, 0, None, pv.PeakStore(path))
     assert len(calls) > n and third.planned == first.planned
@@ -495,7 +496,7 @@ def test_planner_prediction_equals_the_tracked_tile_major_peak(case21, rollback)
     z = _z((1, 4, 3, 7, 9), seed=3)
     job = _job(model, z)
     lay = wl.wan_layout(model)
-    cd = pv.Candidate(1.0, 1, (2, 3), (4, 3), lay.default_split, rollback, False)
+    cd = Chunking(1, (2, 3), (4, 3), lay.default_split, rollback, "device")
     with PeakTracker("cpu", method="dispatch") as t:
         zz = z.clone()
         out = vc.decode_wan_chunked(model, zz, 1, cd.tile, split=cd.split, rollback=rollback)

@@ -53,7 +53,7 @@ def test_measured_within_budget_adds_nothing(caplog) -> None:
 def _decode(**kw) -> idm.DecodeResult:
     vae = TinyVAE(_model(ch_mult=(1, 1, 1, 1)), ratio=8)
     full, exact = _stores()
-    job = idm.make_job(vae, _latent((1, 4, 24, 24)), core=True, out_device="cpu")
+    job = idm.make_job(vae, _latent((1, 4, 24, 24)), core=True, out_device="cpu", tile_size=kw.pop("tile_size", 0))
     env = idm.DecodeEnv(cost_models=full, exact_cost_models=exact, measure_cpu_tensors=True)
     return idm.decode_image(job, env, **kw)
 

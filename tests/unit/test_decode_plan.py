@@ -47,7 +47,7 @@ def _meta_peak(model, latent, tile, recompute=False) -> int:
 def test_calibrated_model_predicts_the_executor(kl, calibrated, recompute):
     model = calibrated[recompute]
     assert model.recompute is recompute and model.margin >= dp.MIN_MARGIN
-    assert len(model.segments) == len(kll.plan_exact(kl, (1, 4, 8, 8), (8, 8), recompute).segments)
+    assert len(model.segments) == len(kll.exact_geometry(kl, (1, 4, 8, 8), (8, 8), recompute).segments)
     for latent, tile in [((1, 4, 16, 16), 16), ((1, 4, 23, 17), 24), ((1, 4, 40, 28), 32), ((1, 4, 12, 30), None)]:
         mid = dp.measure_mid_peak(kl, latent[2:], 4, torch.float32, "cpu")
         pred = model.predict(kl, latent[2:], tile, mid).tracked

@@ -19,6 +19,7 @@ from vramfit.memory.decode import image as idm
 from vramfit.memory.plan import exact as pe
 from vramfit.memory.plan import image as pim
 from vramfit.memory.plan.grid import ImpossibleBudgetError
+from vramfit.memory.plan.types import Plan
 
 from tests.unit.test_tiled_exact import _latent, _model
 
@@ -70,7 +71,8 @@ def env(stores, **kw) -> idm.DecodeEnv:
 
 
 def decode(vae, z, stores, env_kw=None, **kw) -> idm.DecodeResult:
-    job = idm.make_job(vae, z, core=True, out_device="cpu")
+    job_kw = {k: kw.pop(k) for k in ("tile_size", "halo") if k in kw}
+    job = idm.make_job(vae, z, core=True, out_device="cpu", **job_kw)
     return idm.decode_image(job, env(stores, **(env_kw or {})), **kw)
 
 
@@ -94,7 +96,7 @@ def clean(vae, case, stores):
 def test_untiled_when_it_fits_is_the_decoder_itself(vae, case, stores):
     z, ref = case
     r = decode(vae, z, stores, budget_mb=1024)
-    assert r.plan.path == "untiled" and r.plan.full.images_per_pass == 2
+    assert r.plan.path == "untiled" and r.plan.config.images_per_pass == 2
     assert torch.equal(r.images, ref)
     rows = dict(r.report.rows)
     assert rows["path"].startswith("exact: untiled") and "skipped" in rows["offload"]
@@ -107,7 +109,7 @@ def test_exact_tiles_under_a_budget_the_untiled_decode_exceeds(vae, case, stores
     r = decode(vae, z, stores, budget_mb=budget / MiB)
     assert r.plan.path == "exact" and r.plan.planned <= budget
     assert (r.images - ref).abs().max().item() <= 1e-4
-    assert clean.plan.path == "exact" and clean.plan.exact.tile == 16 and not clean.plan.exact.whole
+    assert clean.plan.path == "exact" and clean.plan.config.tile == 16 and not clean.plan.config.whole
     assert (clean.images - ref).abs().max().item() <= 1e-4
     assert dict(clean.report.rows)["path"].startswith("exact: layer-synchronous")
 
@@ -116,7 +118,7 @@ def test_unsupported_decoder_takes_the_approximate_path():
     vae = TinyVAE(_model(up_attn=True), ratio=4)
     z = _latent((1, 4, 12, 10), seed=3)
     r = decode(vae, z, _stores(), tile_size=16, budget_mb=1024)
-    assert r.plan.path == "generic" and r.plan.generic.tiled
+    assert r.plan.path == "generic" and r.plan.config.tiled
     assert r.plan.halo >= 1 and r.plan.feather == r.plan.halo // 2  # GroupNorm/attention: global ops
     rows = dict(r.report.rows)
     assert rows["path"].startswith("approximate") and "attention" in rows["path"] and "halo" in rows
@@ -146,10 +148,10 @@ class StubPlanner:
         return dp.ExactPeak(1, 0, 1, "seg", 0, 1)
 
 
-def _exact_plan(tile: int, recompute: bool, on_device: bool) -> pim.DecodePlan:
+def _exact_plan(tile: int, recompute: bool, on_device: bool) -> Plan:
     pk = dp.ExactPeak(1, 0, 1, "seg", 0, 1)
     c = pe.ExactChoice(tile, recompute, on_device, pk, 10, 10, 1.0, True, False)
-    return pim.DecodePlan("exact", c.describe(), 10, 10, exact=c)
+    return Plan("exact", c, c.describe(), 10, 10)
 
 
 @pytest.mark.parametrize("device, order", [
@@ -165,8 +167,8 @@ def test_exact_fallback_order(vae, case, device, order):
     p = _exact_plan(64, False, True)
     seen = []
     for _ in order:
-        p = pim.fallback(job, p, planner, None, 10**9, (0, 0))
-        c = p.exact
+        p = pim.fallback(job, p, pim.ImageModels(None, planner), 10**9)
+        c = p.config
         seen.append((c.recompute, c.store_on_device, c.tile))
     assert seen == order and planner.asked == order
 
@@ -183,7 +185,7 @@ def test_oom_in_the_untiled_pass_falls_back_to_tiles_smaller_than_the_image(vae,
                 raise FakeOOM("injected in the untiled pass")
 
     r = decode(vae, z, stores, {"fault_hook": fault, "on_oom": lambda: freed.append(1)}, budget_mb=1024)
-    assert r.plan.path == "exact" and not r.plan.exact.whole
+    assert r.plan.path == "exact" and not r.plan.config.whole
     assert len(r.oom_events) == 1 and "FakeOOM in the untiled pass of item(s) 0..1" in r.oom_events[0]
     assert passes == [0, 1, 2] and freed == [1]  # the untiled pair failed; then one exact pass per item
     assert (r.images - ref).abs().max().item() <= 1e-4
@@ -204,7 +206,7 @@ def test_oom_outside_a_tile_replans_and_keeps_finished_items(vae, case, stores, 
 
     r = decode(vae, z, stores, {"fault_hook": fault}, tile_size=16, budget_mb=1024)
     assert passes == [0, 1, 2]
-    assert r.plan.exact.recompute and not clean.plan.exact.recompute and len(r.oom_events) == 1
+    assert r.plan.config.recompute and not clean.plan.config.recompute and len(r.oom_events) == 1
     assert "exact pass of item(s) 1..1" in r.oom_events[0]
     assert torch.equal(r.images[0], clean.images[0])
     assert (r.images - clean.images).abs().max().item() <= 1e-5
@@ -222,7 +224,7 @@ def test_oom_inside_a_tile_shrinks_and_resumes(vae, case, stores, clean):
 
     r = decode(vae, z, stores, {"fault_hook": fault}, tile_size=16, budget_mb=1024)
     assert 20 in tiles and r.oom_events == ["out of memory inside a tile: tile halved, decode resumed"]
-    assert r.plan.exact.tile == 16  # the plan is kept; the executor shrank its own tile
+    assert r.plan.config.tile == 16  # the plan is kept; the executor shrank its own tile
     assert (r.images - clean.images).abs().max().item() <= 1e-5
 
 

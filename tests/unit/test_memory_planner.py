@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from vramfit.memory.cost.phases import CostModel, ModelKey, Phase
 from vramfit.memory.geometry import FEATURES, Geometry, VaeGeometry
-from vramfit.memory.plan.grid import ImpossibleBudgetError, Plan, compute_overhead, plan_decode
+from vramfit.memory.plan.grid import ImpossibleBudgetError, Tiling, compute_overhead, plan_tiling
 
 FAMILIES = {
     "kl": VaeGeometry("kl", 8, 1, halo=8),
@@ -80,7 +80,7 @@ def cases(draw: st.DrawFn) -> tuple[tuple[int, ...], VaeGeometry, CostModel, int
     return shape, vae, model, budget, opts
 
 
-def pass_geometries(plan: Plan) -> list[Geometry]:
+def pass_geometries(plan: Tiling) -> list[Geometry]:
     """Every pass of a plan rebuilt from its tiles/batches/chunks, independently of the planner."""
     shape = plan.latent_shape
     video = len(shape) == 5
@@ -106,7 +106,7 @@ def pass_geometries(plan: Plan) -> list[Geometry]:
     return out
 
 
-def check_plan(plan: Plan, model: CostModel, budget: int) -> None:
+def check_plan(plan: Tiling, model: CostModel, budget: int) -> None:
     shape = plan.latent_shape
     h, w = shape[-2], shape[-1]
     geoms = pass_geometries(plan)
@@ -138,17 +138,17 @@ def check_plan(plan: Plan, model: CostModel, budget: int) -> None:
 def test_plans_never_exceed_budget_and_impossible_budgets_raise(case) -> None:
     shape, vae, model, budget, opts = case
     try:
-        plan = plan_decode(shape, vae, budget, model, **opts)
+        plan = plan_tiling(shape, vae, budget, model, **opts)
     except ImpossibleBudgetError as e:
         event(f"{'video' if len(shape) == 5 else 'image'}, impossible budget")
         assert e.minimum > budget
         assert e.budget == budget
         assert f"{e.minimum} bytes" in str(e) and "too small" in str(e)
         # the stated minimum is exactly enough
-        plan = plan_decode(shape, vae, e.minimum, model, **opts)
+        plan = plan_tiling(shape, vae, e.minimum, model, **opts)
         check_plan(plan, model, e.minimum)
         with pytest.raises(ImpossibleBudgetError):  # and nothing less is
-            plan_decode(shape, vae, e.minimum - 1, model, **opts)
+            plan_tiling(shape, vae, e.minimum - 1, model, **opts)
         return
     event(f"{'video' if len(shape) == 5 else 'image'}, {'tiled' if plan.tiled else 'untiled'}")
     check_plan(plan, model, budget)
@@ -226,9 +226,9 @@ def test_plan_has_fewest_passes(family, h, w, b, t, model, frac, min_tile) -> No
     expected = brute_force_min_passes(shape, vae, model, budget, min_tile)
     if expected is None:
         with pytest.raises(ImpossibleBudgetError):
-            plan_decode(shape, vae, budget, model, min_tile=min_tile)
+            plan_tiling(shape, vae, budget, model, min_tile=min_tile)
         return
-    plan = plan_decode(shape, vae, budget, model, min_tile=min_tile)
+    plan = plan_tiling(shape, vae, budget, model, min_tile=min_tile)
     assert plan.passes == expected
 
 
@@ -236,7 +236,7 @@ LINEAR = CostModel(ModelKey("kl", "full", "float32", "cpu"), (Phase(("const", "p
 
 
 def test_large_budget_gives_one_untiled_pass() -> None:
-    plan = plan_decode((1, 4, 128, 96), FAMILIES["kl"], 10**12, LINEAR)
+    plan = plan_tiling((1, 4, 128, 96), FAMILIES["kl"], 10**12, LINEAR)
     assert (plan.passes, plan.rows, plan.cols, plan.halo, plan.overhead) == (1, 1, 1, 0, 0.0)
     assert "untiled 128x96 latent px (1024x768 px)" in str(plan)
 
@@ -245,21 +245,21 @@ def test_tiles_are_as_large_as_the_budget_allows() -> None:
     vae = FAMILIES["kl"]
     # exactly enough for half the image width plus a one-sided halo
     g = Geometry(latent_h=128, latent_w=64 + 8)
-    plan = plan_decode((1, 4, 128, 128), vae, LINEAR.predict(g), LINEAR)
+    plan = plan_tiling((1, 4, 128, 128), vae, LINEAR.predict(g), LINEAR)
     assert (plan.rows, plan.cols, plan.tile_h, plan.tile_w, plan.halo) == (1, 2, 128, 64, 8)
     assert plan.overhead == pytest.approx(16 / 128)
     assert plan.predicted_peak == LINEAR.predict(g)
     # one byte less: needs more tiles
-    plan2 = plan_decode((1, 4, 128, 128), vae, LINEAR.predict(g) - 1, LINEAR)
+    plan2 = plan_tiling((1, 4, 128, 128), vae, LINEAR.predict(g) - 1, LINEAR)
     assert plan2.passes > 2
 
 
 def test_batch_split_before_tiling() -> None:
     one = Geometry(latent_h=64, latent_w=64, batch=1)
-    plan = plan_decode((4, 4, 64, 64), FAMILIES["kl"], LINEAR.predict(one), LINEAR)
+    plan = plan_tiling((4, 4, 64, 64), FAMILIES["kl"], LINEAR.predict(one), LINEAR)
     assert (plan.images_per_pass, plan.passes, plan.tiled) == (1, 4, False)
     two = Geometry(latent_h=64, latent_w=64, batch=2)
-    plan = plan_decode((4, 4, 64, 64), FAMILIES["kl"], LINEAR.predict(two), LINEAR)
+    plan = plan_tiling((4, 4, 64, 64), FAMILIES["kl"], LINEAR.predict(two), LINEAR)
     assert (plan.images_per_pass, plan.passes) == (2, 2)
     assert plan.batches() == [(0, 2), (2, 4)]
 
@@ -271,26 +271,26 @@ def test_video_chunks_first_frame_alone() -> None:
     )
     shape = (1, 16, 21, 60, 104)
     full = Geometry(60, 104, 1, 21, spatial_ratio=8, temporal_ratio=4)
-    plan = plan_decode(shape, vae, model.predict(full), model, temporal_chunking=False)
+    plan = plan_tiling(shape, vae, model.predict(full), model, temporal_chunking=False)
     assert plan.chunks == (21,) and plan.passes == 1
     # a chunking executor always decodes latent frame 0 alone
-    plan = plan_decode(shape, vae, model.predict(full), model)
+    plan = plan_tiling(shape, vae, model.predict(full), model)
     assert plan.chunks == (1, 20) and plan.passes == 2
     # room for 4 latent frames of a later chunk (16 output frames), not the whole clip
     later = Geometry(60, 104, 1, 4, first_chunk=False, spatial_ratio=8, temporal_ratio=4)
-    plan = plan_decode(shape, vae, model.predict(later), model)
+    plan = plan_tiling(shape, vae, model.predict(later), model)
     assert plan.chunks == (1, 4, 4, 4, 4, 4) and not plan.tiled
     assert plan.chunk_ranges()[:2] == [(0, 1), (1, 5)]
     assert "6 chunks of <= 4 of 21 latent frames" in str(plan)
     # without chunking the same budget needs spatial tiles
-    plan = plan_decode(shape, vae, model.predict(later), model, temporal_chunking=False)
+    plan = plan_tiling(shape, vae, model.predict(later), model, temporal_chunking=False)
     assert plan.chunks == (21,) and plan.tiled
 
 
 def test_impossible_budget_message_states_minimum() -> None:
     vae = FAMILIES["kl"]
     with pytest.raises(ImpossibleBudgetError) as info:
-        plan_decode((1, 4, 128, 128), vae, 10**6, LINEAR, min_tile=16)
+        plan_tiling((1, 4, 128, 128), vae, 10**6, LINEAR, min_tile=16)
     e = info.value
     smallest = Geometry(latent_h=16 + 16, latent_w=16 + 16)  # interior tile: core 16 + halo 8 each side
     assert e.minimum == LINEAR.predict(smallest)
@@ -301,13 +301,13 @@ def test_impossible_budget_message_states_minimum() -> None:
 
 def test_no_tiling_allowed() -> None:
     with pytest.raises(ImpossibleBudgetError):
-        plan_decode((1, 4, 64, 64), FAMILIES["kl"], 10**6, LINEAR, allow_tiling=False)
+        plan_tiling((1, 4, 64, 64), FAMILIES["kl"], 10**6, LINEAR, allow_tiling=False)
 
 
 def test_alignment_and_odd_sizes() -> None:
     vae = VaeGeometry("kl", 8, 1, halo=4, align=8)
     g = Geometry(latent_h=77, latent_w=40 + 4)
-    plan = plan_decode((1, 4, 77, 77), vae, LINEAR.predict(g), LINEAR)
+    plan = plan_tiling((1, 4, 77, 77), vae, LINEAR.predict(g), LINEAR)
     assert plan.passes == 2
     split_core = plan.tile_w if plan.cols == 2 else plan.tile_h
     assert split_core == 40  # 39 would balance better, 40 is aligned and fits as well
@@ -316,6 +316,6 @@ def test_alignment_and_odd_sizes() -> None:
 
 def test_bad_shapes() -> None:
     with pytest.raises(ValueError):
-        plan_decode((1, 4, 64), FAMILIES["kl"], 10**9, LINEAR)
+        plan_tiling((1, 4, 64), FAMILIES["kl"], 10**9, LINEAR)
     with pytest.raises(ValueError):
-        plan_decode((1, 4, 0, 64), FAMILIES["kl"], 10**9, LINEAR)
+        plan_tiling((1, 4, 0, 64), FAMILIES["kl"], 10**9, LINEAR)

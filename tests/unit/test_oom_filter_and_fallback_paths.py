@@ -24,6 +24,7 @@ from vramfit.memory.executors import kl_exact as te
 from vramfit.memory.plan import exact as pe
 from vramfit.memory.plan import image as pim
 from vramfit.memory.plan import video as pv
+from vramfit.memory.plan.types import Plan
 from vramfit.memory.report import fmt_bytes
 
 from tests.unit.test_image_decode import TinyVAE, _stores
@@ -56,7 +57,8 @@ def stores():
 
 def _decode(vae, z, stores, env_kw, **kw) -> idm.DecodeResult:
     full, exact = stores
-    job = idm.make_job(vae, z, core=True, out_device="cpu")
+    job_kw = {k: kw.pop(k) for k in ("tile_size", "halo") if k in kw}
+    job = idm.make_job(vae, z, core=True, out_device="cpu", **job_kw)
     return idm.decode_image(job, idm.DecodeEnv(cost_models=full, exact_cost_models=exact, **env_kw), **kw)
 
 
@@ -160,11 +162,11 @@ def test_exact_fallback_reports_the_figures_of_the_plan_that_ran(vae):
     extra, post = pim.buffer_bytes(job), pim.item_image_bytes(job)
     first = pe.ExactChoice(64, False, True, pk, extra + max(pk.with_overhead(0.25), post),
                            extra + max(pk.tracked, post), 1.0, True, False)
-    p = pim.DecodePlan("exact", first.describe(), first.planned, first.tracked, exact=first)
+    p = Plan("exact", first, first.describe(), first.planned, first.tracked)
     for _ in range(3):
         old = p
-        p = pim.fallback(job, p, planner, None, 10**9, (0, 0))
-        c = p.exact
+        p = pim.fallback(job, p, pim.ImageModels(None, planner), 10**9)
+        c = p.config
         want = planner.predict(c.recompute, c.store_on_device, c.tile)
         assert c.peak == want
         assert p.planned == c.planned == extra + max(want.with_overhead(0.25), post)
@@ -183,12 +185,12 @@ def test_exact_replan_report_shows_the_new_plan(vae, stores):
 
     clean = _decode(vae, z, stores, {}, tile_size=16, budget_mb=1024)
     r = _decode(vae, z, stores, {"fault_hook": fault}, tile_size=16, budget_mb=1024)
-    assert r.plan.exact.recompute and r.plan.exact.tile == 8 and len(r.oom_events) == 2
+    assert r.plan.config.recompute and r.plan.config.tile == 8 and len(r.oom_events) == 2
     job = idm.make_job(vae, z, core=True, out_device="cpu")
     overhead = float(pim.full_cost_model(job, idm.DecodeEnv(cost_models=stores[0])).overhead)
     extra, post = pim.buffer_bytes(job), pim.item_image_bytes(job)
-    assert r.plan.planned == extra + max(r.plan.exact.peak.with_overhead(overhead), post)
-    assert r.plan.tracked == extra + max(r.plan.exact.peak.tracked, post)
+    assert r.plan.planned == extra + max(r.plan.config.peak.with_overhead(overhead), post)
+    assert r.plan.tracked == extra + max(r.plan.config.peak.tracked, post)
     assert r.plan.planned < clean.plan.planned and r.plan.tracked < clean.plan.tracked
     assert f"peak {fmt_bytes(r.plan.planned)}" in dict(r.report.rows)["predicted"]
 
@@ -244,18 +246,18 @@ def test_non_wan_video_chunk_follows_the_budget():
     z = torch.randn(1, 4, 9, 16, 16, generator=torch.Generator().manual_seed(0))
     big = _video(vae, z, budget_mb=1024)
     assert not vd.make_job(vae, z, "cpu").wan
-    assert big.plan.planned > 0 and not big.plan.over_budget and big.plan.k == 4 == pv.BLEND_MAX_K
+    assert big.plan.planned > 0 and not big.plan.over_budget and big.plan.config.k == 4 == pv.BLEND_MAX_K
     assert f"peak {fmt_bytes(big.plan.planned)}" in dict(big.report.rows)["predicted"]
     plans = [big.plan]
     for frac in (0.9, 0.75, 0.6):
         r = _video(vae, z, budget_mb=big.plan.planned * frac / MiB)
-        assert r.plan.k <= plans[-1].k and r.plan.planned > 0
-        assert r.plan.planned <= big.plan.planned * frac or (r.plan.k == 2 and r.plan.over_budget)
+        assert r.plan.config.k <= plans[-1].config.k and r.plan.planned > 0
+        assert r.plan.planned <= big.plan.planned * frac or (r.plan.config.k == 2 and r.plan.over_budget)
         assert r.images.shape == big.images.shape
         plans.append(r.plan)
-    assert plans[-1].k < big.plan.k
+    assert plans[-1].config.k < big.plan.config.k
     tiny = _video(vae, z, budget_mb=0.01)
-    assert tiny.plan.k == 2 and tiny.plan.over_budget and tiny.plan.planned > 0
+    assert tiny.plan.config.k == 2 and tiny.plan.over_budget and tiny.plan.planned > 0
     assert "OVER BUDGET" in dict(tiny.report.rows)["predicted"]
 
 

@@ -199,7 +199,7 @@ def test_split_even_is_a_balanced_partition(n, t):
 
 
 def test_plan_counts_steps_and_store(kl):
-    plan = kll.plan_exact(kl, (2, 4, 11, 13), (16, 16))
+    plan = kll.exact_geometry(kl, (2, 4, 11, 13), (16, 16))
     # ch_mult (1, 2, 4), 2 blocks per level: 3 levels x 2 blocks x 2 segments + 2 upsamples + out.
     assert len(plan.segments) == 3 * 2 * 2 + 2 + 1
     assert [s.kind for s in plan.segments[:5]] == ["conv1", "conv2", "conv1", "conv2", "upsample"]
@@ -210,13 +210,13 @@ def test_plan_counts_steps_and_store(kl):
     # One row of tiles (every activation in one band): nothing can be released before its segment ends,
     # so the worst point is the first block at full res: x (16 ch) + h (8) + shortcut(x) (8), batch 2.
     n = 44 * 52
-    assert kll.plan_exact(kl, (2, 4, 11, 13), (64, 64)).store_peak_elements == 2 * (16 + 8 + 8) * n
-    assert kll.plan_exact(kl, (2, 4, 11, 13), (64, 64), recompute=True).store_peak_elements == 2 * (16 + 8) * n
+    assert kll.exact_geometry(kl, (2, 4, 11, 13), (64, 64)).store_peak_elements == 2 * (16 + 8 + 8) * n
+    assert kll.exact_geometry(kl, (2, 4, 11, 13), (64, 64), recompute=True).store_peak_elements == 2 * (16 + 8) * n
     # Three rows of tiles: x's rows are released as conv1's tiles pass.
     sched = kll.store_schedule(kl, (11, 13), (16, 16))
     assert plan.store_peak_elements == 2 * max(st.live for steps in sched for st in steps)
     assert plan.store_peak_elements < 2 * 23 * n and plan.store_peak_segment == "up.0.block.0.conv1"
-    rplan = kll.plan_exact(kl, (2, 4, 11, 13), (16, 16), recompute=True)
+    rplan = kll.exact_geometry(kl, (2, 4, 11, 13), (16, 16), recompute=True)
     assert rplan.store_peak_elements < 2 * 19 * n
     # Identity-shortcut blocks write their output over their input; channel-changing ones over the
     # shortcut(x) their conv1 wrote (so x dies with conv1).
@@ -269,7 +269,7 @@ def test_up_path_attention_decoder_is_rejected():
 @pytest.mark.parametrize("tile", [(8, 8), (16, 12), (7, 30)])
 def test_exact_matches_untiled(kl, ref_case, recompute, tile):
     z, ref = ref_case
-    plan = kll.plan_exact(kl, z.shape, tile, recompute)
+    plan = kll.exact_geometry(kl, z.shape, tile, recompute)
     assert plan.tiles_per_segment[-1] >= 9  # at least 3 x 3 tiles at full res
     out = te.decode_exact(kl, z, tile, recompute=recompute)
     assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -294,7 +294,7 @@ def test_band_freeing_halves_the_store(kl):
     old_in_out = (16 + 8 + 8) * n * 4  # x + h + y of the first full-res block, all whole (float32)
     store = max(starts)
     assert store <= 0.6 * old_in_out, (store, old_in_out)
-    planned = kll.plan_exact(kl, z.shape, (8, 8)).store_peak_elements * 4
+    planned = kll.exact_geometry(kl, z.shape, (8, 8)).store_peak_elements * 4
     # The schedule is what runs (+ statistics partials and GroupNorm affine caches: ~1.5 % here).
     assert planned <= store <= 1.03 * planned, (store, planned)
     assert (out - ref).abs().max().item() <= 1e-4
@@ -444,7 +444,7 @@ def test_oom_resume_equals_uninterrupted(kl, ref_case, fail_at, recompute):
     done = [d for d, _ in progress]
     assert done == sorted(done) and progress[-1][0] == progress[-1][1]
     # Resuming ran more, smaller tiles than the uninterrupted plan but never repeated finished work:
-    plan_small = kll.plan_exact(kl, z.shape, (8, 8), recompute)
+    plan_small = kll.exact_geometry(kl, z.shape, (8, 8), recompute)
     assert len(seen) <= plan_small.total_steps - plan_small.mid_steps + 1
 
 
@@ -455,7 +455,7 @@ def test_oom_inside_each_segment_kind(kl, ref_case, which):
     z, _ = ref_case
     tile = (16, 16)
     recompute = which == "conv12"
-    plan = kll.plan_exact(kl, z.shape, tile, recompute)
+    plan = kll.exact_geometry(kl, z.shape, tile, recompute)
     kind = "conv2" if which == "inplace_conv2" else which
     idx = max(i for i, s in enumerate(plan.segments)
               if s.kind == kind and (which != "inplace_conv2" or s.inplace_of is not None))
@@ -515,7 +515,7 @@ def test_oom_while_allocating_a_store_propagates(kl, monkeypatch):
 
 def test_estimate_is_consistent_with_plan(kl):
     est = kll.estimate_exact_peak(kl, (1, 4, 32, 32), (32, 32), 2, store_on_device=False)
-    plan = kll.plan_exact(kl, (1, 4, 32, 32), (32, 32))
+    plan = kll.exact_geometry(kl, (1, 4, 32, 32), (32, 32))
     assert est["store"] == plan.store_peak_elements * 2 and est["host"] == est["store"]
     assert est["device"] == max(est["tile"], est["mid"])
     on_dev = kll.estimate_exact_peak(kl, (1, 4, 32, 32), (32, 32), 2, store_on_device=True)
