@@ -82,7 +82,7 @@ def _mib(n: float) -> str:
 def bench_family(family: str, real: bool, rss: bool) -> tuple[list[Any], float | None, str]:
     """The family's models (one per dtype), the measured RSS overhead (or None) and its note."""
     import torch
-    from vramfit.memory.cost.calibration import calibrate_vae
+    from vramfit.memory.cost.calibration import calibrate_vae, subject
     from vramfit.memory.cost.phases import FitPoint
     from vramfit.memory.geometry import Geometry
     from vramfit.memory.measure.sizing import MetaSizer, decode_run
@@ -104,7 +104,7 @@ def bench_family(family: str, real: bool, rss: bool) -> tuple[list[Any], float |
     for dt_name in DTYPES:
         dt = getattr(torch, dt_name)
         t0 = time.perf_counter()
-        m = calibrate_vae(vae, dtype=dt, device="cpu")
+        m = calibrate_vae(subject(vae, dtype=dt, device="cpu"))
         inputs = dict(m.inputs)
         inputs.update(
             fixture=path.name,

@@ -57,8 +57,10 @@ def grid(b: int, h: int, w: int, tile: tuple[int, int], y0: int = 0, x0: int = 0
     return [Rect(b, y0 + a, y0 + c, x0 + d, x0 + e) for a, c in split_even(h, tile[0]) for d, e in split_even(w, tile[1])]
 
 
-def tile_count(h: int, w: int, tile: tuple[int, int]) -> int:
-    return -(-h // max(1, tile[0])) * -(-w // max(1, tile[1]))
+def tile_count(h: int, w: int, tile: int | Sequence[int]) -> int:
+    """Tiles of at most ``tile`` px (an int or ``(h, w)``) covering ``h x w`` (as many as :func:`grid` cuts)."""
+    th, tw = (tile, tile) if isinstance(tile, int) else tile
+    return -(-h // max(1, int(th))) * -(-w // max(1, int(tw)))
 
 
 def spans(n: int, tile: int, halo: int) -> list[tuple[int, int, int, int]]:

@@ -4,10 +4,10 @@ impossible budget reported as the node's input error, the report logged and show
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from comfy_api.v0_0_2 import io, ui
 
@@ -20,9 +20,7 @@ from ..memory.plan.video import PeakStore
 from . import _comfy
 from ._vae_ops import bounded_vae_attention, group_norm_params
 
-__all__ = ["budget_inputs", "comfy_env", "report_output", "run"]
-
-Job = TypeVar("Job")
+__all__ = ["budget_inputs", "comfy_env", "input_errors", "report_output"]
 
 _STORES: dict[str, Any] = {}
 
@@ -56,12 +54,11 @@ def comfy_env(node_id: str | None, fault_hook: Callable[[str, int], None] | None
     )
 
 
-def run(node: str, validate: Callable[[], Job], decode: Callable[[Job, float], Any]) -> Any:
-    """``decode(validate(), t_start)``; an impossible budget becomes the node's input error."""
-    t_start = time.perf_counter()
-    job = validate()
+@contextlib.contextmanager
+def input_errors(node: str) -> Iterator[None]:
+    """Inside: an impossible budget becomes the node's input error."""
     try:
-        return decode(job, t_start)
+        yield
     except ImpossibleBudgetError as e:
         raise _comfy.NodeInputError(node, str(e)) from e
 

@@ -10,20 +10,20 @@ errors, decodes the batch and writes the report (see its docstring and docs/TILE
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 from comfy_api.v0_0_2 import io
 
-from ..memory.decode import image as idm
 from ..memory.decode.env import DecodeEnv
+from ..memory.decode.image import REPORT_NODE, DecodeResult, ImageJob, decode_image, make_job
 from . import _comfy, _decode_node
 
 log = logging.getLogger("vramfit.nodes.tiled_vae_decode")
 
 NODE_ID = "VRAMFit_TiledVAEDecode"
 DISPLAY_NAME = "Tiled VAE Decode (VRAM Fit)"
-REPORT_NODE = idm.REPORT_NODE
 MIN_TILE_PX = 32
 
 _FAULT_HOOK: Callable[[str, int], None] | None = None
@@ -35,14 +35,11 @@ MEASURE_CPU_TENSORS = False
 (dispatch mode, a Python hook on every op). Off by default: the report then shows the process RSS
 high-water mark."""
 
-DecodeResult = idm.DecodeResult
-
-
 def _error(message: str) -> _comfy.NodeInputError:
     return _comfy.NodeInputError(REPORT_NODE, message)
 
 
-def _validate(vae: Any, samples: Any, tile_size: int, halo: int) -> idm.ImageJob:
+def _validate(vae: Any, samples: Any, tile_size: int, halo: int) -> ImageJob:
     z, label = _comfy.latent_tensor(REPORT_NODE, vae, samples, "first stream")
     shape = tuple(z.shape)
     video_hint = "use the Temporal-Chunk Video Decode (VRAM Fit) node for video latents"
@@ -72,8 +69,8 @@ def _validate(vae: Any, samples: Any, tile_size: int, halo: int) -> idm.ImageJob
     if hasattr(vae, "throw_exception_if_invalid"):
         vae.throw_exception_if_invalid()
     try:
-        return idm.make_job(vae, z, core=_comfy.has_core_decode(vae), out_device=_comfy.intermediate_device(),
-                            tile_size=tile_size, halo=halo)
+        return make_job(vae, z, core=_comfy.has_core_decode(vae), out_device=_comfy.intermediate_device(),
+                        tile_size=tile_size, halo=halo)
     except ValueError as e:  # the spatial ratio cannot be inferred
         raise _error(str(e)) from e
 
@@ -91,14 +88,13 @@ def decode(
     budget_mb: int = 0,
     unload_others: bool = True,
     node_id: str | None = None,
-) -> idm.DecodeResult:
+) -> DecodeResult:
     """Everything the node does; returns the images (B, H, W, C) on [0, 1] and the report."""
-    return _decode_node.run(
-        REPORT_NODE,
-        lambda: _validate(vae, samples, int(tile_size), int(halo)),
-        lambda job, t0: idm.decode_image(job, comfy_env(node_id), budget_mb=int(budget_mb),
-                                         unload_others=bool(unload_others), t_start=t0),
-    )
+    t0 = time.perf_counter()
+    job = _validate(vae, samples, int(tile_size), int(halo))
+    with _decode_node.input_errors(REPORT_NODE):
+        return decode_image(job, comfy_env(node_id), budget_mb=int(budget_mb), unload_others=bool(unload_others),
+                            t_start=t0)
 
 
 # --------------------------------------------------------------------------------------------------

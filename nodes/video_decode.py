@@ -10,20 +10,20 @@ approximate overlap-blend path (see its docstring and docs/VIDEO_DECODE.md).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 from comfy_api.v0_0_2 import io
 
-from ..memory.decode import video as vd
 from ..memory.decode.env import DecodeEnv
+from ..memory.decode.video import REPORT_NODE, VideoDecodeResult, VideoJob, decode_video, make_job
 from . import _comfy, _decode_node
 
 log = logging.getLogger("vramfit.nodes.video_decode")
 
 NODE_ID = "VRAMFit_TemporalChunkVideoDecode"
 DISPLAY_NAME = "Temporal-Chunk Video Decode (VRAM Fit)"
-REPORT_NODE = vd.REPORT_NODE
 
 _FAULT_HOOK: Callable[[str, int], None] | None = None
 """Test hook (``DecodeEnv.fault_hook``): called as ``("step", s)`` at every step of the executor (raise an
@@ -32,14 +32,14 @@ MEASURE_CPU_TENSORS = False
 """Debug/tests (``DecodeEnv.measure_cpu_tensors``): on CPU count live tensor bytes (PeakTracker dispatch)
 instead of the RSS high-water mark."""
 
-DecodeResult = vd.VideoDecodeResult
+DecodeResult = VideoDecodeResult
 
 
 def _error(message: str) -> _comfy.NodeInputError:
     return _comfy.NodeInputError(REPORT_NODE, message)
 
 
-def _validate(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int) -> vd.VideoJob:
+def _validate(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int) -> VideoJob:
     z, label = _comfy.latent_tensor(REPORT_NODE, vae, samples, "video stream")
     shape = tuple(z.shape)
     hint = "use Tiled VAE Decode (VRAM Fit) for image latents"
@@ -67,7 +67,7 @@ def _validate(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int) -> 
         raise _error(f"tile_size {tile_size}: use 0 (auto) or a tile side in output pixels")
     if hasattr(vae, "throw_exception_if_invalid"):
         vae.throw_exception_if_invalid()
-    return vd.make_job(vae, z, _comfy.intermediate_device(), frames_per_chunk=frames_per_chunk, tile_size=tile_size)
+    return make_job(vae, z, _comfy.intermediate_device(), frames_per_chunk=frames_per_chunk, tile_size=tile_size)
 
 
 def comfy_env(node_id: str | None = None) -> DecodeEnv:
@@ -83,14 +83,13 @@ def decode(
     budget_mb: int = 0,
     unload_others: bool = True,
     node_id: str | None = None,
-) -> vd.VideoDecodeResult:
+) -> VideoDecodeResult:
     """Everything the node does; returns frames ``(B*T, H, W, 3)`` on [0, 1] (as VAEDecode) and the report."""
-    return _decode_node.run(
-        REPORT_NODE,
-        lambda: _validate(vae, samples, int(frames_per_chunk), int(tile_size)),
-        lambda job, t0: vd.decode_video(job, comfy_env(node_id), budget_mb=int(budget_mb),
-                                        unload_others=bool(unload_others), t_start=t0),
-    )
+    t0 = time.perf_counter()
+    job = _validate(vae, samples, int(frames_per_chunk), int(tile_size))
+    with _decode_node.input_errors(REPORT_NODE):
+        return decode_video(job, comfy_env(node_id), budget_mb=int(budget_mb), unload_others=bool(unload_others),
+                            t_start=t0)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 * :func:`fit_grid` / :func:`real_grid`: the geometries calibration runs on. The meta grid spans
   64 px to 4 Kpx (every phase of the decoder's memory shows up, and meta runs cost no compute); the
   real grid stays tiny (a real CPU decode of 128^2 px is ~1 s).
+* :class:`Subject`: the VAE identified once (known family, geometry, device, dtype).
 * :func:`calibrate_vae` fits a model for one VAE object and executor, by meta sizing (default, exact
   for the tensor-level peak) or by real decodes (``mode="real"``: what a GPU needs, where the
   allocator peak includes kernel workspaces the meta run cannot see).
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import platform
 import weakref
@@ -25,7 +27,7 @@ import torch
 from ..geometry import Geometry, VaeGeometry
 from ..measure.sizing import MetaSizer, decode_run, meta_sizer_factory
 from ..measure.tracker import tracker_factory
-from ..vae.families import FAMILIES, identify, model_key_name, model_name, vae_geometry
+from ..vae.families import FAMILIES, geometry_of, identify, model_key_name, model_name
 from .phases import CostModel, CostModelStore, ModelKey, calibrate
 
 log = logging.getLogger("vramfit.memory.cost.calibration")
@@ -105,15 +107,15 @@ VARIANT_LATENT = (3, 2, 2)
 _VARIANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def host_variant(vae: Any) -> str:
+def host_variant(vae: Any, known: str | None) -> str:
     """How the host's decoder behaves, for a family whose memory depends on it (``Family.host_keyed``):
     ``"<cache protocol>-<peak KiB>k"``, the Wan cache protocol (:func:`..vae.wan_layout.cache_protocol`) and the
     live-tensor peak of the host's own decode of a reference latent (:data:`VARIANT_LATENT`, float32, fake
     CPU tensors: the same code allocates the same bytes, on any machine). Measured on ComfyUI 0.3.75 / 0.33:
     Wan 2.1 ``carry-4466k`` / ``per_call-3406k``; Wan 2.2 ``carry-18306k`` / ``carry-15442k``. A host whose
     decoder allocates otherwise gets no shipped model and is calibrated at first use. "" for other families
-    (memoised per model object)."""
-    fam = FAMILIES.get(identify(vae) or "")
+    (memoised per model object). ``known``: the VAE's known family or None."""
+    fam = FAMILIES.get(known or "")
     if fam is None or not fam.host_keyed:
         return ""
     model = vae.first_stage_model
@@ -127,86 +129,106 @@ def host_variant(vae: Any) -> str:
     return _VARIANTS[model]
 
 
-def vae_key(
-    vae: Any, executor: str = "full", device: torch.device | str | None = None, dtype: Any = None
-) -> ModelKey:
-    """The cost-model key of a ComfyUI VAE: known family name (and :func:`host_variant`), else its model
-    class."""
-    fam = identify(vae) or model_key_name(vae)
-    dev = torch.device(device) if device is not None else torch.device(getattr(vae, "device", "cpu"))
-    dt = dtype if dtype is not None else getattr(vae, "vae_dtype", torch.float32)
-    return ModelKey.make(fam, executor, dt, dev, host_variant(vae))
+@dataclasses.dataclass(frozen=True)
+class Subject:
+    """A ComfyUI VAE as its cost models see it, identified once (:func:`subject`)."""
+
+    vae: Any
+    known: str | None
+    """Its known family (:data:`..vae.families.FAMILIES`), None for any other VAE."""
+    geometry: VaeGeometry
+    key_name: str
+    """The key's family: the known family, else the model class and a digest of its structure."""
+    variant: str
+    """:func:`host_variant`."""
+    model_class: str
+    channels: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+def subject(vae: Any, *, family: str | None = None, spatial_ratio: int | None = None, channels: int | None = None,
+            device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Subject:
+    """``vae`` for calibration and lookup. ``family``: the caller's ``identify(vae) or model_name(vae)`` (None:
+    identified here); ``spatial_ratio``: the caller's inferred ratio (an unknown VAE); the rest default to the
+    VAE's own attributes."""
+    known = identify(vae) if family is None else (family if family in FAMILIES else None)
+    return Subject(
+        vae=vae,
+        known=known,
+        geometry=geometry_of(vae, known, spatial_ratio=spatial_ratio),
+        key_name=known or model_key_name(vae),
+        model_class=model_name(vae),
+        variant=host_variant(vae, known),
+        channels=int(channels if channels is not None else getattr(vae, "latent_channels", 4)),
+        device=torch.device(device if device is not None else getattr(vae, "device", "cpu")),
+        dtype=dtype if dtype is not None else getattr(vae, "vae_dtype", torch.float32),
+    )
+
+
+def vae_key(s: Subject, executor: str = "full") -> ModelKey:
+    """The cost-model key: the known family (and :func:`host_variant`), else the model class and structure."""
+    return ModelKey.make(s.key_name, executor, s.dtype, s.device, s.variant)
 
 
 def calibrate_vae(
-    vae: Any,
+    s: Subject,
     *,
     executor: str = "full",
     run: Callable[[Geometry], object] | None = None,
     mode: Literal["meta", "real"] = "meta",
     geometries: Sequence[Geometry] | None = None,
     phases: Sequence[Sequence[str]] | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
 ) -> CostModel:
-    """Fit a cost model for ``vae`` (a ComfyUI ``VAE``) and ``executor``.
+    """Fit a cost model for ``s`` and ``executor``.
 
     ``run``: the executor's ``run(geometry)`` (default: ComfyUI's untiled
     ``first_stage_model.decode``, the ``full`` executor). ``mode="meta"`` sizes on fake tensors;
     ``"real"`` decodes under a :class:`.tracker.PeakTracker` (the weights must already be on the
     device).
     """
-    geo = vae_geometry(vae)
-    dev = torch.device(device) if device is not None else torch.device(getattr(vae, "device", "cpu"))
-    dt = dtype if dtype is not None else getattr(vae, "vae_dtype", torch.float32)
-    key = vae_key(vae, executor, dev, dt)
-    model = vae.first_stage_model
+    geo = s.geometry
+    grid = list(geometries) if geometries is not None else (fit_grid(geo) if mode == "meta" else real_grid(geo))
+    ph = [tuple(p) for p in phases] if phases is not None else default_phases(geo, mode)
+    model = s.vae.first_stage_model
     if run is None:
         if executor != "full":
             raise ValueError(f"executor {executor!r} needs its own run(geometry)")
-        run = decode_run(model.decode, int(getattr(vae, "latent_channels", 4)), dt, dev)
-    grid = (
-        list(geometries) if geometries is not None else (fit_grid(geo) if mode == "meta" else real_grid(geo))
-    )
-    ph = [tuple(p) for p in phases] if phases is not None else default_phases(geo, mode)
-    factory = meta_sizer_factory([model], dt, dev) if mode == "meta" else tracker_factory(dev)
+        run = decode_run(model.decode, s.channels, s.dtype, s.device)
+    factory = meta_sizer_factory([model], s.dtype, s.device) if mode == "meta" else tracker_factory(s.device)
     inputs = {
-        "model_class": model_name(vae),
+        "model_class": s.model_class,
         "mode": mode,
         "tracker": "meta (fake tensors, dispatch count)" if mode == "meta" else factory().method,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
     }
-    return calibrate(run, grid, factory, key=key, phases=ph, source=f"{mode} calibration", inputs=inputs)
+    return calibrate(run, grid, factory, key=vae_key(s, executor), phases=ph, source=f"{mode} calibration",
+                     inputs=inputs)
 
 
 def cost_model_for(
-    vae: Any,
+    s: Subject,
     store: CostModelStore,
     *,
     executor: str = "full",
     run: Callable[[Geometry], object] | None = None,
-    mode: Literal["meta", "real"] = "meta",
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
+    before_real: Callable[[], None] | None = None,
 ) -> CostModel:
-    """The cost model to plan ``vae``'s decode with: cached or shipped for its key, else calibrated
-    once now (meta sizing by default, falling back to real decodes when the decoder cannot run on
-    fake tensors) and cached in ``store``."""
-    key = vae_key(vae, executor, device, dtype)
+    """The cost model to plan ``s``'s decode with: cached or shipped for its key, else calibrated once now
+    (meta sizing, falling back to real decodes when the decoder cannot run on fake tensors; ``before_real()``
+    first, e.g. to load the weights) and cached in ``store``."""
+    key = vae_key(s, executor)
 
     def fit() -> CostModel:
-        if mode == "meta":
-            try:
-                return calibrate_vae(vae, executor=executor, run=run, mode="meta", device=device, dtype=dtype)
-            except Exception as e:  # noqa: BLE001 - any op without a fake kernel: fall back to real runs
-                log.warning(
-                    "meta sizing failed for %s (%s: %s); calibrating with real decodes",
-                    key,
-                    type(e).__name__,
-                    e,
-                )
-        return calibrate_vae(vae, executor=executor, run=run, mode="real", device=device, dtype=dtype)
+        try:
+            return calibrate_vae(s, executor=executor, run=run, mode="meta")
+        except Exception as e:  # noqa: BLE001 - any op without a fake kernel: fall back to real runs
+            log.warning("meta sizing failed for %s (%s: %s); calibrating with real decodes", key,
+                        type(e).__name__, e)
+        if before_real is not None:
+            before_real()
+        return calibrate_vae(s, executor=executor, run=run, mode="real")
 
     return store.get_or_calibrate(key, fit)

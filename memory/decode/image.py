@@ -52,7 +52,6 @@ from ..plan.image import (
     ideal_bytes,
     image_models,
     make_job,
-    units_of,
 )
 from ..plan.types import Plan
 from ..report import Report, flag_measured_overrun, fmt_bytes, fmt_seconds
@@ -266,7 +265,7 @@ def _execute(run: _Run, plan: Plan, models: ImageModels, budget: int) -> Plan:
             rest = b_total - stop
         else:
             stop = start + 1
-            rest = (b_total - stop) * units_of(job, p)
+            rest = (b_total - stop) * p.units
         state["stop"] = stop
         cb = run.progress.start_pass(rest)
         if p.path == "untiled":
@@ -343,7 +342,7 @@ def decode_image(
     load_weights(job.vae, env, p.planned)
     plan_seconds = time.perf_counter() - t_plan
 
-    total = int(job.z.shape[0]) * units_of(job, p)
+    total = int(job.z.shape[0]) * p.units
     bar = env.progress_bar(max(1, total)) if env.progress_bar is not None else None
     run = _Run(job, env, _Progress(bar, total))
     t0 = time.perf_counter()

@@ -35,31 +35,16 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..oom import OomEvent, OomResume, oom_types
-from ..tiles import pair, split_even
+from ..tiles import Rect, grid, pair, split_even, tile_count
 
 log = logging.getLogger("vramfit.memory.executors.generic")
 
-__all__ = ["count_generic_steps", "decode_generic", "generic_tiles"]
+__all__ = ["count_generic_steps", "decode_generic"]
 
 ProgressFn = Callable[[int, int], None]
-Rect = tuple[int, int, int, int, int]  # b, y0, y1, x0, x1 (latent px)
-
-
-def generic_tiles(batch: int, h: int, w: int, tile: tuple[int, int], y0: int = 0, x0: int = 0) -> list[Rect]:
-    """Balanced tile cores (latent px) of one ``h x w`` region for every batch item, row-major."""
-    return [
-        (b, y0 + a, y0 + c, x0 + d, x0 + e)
-        for b in range(batch)
-        for a, c in split_even(h, tile[0])
-        for d, e in split_even(w, tile[1])
-    ]
-
-
 def count_generic_steps(latent_shape: Sequence[int], tile: int | Sequence[int]) -> int:
     """Tile steps of an uninterrupted ``decode_generic`` (batch x tiles)."""
-    t = pair(tile, "tile", 0)
-    b, h, w = int(latent_shape[0]), int(latent_shape[-2]), int(latent_shape[-1])
-    return len(generic_tiles(b, h, w, t))
+    return int(latent_shape[0]) * tile_count(int(latent_shape[-2]), int(latent_shape[-1]), tile)
 
 
 def _ramp(n: int, start_pad: int, end_pad: int, band: int, device: torch.device) -> torch.Tensor:
@@ -94,9 +79,9 @@ class _GenericRun:
     ) -> None:
         self.decode_fn = decode_fn
         self.z = z
-        self.tile = tile
-        self.halo = halo
-        self.scale = scale
+        self.tile = pair(tile)
+        self.halo = pair(halo, "halo", 0)
+        self.scale = None if scale is None else pair(scale, "scale", 0)
         self.out_device = out_device
         self.out_dtype = out_dtype
         self.feather = feather
@@ -106,15 +91,15 @@ class _GenericRun:
         self.min_tile = max(1, int(min_tile))
         self.h, self.w = int(z.shape[-2]), int(z.shape[-1])
         self.pending: collections.deque[Rect] = collections.deque(
-            generic_tiles(int(z.shape[0]), self.h, self.w, tile)
+            r for b in range(int(z.shape[0])) for r in grid(b, self.h, self.w, self.tile)
         )
         # Feather band per axis, fixed for the whole decode (the ramps of neighbouring tiles must
         # match): <= halo and <= half the shortest core, so at most two tiles overlap anywhere.
-        cores_y = [b - a for a, b in split_even(self.h, tile[0])]
-        cores_x = [b - a for a, b in split_even(self.w, tile[1])]
+        cores_y = [b - a for a, b in split_even(self.h, self.tile[0])]
+        cores_x = [b - a for a, b in split_even(self.w, self.tile[1])]
         self.band = (
-            min(feather, halo[0], min(cores_y) // 2) if len(cores_y) > 1 else 0,
-            min(feather, halo[1], min(cores_x) // 2) if len(cores_x) > 1 else 0,
+            min(feather, self.halo[0], min(cores_y) // 2) if len(cores_y) > 1 else 0,
+            min(feather, self.halo[1], min(cores_x) // 2) if len(cores_x) > 1 else 0,
         )
         self.out: torch.Tensor | None = None
         self.done = 0
@@ -126,7 +111,7 @@ class _GenericRun:
             self.progress(self.done, self.done + len(self.pending))
 
     def _run_tile(self, r: Rect) -> None:
-        b, y0, y1, x0, x1 = r
+        b, y0, y1, x0, x1 = r.b, r.y0, r.y1, r.x0, r.x1
         hy, hx = self.halo
         a0, a1 = max(0, y0 - hy), min(self.h, y1 + hy)
         c0, c1 = max(0, x0 - hx), min(self.w, x1 + hx)
@@ -185,8 +170,8 @@ class _GenericRun:
         self.tile = new
         self.shrinks += 1
         rects: collections.deque[Rect] = collections.deque()
-        for b, y0, y1, x0, x1 in self.pending:
-            rects.extend((b, a, c, d, e) for _, a, c, d, e in generic_tiles(1, y1 - y0, x1 - x0, new, y0, x0))
+        for r in self.pending:
+            rects.extend(grid(r.b, r.h, r.w, new, r.y0, r.x0))
         self.pending = rects
         return True
 
@@ -237,15 +222,12 @@ def decode_generic(
     """
     if z.ndim not in (4, 5):
         raise ValueError(f"expected a (B, C, h, w) or (B, C, t, h, w) latent, got {tuple(z.shape)}")
-    t = pair(tile, "tile", 0)
-    if min(t) < 1:
-        raise ValueError(f"tile must be >= 1, got {tile}")
     run = _GenericRun(
         decode_fn,
         z,
-        t,
-        pair(halo, "halo", 0),
-        None if scale is None else pair(scale, "scale", 0),
+        tile,
+        halo,
+        scale,
         torch.device(out_device) if out_device is not None else z.device,
         out_dtype,
         max(0, int(feather)),

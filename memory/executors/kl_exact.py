@@ -21,14 +21,13 @@ import torch.nn.functional as F
 from ..oom import OomEvent, OomResume, oom_types
 from ..tiles import Rect, grid, pair, tile_count
 from ..vae.kl_layout import (
+    KlLayout,
     SegmentInfo,
     band_rows,
     bands_in,
     block_shortcut,
     dying_inputs,
-    find_decoder,
     kl_layout,
-    module_at,
     read_span,
     whole_output,
 )
@@ -200,6 +199,8 @@ class _ExactRun:
     def __init__(
         self,
         model: Any,
+        layout: KlLayout,
+        bound: tuple[Any, list[Any], dict[str, Any]],
         z: torch.Tensor,
         tile: tuple[int, int],
         store_device: torch.device,
@@ -216,7 +217,9 @@ class _ExactRun:
         norm_params: NormParamsFn | None,
     ) -> None:
         self.model = model
-        self.dec = find_decoder(model)
+        self.layout = layout
+        self.dec, seg_modules, self.consumer = bound
+        self.segs = [_Seg(info, m) for info, m in zip(layout.segments, seg_modules, strict=True)]
         self.z = z
         self.tile = tile
         self.store_device = store_device
@@ -235,9 +238,6 @@ class _ExactRun:
         self.batch = int(z.shape[0])
         self.stat_device = compute_device if compute_device.type not in ("mps",) else torch.device("cpu")
 
-        self.layout = kl_layout(model, recompute).require()
-        self.segs = [_Seg(info, module_at(self.dec, info.module)) for info in self.layout.segments]
-        self.consumer = {name: module_at(self.dec, path) for name, path in self.layout.consumer.items()}
         self.last_use = self.layout.last_use
         self.stores: dict[str, _Bands] = {}
         self.acc: dict[str, _StatAcc] = {}
@@ -637,7 +637,8 @@ def decode_exact(
     ``norm_params(norm, x) -> (weight, bias)``: GroupNorm affine parameters as float32 on ``x``'s
     device (default: the module's ``weight``/``bias``; pass ComfyUI's casting for patched weights).
     """
-    kl_layout(model, recompute).require()
+    layout = kl_layout(model, recompute).require()
+    bound = layout.bind(model)
     if z.ndim != 4:
         raise ValueError(f"expected a (B, C, h, w) latent, got shape {tuple(z.shape)}")
     compute = torch.device(compute_device) if compute_device is not None else z.device
@@ -645,6 +646,8 @@ def decode_exact(
     out = torch.device(out_device) if out_device is not None else store
     run = _ExactRun(
         model,
+        layout,
+        bound,
         z,
         pair(tile),
         store,

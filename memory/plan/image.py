@@ -12,13 +12,13 @@ from typing import Any
 import torch
 
 from ..cost import exact as dp
-from ..cost.calibration import calibrate_vae, cost_model_for, fit_grid, real_grid, vae_key
+from ..cost.calibration import cost_model_for, subject
 from ..cost.phases import CostModel
 from ..executors import generic as tg
 from ..executors import kl_exact as te
 from ..geometry import Geometry, VaeGeometry
 from ..measure.reach import ReachReport, default_halo, traced_reach
-from ..measure.sizing import MetaSizer, decode_run
+from ..measure.sizing import MetaSizer
 from ..vae.families import identify, model_name, structure_digest
 from ..vae.kl_layout import count_exact_steps, estimate_exact_peak, unsupported_reason
 from . import exact as pe
@@ -28,7 +28,7 @@ from .types import Plan
 log = logging.getLogger("vramfit.memory.plan.image")
 
 __all__ = ["ExactPlanner", "ImageJob", "ImageModels", "fallback", "full_cost_model", "ideal_bytes", "image_models",
-           "make_job", "plan", "plan_exact", "plan_generic", "plan_untiled", "reach", "spatial_ratio", "units_of"]
+           "make_job", "plan", "plan_exact", "plan_generic", "plan_untiled", "reach", "spatial_ratio"]
 
 ATTENTION_MIN = 16 * 2**20
 """Smallest score-slice budget of the mid block's split attention."""
@@ -109,28 +109,13 @@ def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device 
 
 
 def full_cost_model(job: ImageJob, env: Any) -> CostModel:
-    """Cost model of the untiled decode: shipped/cached for known families, else meta-calibrated once."""
+    """Cost model of the untiled decode: shipped/cached for its key, else calibrated once (meta sizing; real
+    decodes, with the weights loaded first, when the decoder cannot run on fake tensors)."""
     vae = job.vae
-    store = env.cost_models
-    if identify(vae) is not None:
-        return cost_model_for(vae, store, executor="full", device=job.device, dtype=job.dtype)
-    geo = VaeGeometry(job.family, job.ratio)
-    model = vae.first_stage_model
-    run = decode_run(model.decode, job.channels, job.dtype, job.device)
-
-    def fit() -> CostModel:
-        try:
-            return calibrate_vae(vae, executor="full", run=run, mode="meta", geometries=fit_grid(geo),
-                                 device=job.device, dtype=job.dtype)
-        except Exception as e:  # noqa: BLE001 - an op without a fake kernel: calibrate with real decodes
-            log.warning("meta sizing failed for %s (%s: %s); calibrating with real decodes", job.family,
-                        type(e).__name__, e)
-        if hasattr(vae, "patcher") and env.load_weights is not None:
-            env.load_weights(vae, 0)
-        return calibrate_vae(vae, executor="full", run=run, mode="real", geometries=real_grid(geo),
-                             device=job.device, dtype=job.dtype)
-
-    return store.get_or_calibrate(vae_key(vae, "full", job.device, job.dtype), fit)
+    s = subject(vae, family=job.family, spatial_ratio=job.ratio, channels=job.channels, device=job.device,
+                dtype=job.dtype)
+    load = (lambda: env.load_weights(vae, 0)) if hasattr(vae, "patcher") and env.load_weights else None
+    return cost_model_for(s, env.cost_models, before_real=load)
 
 
 _REACH: dict[str, tuple[ReachReport, bool]] = {}
@@ -247,13 +232,15 @@ class ExactPlanner:
         )
 
 
-def _exact(c: pe.ExactChoice) -> Plan:
-    return Plan("exact", c, c.describe(), c.planned, c.tracked, over_budget=not c.fits)
+def _exact(job: ImageJob, c: pe.ExactChoice) -> Plan:
+    p = Plan("exact", c, c.describe(), c.planned, c.tracked, over_budget=not c.fits)
+    p.units = count_exact_steps(job.vae.first_stage_model, (1, *job.z.shape[1:]), c.tile, c.recompute)
+    return p
 
 
 def plan_exact(planner: ExactPlanner, budget: int, tile: int | None, exclude_whole: bool = False) -> Plan:
     """The exact executor's fastest configuration that fits (:func:`.exact.choose_exact`)."""
-    return _exact(planner.choose(budget, tile, exclude_whole))
+    return _exact(planner.job, planner.choose(budget, tile, exclude_whole))
 
 
 def plan_generic(job: ImageJob, full: CostModel, budget: int, tile: int | None, halo: int,
@@ -277,17 +264,8 @@ def plan_generic(job: ImageJob, full: CostModel, budget: int, tile: int | None, 
     g = Geometry(min(shape[2], p.tile_h + 2 * p.halo), min(shape[3], p.tile_w + 2 * p.halo), spatial_ratio=job.ratio)
     desc = p.describe() + (f", feather {feather} latent px" if feather and p.tiled else "")
     return Plan("generic", p, desc, extra + p.predicted_peak, extra + full.predict_tracked(g), exact=False,
-                reason=job.exact_reason or "", halo=halo, feather=feather if p.tiled else 0, over_budget=over)
-
-
-def units_of(job: ImageJob, p: Plan) -> int:
-    """Progress units of one batch item under plan ``p``."""
-    c = p.config
-    if p.path == "exact":
-        return count_exact_steps(job.vae.first_stage_model, (1, *job.z.shape[1:]), c.tile, c.recompute)
-    if p.path == "generic":
-        return tg.count_generic_steps((1, *job.z.shape[1:]), (c.tile_h, c.tile_w))
-    return 1
+                reason=job.exact_reason or "", halo=halo, feather=feather if p.tiled else 0, over_budget=over,
+                units=tg.count_generic_steps(shape, (p.tile_h, p.tile_w)))
 
 
 @dataclasses.dataclass
@@ -365,9 +343,9 @@ def fallback(job: ImageJob, p: Plan, models: ImageModels, budget: int) -> Plan:
         planned = extra + max(pk.with_overhead(getattr(planner, "overhead", 0.0)), post)
         tracked = extra + max(pk.tracked, post)
         side = max(job.out_hw)
-        return _exact(dataclasses.replace(c, tile=tile, recompute=rec, store_on_device=on_dev, peak=pk,
-                                          planned=planned, tracked=tracked,
-                                          score=pe.exact_score(tile, side, rec, on_dev), fits=planned <= budget,
-                                          whole=tile >= side))
+        score = pe.exact_score(tile, side, rec, on_dev)
+        return _exact(job, dataclasses.replace(c, tile=tile, recompute=rec, store_on_device=on_dev, peak=pk,
+                                               planned=planned, tracked=tracked, score=score,
+                                               fits=planned <= budget, whole=tile >= side))
     g = p.config
     return plan_generic(job, full, budget // 2, max(8 * job.ratio, g.tile_h * job.ratio // 2), p.halo, p.feather)

@@ -39,6 +39,8 @@ class Plan:
     """Latent px of the cross-fade inside the halo (approximate tiles of decoders with global ops)."""
     over_budget: bool = False
     """Nothing fits the budget with the user's setting: the smallest plan, run anyway and flagged."""
+    units: int = 1
+    """Progress units of one batch item (image paths: the executor's steps)."""
     stats: dict = dataclasses.field(default_factory=dict)
     """Planning statistics (video: candidates ``sized`` now, ``bounded`` by the lower bound)."""
 

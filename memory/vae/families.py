@@ -206,9 +206,15 @@ def structure_digest(model: Any) -> str:
 
 def vae_geometry(vae: Any, halo: int | None = None) -> VaeGeometry:
     """The :class:`VaeGeometry` of a ComfyUI VAE: the family's, or from its ratios if unknown."""
-    fam = identify(vae)
-    if fam is not None:
-        g = FAMILIES[fam].geometry
+    return geometry_of(vae, identify(vae), halo=halo)
+
+
+def geometry_of(vae: Any, known: str | None, *, spatial_ratio: int | None = None,
+                halo: int | None = None) -> VaeGeometry:
+    """:func:`vae_geometry` for a caller that has identified ``vae`` already (``known``: its family or None);
+    ``spatial_ratio``: the caller's, when it inferred one (an unknown VAE without ``upscale_ratio``)."""
+    if known is not None:
+        g = FAMILIES[known].geometry
         return g if halo is None else dataclasses.replace(g, halo=halo)
     spatial, temporal = _ratios(vae)
-    return VaeGeometry(model_name(vae), spatial, temporal, halo=8 if halo is None else halo)
+    return VaeGeometry(model_name(vae), spatial_ratio or spatial, temporal, halo=8 if halo is None else halo)

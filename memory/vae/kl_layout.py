@@ -418,9 +418,15 @@ class KlLayout:
         mh, mw = self.mid_hw(latent_hw)
         return mh * info.level_scale, mw * info.level_scale
 
-    def tile_counts(self, latent_hw: Sequence[int], tile: tuple[int, int]) -> tuple[int, ...]:
+    def tile_counts(self, latent_hw: Sequence[int], tile: int | tuple[int, int]) -> tuple[int, ...]:
         """Tiles of every segment, one batch item."""
         return tuple(tile_count(*self.segment_hw(s, latent_hw), tile) for s in self.segments)
+
+    def bind(self, model: Any) -> tuple[Any, list[Any], dict[str, Any]]:
+        """``model``'s decoder and the modules this layout names in it: each segment's and each consumer's."""
+        dec = find_decoder(model)
+        return (dec, [module_at(dec, info.module) for info in self.segments],
+                {name: module_at(dec, path) for name, path in self.consumer.items()})
 
     def schedule(self, latent_hw: Sequence[int], tile: tuple[int, int]) -> list[list[RowStep]]:
         """Per segment, per row of tiles: the live store and the reads of one batch item (see
@@ -613,9 +619,11 @@ def exact_geometry(model: Any, latent_shape: Sequence[int], tile: tuple[int, int
     return kl_layout(model, recompute).geometry(latent_shape, tile)
 
 
-def count_exact_steps(model: Any, latent_shape: Sequence[int], tile: tuple[int, int], recompute: bool = False) -> int:
-    """Progress units of one uninterrupted decode (mid steps + tile steps)."""
-    return exact_geometry(model, latent_shape, tile, recompute).total_steps
+def count_exact_steps(model: Any, latent_shape: Sequence[int], tile: int | tuple[int, int],
+                      recompute: bool = False) -> int:
+    """Progress units of one uninterrupted decode (mid steps + tile steps: :attr:`ExactGeometry.total_steps`)."""
+    b, _, lh, lw = (int(s) for s in latent_shape)
+    return b + b * sum(kl_layout(model, recompute).require().tile_counts((lh, lw), tile))
 
 
 # --------------------------------------------------------------------------------------------------

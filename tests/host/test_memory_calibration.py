@@ -13,7 +13,7 @@ import logging
 
 import pytest
 import torch
-from vramfit.memory.cost.calibration import real_grid, vae_key
+from vramfit.memory.cost.calibration import real_grid, subject, vae_key
 from vramfit.memory.cost.phases import CostModelStore, calibrate
 from vramfit.memory.geometry import Geometry
 from vramfit.memory.measure.sizing import MetaSizer, decode_run, latent_shape
@@ -89,7 +89,7 @@ def test_real_calibration_predicts_held_out_real_decode(held_out, record_propert
         run,
         grid,
         tracker_factory("cpu"),
-        key=vae_key(vae),
+        key=vae_key(subject(vae)),
         phases=FAMILIES[family].real_phases,
         source="test",
     )
@@ -102,8 +102,8 @@ def test_real_calibration_predicts_held_out_real_decode(held_out, record_propert
 
 def test_shipped_default_predicts_held_out_real_decode(held_out, record_property) -> None:
     kind, vae, g, measured = held_out
-    model = CostModelStore(None).get(vae_key(vae))
-    assert model is not None, f"no shipped default for {vae_key(vae)}"
+    model = CostModelStore(None).get(vae_key(subject(vae)))
+    assert model is not None, f"no shipped default for {vae_key(subject(vae))}"
     assert all(p.geometry != g for p in model.points)
     _check(f"{kind} shipped default, {g.describe()}", model.predict_tracked(g), measured, record_property)
     # ComfyUI's own hand-set estimate for the same decode, for the record

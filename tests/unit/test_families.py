@@ -5,7 +5,7 @@ from __future__ import annotations
 import types
 
 import torch
-from vramfit.memory.cost.calibration import vae_key
+from vramfit.memory.cost.calibration import subject, vae_key
 from vramfit.memory.vae.families import identify, model_key_name, model_name
 
 
@@ -28,5 +28,5 @@ def test_unknown_vae_key_separates_structures_of_one_class():
     assert model_key_name(a) == model_key_name(a2)  # same structure, other weights: one model
     assert model_key_name(a) != model_key_name(b)
     assert model_key_name(a).startswith(model_name(a) + ".")
-    assert vae_key(a) == vae_key(a2)
-    assert vae_key(a) != vae_key(b)
+    assert vae_key(subject(a)) == vae_key(subject(a2))
+    assert vae_key(subject(a)) != vae_key(subject(b))

@@ -20,6 +20,7 @@ from vramfit.memory.plan import exact as pe
 from vramfit.memory.plan import image as pim
 from vramfit.memory.plan.grid import ImpossibleBudgetError
 from vramfit.memory.plan.types import Plan
+from vramfit.memory.vae.kl_layout import count_exact_steps
 
 from tests.unit.test_tiled_exact import _latent, _model
 
@@ -277,7 +278,9 @@ def test_one_progress_bar_over_all_passes(vae, case, stores):
         return lambda done, t: events.append((done, t))
 
     r = decode(vae, z, stores, {"progress_bar": bar}, tile_size=16, budget_mb=1024)
-    per_item = pim.units_of(idm.make_job(vae, z, core=True, out_device="cpu"), r.plan)
+    assert r.plan.path == "exact"
+    c = r.plan.config
+    per_item = count_exact_steps(vae.first_stage_model, (1, *z.shape[1:]), c.tile, c.recompute)
     assert totals == [2 * per_item]
     assert events[0] == (0, 2 * per_item) and events[-1] == (2 * per_item, 2 * per_item)
     assert [d for d, _ in events] == sorted(d for d, _ in events)

@@ -7,7 +7,14 @@ import types
 
 import pytest
 import torch
-from vramfit.memory.cost.calibration import calibrate_vae, cost_model_for, fit_grid, real_grid, vae_key
+from vramfit.memory.cost.calibration import (
+    calibrate_vae,
+    cost_model_for,
+    fit_grid,
+    real_grid,
+    subject,
+    vae_key,
+)
 from vramfit.memory.cost.phases import CostModelStore
 from vramfit.memory.geometry import Geometry, VaeGeometry
 from vramfit.memory.measure.sizing import MetaSizer, decode_run, latent_shape
@@ -82,8 +89,8 @@ def test_first_use_calibration_is_cached_and_predicts_real_peaks(tmp_path) -> No
     vae = toy_vae()
     cache = tmp_path / "vramfit_costs.json"
     store = CostModelStore(cache, defaults_dir=None)
-    model = cost_model_for(vae, store)
-    assert model.key == vae_key(vae)
+    model = cost_model_for(subject(vae), store)
+    assert model.key == vae_key(subject(vae))
     assert model.key.family.startswith(model_name(vae) + ".") and model.key.device_type == "cpu"
     assert model_name(vae).endswith("ToyDecoder")
     assert len(model.points) == len(fit_grid(vae_geometry(vae)))
@@ -102,7 +109,7 @@ def test_first_use_calibration_is_cached_and_predicts_real_peaks(tmp_path) -> No
 
 def test_real_mode_calibration() -> None:
     vae = toy_vae()
-    model = calibrate_vae(vae, mode="real")
+    model = calibrate_vae(subject(vae), mode="real")
     assert len(model.points) == len(real_grid(vae_geometry(vae)))
     assert model.inputs["mode"] == "real" and model.inputs["tracker"] == "dispatch"
     assert len(model.phases) == 1
