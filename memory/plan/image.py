@@ -20,7 +20,7 @@ from ..geometry import Geometry, VaeGeometry
 from ..measure.reach import ReachReport, default_halo, traced_reach
 from ..measure.sizing import MetaSizer
 from ..vae.families import identify, model_name, structure_digest
-from ..vae.kl_layout import count_exact_steps, estimate_exact_peak, unsupported_reason
+from ..vae.kl_layout import count_exact_steps, unsupported_reason
 from . import exact as pe
 from .grid import ImpossibleBudgetError, plan_tiling
 from .types import Plan
@@ -208,7 +208,7 @@ class ExactPlanner:
             except Exception as e:  # noqa: BLE001 - no fake kernel for some op: analytic, conservative
                 log.warning("meta sizing of the mid block failed (%s: %s); using the analytic estimate",
                             type(e).__name__, e)
-                est = estimate_exact_peak(self.model, (1, job.channels, *self.latent_hw), (8, 8),
+                est = dp.estimate_exact_peak(self.model, (1, job.channels, *self.latent_hw), (8, 8),
                                              torch.empty((), dtype=job.dtype).element_size(), on_device)
                 self._mid[on_device] = int(est["mid"])
         return self._mid[on_device]
@@ -240,7 +240,8 @@ def _exact(job: ImageJob, c: pe.ExactChoice) -> Plan:
 
 def plan_exact(planner: ExactPlanner, budget: int, tile: int | None, exclude_whole: bool = False) -> Plan:
     """The exact executor's fastest configuration that fits (:func:`.exact.choose_exact`)."""
-    return _exact(planner.job, planner.choose(budget, tile, exclude_whole))
+    c = planner.choose(budget, tile, exclude_whole)
+    return _exact(planner.job, c)
 
 
 def plan_generic(job: ImageJob, full: CostModel, budget: int, tile: int | None, halo: int,

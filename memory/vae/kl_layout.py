@@ -30,13 +30,11 @@ __all__ = [
     "SegmentInfo",
     "axis_extents",
     "count_exact_steps",
-    "estimate_exact_peak",
     "find_decoder",
     "kl_layout",
     "exact_geometry",
     "store_schedule",
     "supports_exact",
-    "tile_bytes",
     "unsupported_reason",
 ]
 
@@ -608,10 +606,6 @@ class ExactGeometry:
     out_channels: int
     out_hw: tuple[int, int]
 
-    def tile_bytes(self, dtype_bytes: int, inputs_copied: bool = True) -> int:
-        """Largest per-tile working set on the compute device over all segments (see :func:`tile_bytes`)."""
-        return max((tile_bytes(info, core, dtype_bytes, inputs_copied)
-                    for info, core in zip(self.segments, self.segment_cores, strict=True)), default=0)
 
 
 def exact_geometry(model: Any, latent_shape: Sequence[int], tile: tuple[int, int], recompute: bool = False) -> ExactGeometry:
@@ -624,93 +618,3 @@ def count_exact_steps(model: Any, latent_shape: Sequence[int], tile: int | tuple
     """Progress units of one uninterrupted decode (mid steps + tile steps: :attr:`ExactGeometry.total_steps`)."""
     b, _, lh, lw = (int(s) for s in latent_shape)
     return b + b * sum(kl_layout(model, recompute).require().tile_counts((lh, lw), tile))
-
-
-# --------------------------------------------------------------------------------------------------
-# Analytic sizes (the measured model is ``cost.exact.ExactCostModel``; this is the fallback for the
-# whole-latent phase when it cannot be meta-sized)
-
-
-def tile_bytes(info: SegmentInfo, core: tuple[int, int], dtype_bytes: int, inputs_copied: bool = True) -> int:
-    """Peak bytes one tile of segment ``info`` with core ``(h, w)`` holds on the compute device.
-
-    Phase by phase (``d`` = activation bytes, GroupNorm works in float32 ``f = 4``, or in float64 for
-    float64 activations): the input tile with halo (only when ``inputs_copied``: the store lives
-    elsewhere), its normalised copy (float32 temp + cast back for half types), each convolution's
-    input and output with halo, the shortcut path, and the float32 copy of the core that the
-    statistics of the next GroupNorm reduce (half types only).
-    """
-    d = int(dtype_bytes)
-    f = 8 if d == 8 else 4
-    th, tw = core
-    cin, cout = info.in_channels, info.out_channels
-    load = d if inputs_copied else 0
-    half = d < f
-
-    def gn(c: int, px: int) -> int:  # input alive while its normalised copy is made
-        return c * px * (load + f + (d if half else 0))
-
-    stats = cout * th * tw * f if half else 0
-    if info.kind == "upsample":
-        lo = (th // 2 + 2) * (tw // 2 + 2)
-        hi = (th + 4) * (tw + 4)
-        # The loaded tile stays referenced until the module returns: load + upsampled + conv output.
-        return cin * lo * load + cin * hi * d + cout * hi * d + stats
-    h = info.halo
-    px = (th + 2 * h) * (tw + 2 * h)
-    p1 = (th + 2) * (tw + 2)
-    core_px = th * tw
-    if info.kind in ("conv1", "out"):
-        # conv1 of a channel-changing block also keeps shortcut(x) (core; a 3x3 conv_shortcut: the region).
-        sc = 0 if info.shortcut_output is None else cout * px * d
-        return max(gn(cin, px), cin * px * d + cout * px * d, cout * px * d + stats) + sc
-    cres = info.residual_channels or cin
-    shortcut_in = cres * core_px * load if info.kind == "conv2" else 0
-    shortcut = shortcut_in + cout * core_px * d * 2  # shortcut output and the sum
-    if info.kind == "conv2":
-        return max(gn(cout, px), cout * px * d * 2, cout * px * d + shortcut + stats)
-    # conv12: conv1 on the 2-px halo, then conv2 on its output.
-    return max(
-        gn(cin, px),
-        cin * px * d + cout * px * d,
-        gn(cout, px) - cout * px * load + cout * px * d,
-        cout * px * d * 2,
-        cout * px * d + cres * p1 * load + shortcut + stats,
-    )
-
-
-def estimate_exact_peak(
-    model: Any,
-    latent_shape: Sequence[int],
-    tile: tuple[int, int],
-    dtype_bytes: int,
-    store_on_device: bool,
-    recompute: bool = False,
-    attention_scores: bool = True,
-) -> dict[str, int]:
-    """Analytic bytes of one exact decode: a conservative starting point (calibrate by measurement).
-
-    Returns ``store`` (all stores at their peak), ``tile`` (one tile's working set, :func:`tile_bytes`;
-    measured on CPU it is 0.9-1.6x of this), ``mid`` (the whole-latent mid block of one item: 8
-    activations, plus the ``N x N`` attention scores twice when ``attention_scores``, i.e. when the
-    attention kernel materialises them as the CPU math path does; flash / memory-efficient kernels do
-    not), ``device`` (what the compute device needs on top of the model weights: the larger of tile and
-    mid, plus the store when ``store_on_device``) and ``host`` (the store when it is not on the device).
-    Convolution workspaces (cuDNN) are not included.
-    """
-    lay = kl_layout(model, recompute)
-    plan = lay.geometry(latent_shape, tile)
-    store = plan.store_peak_elements * dtype_bytes
-    tile_b = plan.tile_bytes(dtype_bytes, inputs_copied=not store_on_device)
-    work_bytes = max(dtype_bytes, 4)
-    mh, mw = lay.mid_hw(plan.latent_shape[2:])
-    n = mh * mw
-    mid = 8 * plan.mid_elements * work_bytes + (2 * n * n * work_bytes if attention_scores else 0)
-    work = max(tile_b, mid)
-    return {
-        "store": store,
-        "tile": tile_b,
-        "mid": mid,
-        "device": work + (store if store_on_device else 0),
-        "host": 0 if store_on_device else store,
-    }

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from vramfit.memory.cost import exact as dp
 from vramfit.memory.executors import kl_exact as te
 from vramfit.memory.tiles import split_even
 from vramfit.memory.vae import kl_layout as kll
@@ -514,14 +515,14 @@ def test_oom_while_allocating_a_store_propagates(kl, monkeypatch):
 
 
 def test_estimate_is_consistent_with_plan(kl):
-    est = kll.estimate_exact_peak(kl, (1, 4, 32, 32), (32, 32), 2, store_on_device=False)
+    est = dp.estimate_exact_peak(kl, (1, 4, 32, 32), (32, 32), 2, store_on_device=False)
     plan = kll.exact_geometry(kl, (1, 4, 32, 32), (32, 32))
     assert est["store"] == plan.store_peak_elements * 2 and est["host"] == est["store"]
     assert est["device"] == max(est["tile"], est["mid"])
-    on_dev = kll.estimate_exact_peak(kl, (1, 4, 32, 32), (32, 32), 2, store_on_device=True)
+    on_dev = dp.estimate_exact_peak(kl, (1, 4, 32, 32), (32, 32), 2, store_on_device=True)
     assert on_dev["device"] == est["device"] + est["store"] and on_dev["host"] == 0
     # Smaller tiles need less per-tile memory.
-    assert kll.estimate_exact_peak(kl, (1, 4, 32, 32), (16, 16), 2, False)["tile"] < est["tile"]
+    assert dp.estimate_exact_peak(kl, (1, 4, 32, 32), (16, 16), 2, False)["tile"] < est["tile"]
 
 
 # --------------------------------------------------------------------------------------------------
