@@ -284,3 +284,22 @@ def test_one_progress_bar_over_all_passes(vae, case, stores):
     assert totals == [2 * per_item]
     assert events[0] == (0, 2 * per_item) and events[-1] == (2 * per_item, 2 * per_item)
     assert [d for d, _ in events] == sorted(d for d, _ in events)
+
+
+def test_a_decode_identifies_the_vae_once(vae, case, stores, monkeypatch):
+    """The job's family is identified once and handed on: the cost-model lookup does not identify again."""
+    from vramfit.memory.cost import calibration
+    from vramfit.memory.vae import families
+
+    calls: list[object] = []
+    real = families.identify
+
+    def counting(v):
+        calls.append(v)
+        return real(v)
+
+    for mod in (families, calibration, pim):
+        monkeypatch.setattr(mod, "identify", counting)
+    r = decode(vae, case[0], stores, tile_size=16, budget_mb=1024)
+    assert r.plan.path == "exact"
+    assert len(calls) == 1
