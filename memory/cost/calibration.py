@@ -3,7 +3,7 @@
 * :func:`fit_grid` / :func:`real_grid`: the geometries calibration runs on. The meta grid spans
   64 px to 4 Kpx (every phase of the decoder's memory shows up, and meta runs cost no compute); the
   real grid stays tiny (a real CPU decode of 128^2 px is ~1 s).
-* :class:`Subject`: the VAE identified once (known family, geometry, device, dtype).
+* :class:`Subject`: the VAE identified once (geometry, key, host variant, device, dtype).
 * :func:`calibrate_vae` fits a model for one VAE object and executor, by meta sizing (default, exact
   for the tensor-level peak) or by real decodes (``mode="real"``: what a GPU needs, where the
   allocator peak includes kernel workspaces the meta run cannot see).
@@ -134,9 +134,8 @@ class Subject:
     """A ComfyUI VAE as its cost models see it, identified once (:func:`subject`)."""
 
     vae: Any
-    known: str | None
-    """Its known family (:data:`..vae.families.FAMILIES`), None for any other VAE."""
     geometry: VaeGeometry
+    """The known family's geometry, else one from the VAE's ratios."""
     key_name: str
     """The key's family: the known family, else the model class and a digest of its structure."""
     variant: str
@@ -155,7 +154,6 @@ def subject(vae: Any, *, family: str | None = None, spatial_ratio: int | None = 
     known = identify(vae) if family is None else (family if family in FAMILIES else None)
     return Subject(
         vae=vae,
-        known=known,
         geometry=geometry_of(vae, known, spatial_ratio=spatial_ratio),
         key_name=known or model_key_name(vae),
         model_class=model_name(vae),

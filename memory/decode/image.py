@@ -328,7 +328,7 @@ def decode_image(
     """
     t_plan = time.perf_counter() if t_start is None else t_start
     job, verdict = _self_check(job, env)
-    full = full_cost_model(job, env)
+    full = full_cost_model(job, env, lambda: load_weights(job.vae, env, 0))
     # Offload upstream models for the fastest plan's need (what ComfyUI's own decode would need).
     prep = prepare(job.vae, env, lambda: ideal_bytes(job, full), budget_mb, unload_others)
     budget = prep.budget
@@ -362,9 +362,7 @@ def _self_check(job: ImageJob, env: DecodeEnv) -> tuple[ImageJob, Verdict | None
     the job has no exact path (its reason says why)."""
     if job.exact_reason is not None:
         return job, None
-    vae = job.vae
-    load = (lambda: env.load_weights(vae, 0)) if hasattr(vae, "patcher") and env.load_weights else None
-    verdict = check_exact(job, env.checks, env.norm_params, load)
+    verdict = check_exact(job, env.checks, env.norm_params, lambda: load_weights(job.vae, env, 0))
     if not verdict.ok:
         job = dataclasses.replace(job, exact_reason=f"the exact tiled walker's {verdict.describe()}")
     return job, verdict

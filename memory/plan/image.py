@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -108,13 +109,11 @@ def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device 
 # Cost models and reach
 
 
-def full_cost_model(job: ImageJob, env: Any) -> CostModel:
+def full_cost_model(job: ImageJob, env: Any, load: Callable[[], None] | None = None) -> CostModel:
     """Cost model of the untiled decode: shipped/cached for its key, else calibrated once (meta sizing; real
-    decodes, with the weights loaded first, when the decoder cannot run on fake tensors)."""
-    vae = job.vae
-    s = subject(vae, family=job.family, spatial_ratio=job.ratio, channels=job.channels, device=job.device,
+    decodes, after ``load()`` puts the weights on the device, when the decoder cannot run on fake tensors)."""
+    s = subject(job.vae, family=job.family, spatial_ratio=job.ratio, channels=job.channels, device=job.device,
                 dtype=job.dtype)
-    load = (lambda: env.load_weights(vae, 0)) if hasattr(vae, "patcher") and env.load_weights else None
     return cost_model_for(s, env.cost_models, before_real=load)
 
 
