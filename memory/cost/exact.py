@@ -106,8 +106,8 @@ class ExactPeak:
     segment: str
     """Where the peak is (a segment name, or ``mid``)."""
     mid: int
-    tiles: int
-    """Tile units of the decode (all segments, this item)."""
+    steps: int
+    """Progress units of the decode of this item (:meth:`..vae.kl_layout.KlLayout.steps`: mid block + tiles)."""
 
     def with_overhead(self, overhead: float) -> int:
         """Planning figure: untracked overhead (CPU scratch) scales the working set, not the store."""
@@ -179,10 +179,10 @@ class ExactCostModel:
                 if total > best[0]:
                     best = (total, store * (1.0 + self.margin), work * (1.0 + self.margin), info.name)
         mid = int(mid_bytes)
-        tiles = sum(lay.tile_counts((lh, lw), t))
+        steps = lay.steps((lh, lw), t)
         if mid >= best[0]:
-            return ExactPeak(int(math.ceil(mid)), 0, int(math.ceil(mid)), "mid", int(mid), tiles)
-        return ExactPeak(int(math.ceil(best[0])), int(best[1]), int(math.ceil(best[2])), best[3], int(mid), tiles)
+            return ExactPeak(int(math.ceil(mid)), 0, int(math.ceil(mid)), "mid", int(mid), steps)
+        return ExactPeak(int(math.ceil(best[0])), int(best[1]), int(math.ceil(best[2])), best[3], int(mid), steps)
 
     def describe(self) -> str:
         worst = max((t.worst_error for t in self.tiles), default=0.0)

@@ -40,7 +40,7 @@ def make_job(vae: Any, z: torch.Tensor, out_device: torch.device | str, *, frame
     return VideoJob(
         vae=vae,
         z=z,
-        wan=is_wan_vae(model),
+        layout=wan_layout(model) if is_wan_vae(model) else None,
         family=identify(vae) or model_name(vae),
         dtype=getattr(vae, "vae_dtype", torch.float32),
         device=torch.device(vae.device),
@@ -69,7 +69,7 @@ def check_chunked(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
     detected cache protocol, the executor's source, dtype and device type. ``prepare()`` runs first when the
     check runs (the node loads the weights)."""
     model = job.vae.first_stage_model
-    lay = wan_layout(model)
+    lay = job.layout
     last = len(lay.splits) - 1
     key = f"wan-chunked/{model_key(job)}"
     z = torch.randn((1, lay.latent_channels, *CHECK_LATENT), generator=torch.Generator().manual_seed(0))
@@ -153,7 +153,7 @@ def decode_video(
 
     stats: dict = {}
     if job.wan:
-        lay = wan_layout(model)
+        lay = job.layout
         r = lay.spatial_ratio
         frames = lay.out_frames(t)
         job = dataclasses.replace(job, verdict=check_chunked(job, env.checks, lambda: load_weights(vae, env, 0)))

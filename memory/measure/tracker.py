@@ -84,12 +84,23 @@ def _storage_nbytes(storage: torch.UntypedStorage) -> int:
     return int(storage.nbytes())
 
 
+def _fake_types() -> tuple[type, bool]:
+    """``FakeTensor`` and whether a fake mode (a :class:`.sizing.MetaSizer` run) is active now."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return FakeTensor, any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
+
+
 class _StorageCounter(TorchDispatchMode):
-    """Counts live bytes of storages created by ops under the mode, on one device type."""
+    """Counts live bytes of storages created by ops under the mode, on one device type. Entered inside a
+    fake mode (a :class:`.sizing.MetaSizer` run) it counts the fake tensors, as a real run would allocate;
+    entered outside, only real ones: a sizing run inside a measured block allocates nothing."""
 
     def __init__(self, device_type: str) -> None:
         super().__init__()
         self.device_type = device_type
+        self._fake_type, self._in_fake_mode = _fake_types()
         self._lock = threading.Lock()
         self._live: dict[int, int] = {}  # id(storage) -> nbytes
         self._finalizers: dict[int, weakref.finalize] = {}
@@ -134,6 +145,8 @@ class _StorageCounter(TorchDispatchMode):
         for t in outputs:
             if not isinstance(t, torch.Tensor) or t.device.type != self.device_type or not _has_storage(t):
                 continue
+            if isinstance(t, self._fake_type) and not self._in_fake_mode:
+                continue  # sizing inside a measured block: nothing is allocated
             storage = t.untyped_storage()
             key = id(storage)
             if key in input_ids and key not in self._live:

@@ -10,7 +10,7 @@ from ..cost.exact import ExactPeak
 from ..report import fmt_bytes
 from .grid import ImpossibleBudgetError
 
-__all__ = ["ExactChoice", "MIN_AUTO_TILE", "choose_exact", "exact_score", "tile_candidates"]
+__all__ = ["ExactChoice", "MIN_AUTO_TILE", "choose_exact", "exact_choice", "exact_score", "tile_candidates"]
 
 TILE_CANDIDATES = (2048, 1536, 1024, 768, 512, 384, 256, 192, 128, 96, 64, 48, 32, 24, 16)
 """Tile sides (px at each activation's resolution) the auto plan tries, largest first."""
@@ -44,7 +44,7 @@ class ExactChoice:
         tiling = "every activation in one tile" if self.whole else f"tiles of {self.tile} px at every level"
         store = "store on the compute device" if self.store_on_device else "store in host memory"
         rec = ", recompute conv1" if self.recompute else ""
-        return f"{tiling}, {self.peak.tiles} tile steps per image, {store}{rec}"
+        return f"{tiling}, {self.peak.steps} steps per image, {store}{rec}"
 
 
 def tile_candidates(max_side: int, min_tile: int = MIN_AUTO_TILE) -> list[int]:
@@ -58,6 +58,16 @@ def exact_score(tile: int, max_side: int, recompute: bool, store_on_device: bool
     """Relative compute time of a configuration (:attr:`ExactChoice.score`)."""
     halo = 1.0 if tile >= max_side else (1.0 + 4.0 / tile) ** 2
     return halo * (RECOMPUTE_COST if recompute else 1.0) * (1.0 if store_on_device else HOST_STORE_COST)
+
+
+def exact_choice(pk: ExactPeak, tile: int, recompute: bool, store_on_device: bool, *, max_side: int, budget: int,
+                 overhead: float = 0.0, extra_bytes: int = 0, post_bytes: int = 0) -> ExactChoice:
+    """One configuration with its figures (:class:`ExactChoice`) from its predicted peak ``pk``; the keywords
+    as in :func:`choose_exact`."""
+    planned = int(extra_bytes) + max(pk.with_overhead(overhead), int(post_bytes))
+    tracked = int(extra_bytes) + max(pk.tracked, int(post_bytes))
+    return ExactChoice(tile, recompute, store_on_device, pk, planned, tracked,
+                       exact_score(tile, max_side, recompute, store_on_device), planned <= int(budget), tile >= max_side)
 
 
 def choose_exact(
@@ -94,11 +104,8 @@ def choose_exact(
     configs = [(False, True), (True, True)] + ([(False, False), (True, False)] if host_store else [])
 
     def make(rec: bool, dev: bool, t: int) -> ExactChoice:
-        pk = predict(rec, dev, t)
-        planned = int(extra_bytes) + max(pk.with_overhead(overhead), int(post_bytes))
-        tracked = int(extra_bytes) + max(pk.tracked, int(post_bytes))
-        return ExactChoice(t, rec, dev, pk, planned, tracked, exact_score(t, max_side, rec, dev),
-                           planned <= budget, t >= max_side)
+        return exact_choice(predict(rec, dev, t), t, rec, dev, max_side=max_side, budget=budget, overhead=overhead,
+                            extra_bytes=extra_bytes, post_bytes=post_bytes)
 
     if tile is not None:
         tried = [make(rec, dev, int(tile)) for rec, dev in configs[:1]]

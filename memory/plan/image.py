@@ -15,13 +15,12 @@ import torch
 from ..cost import exact as dp
 from ..cost.calibration import cost_model_for, subject
 from ..cost.phases import CostModel
-from ..executors import generic as tg
 from ..executors import kl_exact as te
 from ..geometry import Geometry, VaeGeometry
 from ..measure.reach import ReachReport, default_halo, traced_reach
 from ..measure.sizing import MetaSizer
 from ..vae.families import identify, model_name, structure_digest
-from ..vae.kl_layout import count_exact_steps, unsupported_reason
+from ..vae.kl_layout import unsupported_reason
 from . import exact as pe
 from .grid import ImpossibleBudgetError, plan_tiling
 from .types import Plan
@@ -231,16 +230,14 @@ class ExactPlanner:
         )
 
 
-def _exact(job: ImageJob, c: pe.ExactChoice) -> Plan:
-    p = Plan("exact", c, c.describe(), c.planned, c.tracked, over_budget=not c.fits)
-    p.units = count_exact_steps(job.vae.first_stage_model, (1, *job.z.shape[1:]), c.tile, c.recompute)
-    return p
+def _exact(c: pe.ExactChoice) -> Plan:
+    return Plan("exact", c, c.describe(), c.planned, c.tracked, over_budget=not c.fits, units=c.peak.steps)
 
 
 def plan_exact(planner: ExactPlanner, budget: int, tile: int | None, exclude_whole: bool = False) -> Plan:
     """The exact executor's fastest configuration that fits (:func:`.exact.choose_exact`)."""
     c = planner.choose(budget, tile, exclude_whole)
-    return _exact(planner.job, c)
+    return _exact(c)
 
 
 def plan_generic(job: ImageJob, full: CostModel, budget: int, tile: int | None, halo: int,
@@ -265,7 +262,7 @@ def plan_generic(job: ImageJob, full: CostModel, budget: int, tile: int | None, 
     desc = p.describe() + (f", feather {feather} latent px" if feather and p.tiled else "")
     return Plan("generic", p, desc, extra + p.predicted_peak, extra + full.predict_tracked(g), exact=False,
                 reason=job.exact_reason or "", halo=halo, feather=feather if p.tiled else 0, over_budget=over,
-                units=tg.count_generic_steps(shape, (p.tile_h, p.tile_w)))
+                units=p.rows * p.cols)
 
 
 @dataclasses.dataclass
@@ -337,15 +334,8 @@ def fallback(job: ImageJob, p: Plan, models: ImageModels, budget: int) -> Plan:
         else:
             nxt = (c.recompute, c.store_on_device, max(te.MIN_TILE, c.tile // 2))
         rec, on_dev, tile = nxt
-        pk = planner.predict(rec, on_dev, tile)
-        # The figures of the configuration that runs now, as choose_exact computes them.
-        extra, post = buffer_bytes(job), item_image_bytes(job)
-        planned = extra + max(pk.with_overhead(getattr(planner, "overhead", 0.0)), post)
-        tracked = extra + max(pk.tracked, post)
-        side = max(job.out_hw)
-        score = pe.exact_score(tile, side, rec, on_dev)
-        return _exact(job, dataclasses.replace(c, tile=tile, recompute=rec, store_on_device=on_dev, peak=pk,
-                                               planned=planned, tracked=tracked, score=score,
-                                               fits=planned <= budget, whole=tile >= side))
+        return _exact(pe.exact_choice(planner.predict(rec, on_dev, tile), tile, rec, on_dev, max_side=max(job.out_hw),
+                                      budget=budget, overhead=getattr(planner, "overhead", 0.0),
+                                      extra_bytes=buffer_bytes(job), post_bytes=item_image_bytes(job)))
     g = p.config
     return plan_generic(job, full, budget // 2, max(8 * job.ratio, g.tile_h * job.ratio // 2), p.halo, p.feather)

@@ -18,7 +18,7 @@ from ..measure.sizing import MetaSizer
 from ..report import fmt_bytes
 from ..store import Store
 from ..tiles import spans
-from ..vae.wan_layout import WanLayout, cache_protocol, wan_layout
+from ..vae.wan_layout import WanLayout, cache_protocol
 from .grid import ImpossibleBudgetError
 from .types import Chunking, Plan
 
@@ -65,7 +65,8 @@ def executor_digest() -> str:
 class VideoJob:
     vae: Any
     z: torch.Tensor
-    wan: bool
+    layout: WanLayout | None
+    """The Wan decoder's layout (walked once, by ``make_job``); None: another video VAE (overlap-blend)."""
     family: str
     dtype: torch.dtype
     device: torch.device
@@ -78,6 +79,10 @@ class VideoJob:
     """The user's tile side in output px (0: auto; Wan only)."""
     verdict: Any = None
     """The chunked executor's self-check on this host (a :class:`.self_check.Verdict`; None: not checked)."""
+
+    @property
+    def wan(self) -> bool:
+        return self.layout is not None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -129,7 +134,7 @@ def size_candidate(job: VideoJob, cd: Chunking) -> int:
     """Meta-sized peak bytes of ``decode_wan_chunked`` for this candidate at ``min(T, 1 + 2 k)`` latent
     frames, without the output buffer (the store's growth with ``T`` is added by :func:`decode_peak`)."""
     model = job.vae.first_stage_model
-    lay = wan_layout(model)
+    lay = job.layout
     b, c, t, h, w = (int(v) for v in job.z.shape)
     t_meta = _t_meta(t, cd.k)
     with MetaSizer([model], job.dtype, job.device) as sizer:
@@ -223,7 +228,7 @@ def _split_options(lay: WanLayout) -> list[int]:
 def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None) -> list[Chunking]:
     """Every candidate in the speed order the planner tries them (fastest first; among equals the rollback
     cache, the device store, the smaller k)."""
-    lay = wan_layout(job.vae.first_stage_model)
+    lay = job.layout
     _, _, t, h, w = (int(v) for v in job.z.shape)
     rest = max(1, t - 1)
     ks = [min(k_user, rest)] if k_user else list(range(1, min(rest, MAX_AUTO_K) + 1))
@@ -251,8 +256,7 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
     nothing fitting: the smallest plan, marked over budget; otherwise :class:`ImpossibleBudgetError`.
     ``stats``: filled with ``sized`` (candidates meta-sized now), ``bounded`` (skipped by the lower bound)."""
     peaks = PeakStore() if peaks is None else peaks
-    model = job.vae.first_stage_model
-    lay = wan_layout(model)
+    lay = job.layout
     fingerprint = job.fingerprint
     _, _, t, h, w = (int(v) for v in job.z.shape)
     out_b = out_bytes(job, lay.out_frames(t), h * lay.spatial_ratio, w * lay.spatial_ratio)
@@ -335,7 +339,7 @@ def plan_host_decode(job: VideoJob, budget: int, peaks: PeakStore, verdict: Any)
     """The exact fallback when the chunked executor failed its self-check (``verdict``: the self-check's
     :class:`.self_check.Verdict`): the host's own decode, if its peak (+ the output buffer) fits ``budget``;
     else None."""
-    lay = wan_layout(job.vae.first_stage_model)
+    lay = job.layout
     _, _, t, h, w = (int(v) for v in job.z.shape)
     planned = out_bytes(job, lay.out_frames(t), h * lay.spatial_ratio, w * lay.spatial_ratio)
     planned += host_decode_peak(job, peaks)
@@ -441,7 +445,7 @@ def plan(job: VideoJob, budget: int, peaks: PeakStore | None = None) -> Plan:
         return plan_blend(job, budget, k_user, peaks)
     tile_user = None
     if job.tile_size:
-        lt = max(1, int(job.tile_size) // wan_layout(job.vae.first_stage_model).spatial_ratio)
+        lt = max(1, int(job.tile_size) // job.layout.spatial_ratio)
         tile_user = (lt, lt)
     if verdict is not None and not verdict.ok and not k_user and tile_user is None:
         found = plan_host_decode(job, budget, peaks, verdict)

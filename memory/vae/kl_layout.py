@@ -420,6 +420,10 @@ class KlLayout:
         """Tiles of every segment, one batch item."""
         return tuple(tile_count(*self.segment_hw(s, latent_hw), tile) for s in self.segments)
 
+    def steps(self, latent_hw: Sequence[int], tile: int | tuple[int, int]) -> int:
+        """Progress units of one batch item's uninterrupted decode: the mid block, then every tile."""
+        return 1 + sum(self.tile_counts(latent_hw, tile))
+
     def bind(self, model: Any) -> tuple[Any, list[Any], dict[str, Any]]:
         """``model``'s decoder and the modules this layout names in it: each segment's and each consumer's."""
         dec = find_decoder(model)
@@ -517,7 +521,7 @@ class KlLayout:
             segments=self.segments,
             tiles_per_segment=tiles,
             mid_steps=b,
-            total_steps=b + b * sum(tiles),
+            total_steps=b * self.steps((lh, lw), tile),
             store_peak_elements=b * store_peak,
             store_peak_segment=store_peak_seg,
             mid_elements=self.mid_channels * mid_hw[0] * mid_hw[1],
@@ -617,4 +621,4 @@ def count_exact_steps(model: Any, latent_shape: Sequence[int], tile: int | tuple
                       recompute: bool = False) -> int:
     """Progress units of one uninterrupted decode (mid steps + tile steps: :attr:`ExactGeometry.total_steps`)."""
     b, _, lh, lw = (int(s) for s in latent_shape)
-    return b + b * sum(kl_layout(model, recompute).require().tile_counts((lh, lw), tile))
+    return b * kl_layout(model, recompute).require().steps((lh, lw), tile)

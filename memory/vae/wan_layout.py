@@ -315,10 +315,20 @@ def cache_protocol(model: Any) -> CacheProtocol:
     return proto
 
 
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def wan_layout(model: Any) -> WanLayout:
-    """Walk a Wan ``first_stage_model``: cache slots (index, channels, scale), split points and the
-    convolutional reach of the tiled part for each, temporal/spatial ratios. Raises ``ValueError`` when
-    the model is not a Wan VAE this executor understands."""
+    """Walk a Wan ``first_stage_model`` (once per model object): cache slots (index, channels, scale), split
+    points and the convolutional reach of the tiled part for each, temporal/spatial ratios. Raises
+    ``ValueError`` when the model is not a Wan VAE this executor understands."""
+    found = _LAYOUTS.get(model)
+    if found is None:
+        found = _LAYOUTS[model] = _walk_decoder(model)
+    return found
+
+
+def _walk_decoder(model: Any) -> WanLayout:
     if not is_wan_vae(model):
         raise ValueError(
             f"not a Wan VAE (no decoder.conv1/middle/upsamples/head with feat_cache): {type(model)}"

@@ -72,6 +72,21 @@ def test_meta_sizer_equals_real_tracked_peak() -> None:
     assert out.device.type == "cpu" and torch.isfinite(out).all()
 
 
+def test_a_tracker_around_meta_sizing_counts_no_fake_bytes() -> None:
+    """Sizing inside a measured block (a plan made while a decode is tracked) allocates nothing: an outer
+    tracker must not count the fake weights and activations, while the sizer still sees its full peak."""
+    vae = toy_vae()
+    run = decode_run(vae.first_stage_model.decode, 4, torch.float32)
+    g = Geometry(12, 20, batch=2, spatial_ratio=4)
+    with PeakTracker(method="dispatch") as outer:
+        with MetaSizer([vae.first_stage_model], torch.float32) as meta:
+            run(g)
+    with PeakTracker() as real:
+        run(g)
+    assert meta.peak_bytes == real.peak_bytes > 0
+    assert outer.peak_bytes == 0, outer.peak_bytes
+
+
 def test_meta_sizer_huge_shape_and_dtype() -> None:
     vae = toy_vae()
     run32 = decode_run(vae.first_stage_model.decode, 4, torch.float32)
