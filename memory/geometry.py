@@ -86,7 +86,7 @@ class Geometry:
 
     @property
     def out_frames(self) -> int:
-        return _out_frames(self.latent_frames, self.temporal_ratio, self.first_chunk)
+        return decoded_frames(self.latent_frames, self.temporal_ratio, self.first_chunk)
 
     @property
     def frames_per_step(self) -> int:
@@ -128,7 +128,9 @@ class Geometry:
         return text
 
 
-def _out_frames(latent_frames: int, temporal_ratio: int, first_chunk: bool) -> int:
+def decoded_frames(latent_frames: int, temporal_ratio: int, first_chunk: bool) -> int:
+    """Output frames of ``latent_frames`` decoded in one pass: a first chunk starts with latent frame 0, which
+    yields one frame (``1 + r (T - 1)``); a later chunk yields ``r T``; at least 1."""
     if latent_frames <= 0:
         return 1
     if temporal_ratio <= 1:
@@ -171,7 +173,7 @@ def _job_px(g: Geometry) -> float:
 
 def _job_px_frames(g: Geometry) -> float:
     b, h, w, t = g.job
-    return b * h * w * g.spatial_ratio**2 * _out_frames(t, g.temporal_ratio, True)
+    return b * h * w * g.spatial_ratio**2 * decoded_frames(t, g.temporal_ratio, True)
 
 
 _FEATURE_LIST = [

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..geometry import _out_frames
+from ..geometry import decoded_frames
 
 log = logging.getLogger("vramfit.memory.vae.wan_layout")
 
@@ -28,7 +28,7 @@ CACHE_T = 2
 def frames_of(latent_frames: int, factor: int) -> int:
     """Frames a causal decoder yields for latent frames ``[0, T)`` at temporal factor ``factor``: ``1 + f (T - 1)``
     (latent frame 0 yields one frame), 0 for none. Also the index of the first frame of latent frame ``T``."""
-    return 0 if latent_frames <= 0 else _out_frames(int(latent_frames), int(factor), True)
+    return 0 if latent_frames <= 0 else decoded_frames(int(latent_frames), int(factor), True)
 
 
 def _is_conv3d(m: Any) -> bool:
