@@ -1,6 +1,6 @@
 """The example workflows, described once: node types, widget values by input name, and links.
 
-``scripts/workflows.py`` builds each description into the UI workflow, the API twin, the thumbnail and
+``scripts/workflows.py`` builds each description (:mod:`scripts.workflow_desc`) into the UI workflow, the API twin, the thumbnail and
 the README of ``workflows/``. Widgets not given here take the node's declared default. Links are
 ``node.out(slot)``. Node ids follow the order of ``add`` (the API twin uses the same ids).
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from scripts.workflows import FileDecl, WorkflowDesc
+from scripts.workflow_desc import FileDecl, WorkflowDesc
 
 WAN_REPO = "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files"
 FLUX_TE = "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main"

@@ -55,6 +55,9 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from scripts.workflow_desc import NodeDesc, Out, WorkflowDesc
+from scripts.workflow_graphs import all_workflows
+
 log = logging.getLogger("vramfit.workflows")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -326,66 +329,6 @@ def ui_output_count(schema: NodeSchema, linked_slots: Iterable[int]) -> int:
     if schema.host_output_node:
         return max(linked_slots, default=-1) + 1
     return len(schema.outputs)
-
-
-# ------------------------------------------------------------------------------- description DSL
-
-
-@dataclasses.dataclass(frozen=True)
-class Out:
-    """Output ``slot`` of node ``node`` (a link source in a description)."""
-
-    node: int
-    slot: int = 0
-
-
-@dataclasses.dataclass
-class NodeDesc:
-    id: int
-    type: str
-    values: dict[str, Any]
-    title: str | None = None
-    control: str = "fixed"
-
-    def out(self, slot: int = 0) -> Out:
-        return Out(self.id, slot)
-
-
-@dataclasses.dataclass(frozen=True)
-class FileDecl:
-    """A file a workflow expects on the host."""
-
-    name: str
-    """As the widget shows it (the bf16 Loader's ``folder/name`` is split: name without the folder)."""
-    directory: str
-    """ComfyUI folder: ``models/<directory>/``, or ``input`` for ComfyUI's input folder."""
-    url: str | None = None
-    how: str = ""
-
-
-@dataclasses.dataclass
-class WorkflowDesc:
-    name: str
-    """Slug: the API twin ``workflows/api/<name>.json`` and the workflow's README entry."""
-    title: str
-    summary: str
-    template: str = ""
-    """The template card's title, which is the UI file's name (``workflows/<template>.json`` and ``.jpg``):
-    both supported frontends show a custom-node template under its file name (:data:`TEMPLATE_NAME`)."""
-    cpu: bool = False
-    files: list[FileDecl] = dataclasses.field(default_factory=list)
-    packs: list[str] = dataclasses.field(default_factory=list)
-    notes: str = ""
-    nodes: list[NodeDesc] = dataclasses.field(default_factory=list)
-
-    @property
-    def template_name(self) -> str:
-        return self.template or self.name
-
-    def add(self, node_type: str, title: str | None = None, control: str = "fixed", **values: Any) -> NodeDesc:
-        node = NodeDesc(id=len(self.nodes) + 1, type=node_type, values=values, title=title, control=control)
-        self.nodes.append(node)
-        return node
 
 
 # ------------------------------------------------------------------------------------ building
@@ -1218,8 +1161,6 @@ def api_dumps(api: dict) -> str:
 
 def expected_files(schemas: Schemas, out_dir: pathlib.Path = WORKFLOWS_DIR) -> dict[pathlib.Path, str]:
     """Text files the build writes (thumbnails are written separately)."""
-    from scripts.workflow_graphs import all_workflows
-
     files: dict[pathlib.Path, str] = {}
     descs = all_workflows()
     for desc in descs:
@@ -1335,7 +1276,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # run the importable module, not __main__: workflow_graphs imports its classes from scripts.workflows
-    from scripts.workflows import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())
