@@ -1,8 +1,8 @@
 """The example workflows, described once: node types, widget values by input name, and links.
 
-``scripts/workflows.py`` builds each description (:mod:`scripts.workflow_desc`) into the UI workflow, the API twin, the thumbnail and
-the README of ``workflows/``. Widgets not given here take the node's declared default. Links are
-``node.out(slot)``. Node ids follow the order of ``add`` (the API twin uses the same ids).
+``scripts/workflows.py`` builds each description (:mod:`scripts.workflow_desc`) into the UI workflow, the
+API twin, the thumbnail and the README of ``workflows/``. Widgets not given here take the node's declared
+default. Links are ``node.out(slot)``. Node ids follow the order of ``add`` (the API twin uses the same ids).
 
 Each workflow's ``template`` is its card in the template browser (the UI file's name, which the frontend
 shows as the title), numbered in the order of :func:`all_workflows`: the CPU variants first (they run on

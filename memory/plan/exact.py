@@ -66,8 +66,9 @@ def exact_choice(pk: ExactPeak, tile: int, recompute: bool, store_on_device: boo
     as in :func:`choose_exact`."""
     planned = int(extra_bytes) + max(pk.with_overhead(overhead), int(post_bytes))
     tracked = int(extra_bytes) + max(pk.tracked, int(post_bytes))
-    return ExactChoice(tile, recompute, store_on_device, pk, planned, tracked,
-                       exact_score(tile, max_side, recompute, store_on_device), planned <= int(budget), tile >= max_side)
+    score = exact_score(tile, max_side, recompute, store_on_device)
+    return ExactChoice(tile, recompute, store_on_device, pk, planned, tracked, score, planned <= int(budget),
+                       tile >= max_side)
 
 
 def choose_exact(
