@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..cost import exact as dp
-from ..cost.calibration import cost_model_for, subject
+from ..cost.calibration import Subject, cost_model_for, subject
 from ..cost.phases import CostModel
 from ..executors import kl_exact as te
 from ..geometry import Geometry, VaeGeometry
@@ -52,6 +52,8 @@ class ImageJob:
     dtype: torch.dtype
     device: torch.device
     out_device: torch.device
+    subject: Subject
+    """The VAE as its cost models see it (identified once, here)."""
     tile_size: int = 0
     """The user's tile side in output px (0: auto, untiled when it fits)."""
     halo: int = -1
@@ -87,6 +89,9 @@ def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device 
     if reason is None and not core:
         reason = f"{type(vae).__name__} overrides VAE.decode (its own post-processing is kept)"
     ratio = spatial_ratio(vae, channels)
+    family = identify(vae) or model_name(vae)
+    dtype = getattr(vae, "vae_dtype", torch.float32)
+    device = torch.device(vae.device)
     return ImageJob(
         vae=vae,
         z=z,
@@ -95,10 +100,11 @@ def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device 
         out_hw=(int(z.shape[2]) * ratio, int(z.shape[3]) * ratio),
         core=core,
         exact_reason=reason,
-        family=identify(vae) or model_name(vae),
-        dtype=getattr(vae, "vae_dtype", torch.float32),
-        device=torch.device(vae.device),
+        family=family,
+        dtype=dtype,
+        device=device,
         out_device=torch.device(out_device),
+        subject=subject(vae, family=family, spatial_ratio=ratio, channels=channels, device=device, dtype=dtype),
         tile_size=int(tile_size),
         halo=int(halo),
     )
@@ -111,9 +117,7 @@ def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device 
 def full_cost_model(job: ImageJob, env: Any, load: Callable[[], None] | None = None) -> CostModel:
     """Cost model of the untiled decode: shipped/cached for its key, else calibrated once (meta sizing; real
     decodes, after ``load()`` puts the weights on the device, when the decoder cannot run on fake tensors)."""
-    s = subject(job.vae, family=job.family, spatial_ratio=job.ratio, channels=job.channels, device=job.device,
-                dtype=job.dtype)
-    return cost_model_for(s, env.cost_models, before_real=load)
+    return cost_model_for(job.subject, env.cost_models, before_real=load)
 
 
 _REACH: dict[str, tuple[ReachReport, bool]] = {}
