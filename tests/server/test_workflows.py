@@ -16,22 +16,21 @@ import urllib.request
 import pytest
 
 from scripts.host import ROOT, output_files
+from scripts.workflow_desc import WorkflowDesc
 from scripts.workflow_graphs import CPU_TEMPLATES, CPU_WORKFLOWS, DEMO_BUDGET_MB, all_workflows
+from scripts.workflow_schema import Schemas, ui_to_api
+from scripts.workflow_validate import validate_workflow
 from scripts.workflows import (
     API_DIR,
     SHIPPED_INPUTS,
     TEMPLATE_NAME,
     VIEW_SAFE,
     WORKFLOWS_DIR,
-    Schemas,
-    WorkflowDesc,
     build,
     check_all,
     committed_workflows,
     copy_shipped_inputs,
     layout_problems,
-    ui_to_api,
-    validate_workflow,
 )
 
 pytestmark = pytest.mark.server
