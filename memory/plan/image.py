@@ -218,20 +218,23 @@ class ExactPlanner:
     def predict(self, recompute: bool, on_device: bool, tile: int) -> dp.ExactPeak:
         return self.cost_model(recompute, on_device).predict(self.model, self.latent_hw, tile, self.mid(on_device))
 
-    def choose(self, budget: int, tile: int | None, exclude_whole: bool = False) -> pe.ExactChoice:
+    def _terms(self) -> dict[str, Any]:
+        """What every configuration's figures add to its predicted peak (:func:`.exact.exact_choice`)."""
         job = self.job
-        return pe.choose_exact(
-            self.predict,
-            max(job.out_hw),
-            budget,
-            allow_whole=not exclude_whole,
-            overhead=self.overhead,
-            extra_bytes=buffer_bytes(job),
-            post_bytes=item_image_bytes(job),
-            host_store=job.device.type != "cpu",
-            tile=tile,
-            what=f"latent {tuple(job.z.shape)}",
-        )
+        return {"max_side": max(job.out_hw), "overhead": self.overhead, "extra_bytes": buffer_bytes(job),
+                "post_bytes": item_image_bytes(job)}
+
+    def choose(self, budget: int, tile: int | None, exclude_whole: bool = False) -> pe.ExactChoice:
+        """The fastest configuration that fits (:func:`.exact.choose_exact`)."""
+        job = self.job
+        return pe.choose_exact(self.predict, budget=budget, allow_whole=not exclude_whole,
+                               host_store=job.device.type != "cpu", tile=tile, what=f"latent {tuple(job.z.shape)}",
+                               **self._terms())
+
+    def choice(self, recompute: bool, on_device: bool, tile: int, budget: int) -> pe.ExactChoice:
+        """One given configuration with its figures (the out-of-memory re-plan's next step)."""
+        return pe.exact_choice(self.predict(recompute, on_device, tile), tile, recompute, on_device, budget=budget,
+                               **self._terms())
 
 
 def _exact(c: pe.ExactChoice) -> Plan:
@@ -337,9 +340,6 @@ def fallback(job: ImageJob, p: Plan, models: ImageModels, budget: int) -> Plan:
             nxt = (False, False, c.tile)
         else:
             nxt = (c.recompute, c.store_on_device, max(te.MIN_TILE, c.tile // 2))
-        rec, on_dev, tile = nxt
-        return _exact(pe.exact_choice(planner.predict(rec, on_dev, tile), tile, rec, on_dev, max_side=max(job.out_hw),
-                                      budget=budget, overhead=getattr(planner, "overhead", 0.0),
-                                      extra_bytes=buffer_bytes(job), post_bytes=item_image_bytes(job)))
+        return _exact(planner.choice(*nxt, budget))
     g = p.config
     return plan_generic(job, full, budget // 2, max(8 * job.ratio, g.tile_h * job.ratio // 2), p.halo, p.feather)

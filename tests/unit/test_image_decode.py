@@ -138,10 +138,12 @@ def test_impossible_budget_names_budget_and_minimum(vae, case, stores):
 # ------------------------------------------------------------------------------------------ OOM re-plan
 
 
-class StubPlanner:
-    """``fallback`` only asks the planner for the peak of the configuration it moves to."""
+class StubPlanner(pim.ExactPlanner):
+    """The image planner with stub predictions: ``fallback`` only asks for the peak of the configuration
+    it moves to."""
 
-    def __init__(self) -> None:
+    def __init__(self, job: pim.ImageJob) -> None:
+        super().__init__(job, None, 0.0, 0)
         self.asked: list[tuple[bool, bool, int]] = []
 
     def predict(self, recompute: bool, on_device: bool, tile: int) -> dp.ExactPeak:
@@ -164,7 +166,7 @@ def test_exact_fallback_order(vae, case, device, order):
     the executor's minimum tile."""
     job = idm.make_job(vae, case[0], core=True, out_device="cpu")
     job = dataclasses.replace(job, device=torch.device(device))  # planning only: nothing runs
-    planner = StubPlanner()
+    planner = StubPlanner(job)
     p = _exact_plan(64, False, True)
     seen = []
     for _ in order:

@@ -144,10 +144,12 @@ def test_executors_bug_propagates_at_once_oom_shrinks():
 # ------------------------------------------------------------------------------------------ exact re-plan figures
 
 
-class FigPlanner:
-    """Peaks that differ per configuration, so a re-plan's figures show which configuration they are of."""
+class FigPlanner(pim.ExactPlanner):
+    """The image planner with peaks that differ per configuration, so a re-plan's figures show which
+    configuration they are of."""
 
-    overhead = 0.25
+    def __init__(self, job: pim.ImageJob) -> None:
+        super().__init__(job, None, 0.25, 0)
 
     def predict(self, recompute: bool, on_device: bool, tile: int) -> dp.ExactPeak:
         work = tile * 10**6 * (1 if recompute else 2)  # above the output buffer and post-processing
@@ -157,7 +159,7 @@ class FigPlanner:
 
 def test_exact_fallback_reports_the_figures_of_the_plan_that_ran(vae):
     job = idm.make_job(vae, _latent((1, 4, 7, 9), seed=1), core=True, out_device="cpu")
-    planner = FigPlanner()
+    planner = FigPlanner(job)
     pk = planner.predict(False, True, 64)
     extra, post = pim.buffer_bytes(job), pim.item_image_bytes(job)
     first = pe.ExactChoice(64, False, True, pk, extra + max(pk.with_overhead(0.25), post),
