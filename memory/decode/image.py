@@ -9,9 +9,9 @@ Paths (chosen per run, reported in the plan report):
 * **exact tiles** (GroupNorm KL decoders: SD1.x/SD2/SDXL/SD3/Flux and any decoder of that structure,
   ComfyUI's own decode contract): :func:`..executors.kl_exact.decode_exact`: mid block on the whole latent,
   exact shared GroupNorm statistics, 1-px halos per segment; equal to the untiled decode up to float
-  rounding. Tile size, recomputation and store placement come from :mod:`.decode_plan`.
+  rounding. Tile size, recomputation and store placement come from :mod:`..plan.exact`.
 * **approximate tiles** (any other VAE, third-party ``comfy.sd.VAE`` subclasses included):
-  :func:`.tiled_generic.decode_generic`: latent tiles with a halo derived from the decoder's
+  :func:`..executors.generic.decode_generic`: latent tiles with a halo derived from the decoder's
   convolutional reach, cropped (feathered inside the halo for decoders with global ops).
 
 Batch items are decoded within the budget and written into one output buffer on the output device
@@ -79,8 +79,9 @@ def check_exact(job: ImageJob, store: CheckStore, norm_params: te.NormParamsFn |
                 prepare: Callable[[], None] | None = None) -> Verdict:
     """Self-check of the exact tiled walker for this decoder on this host (:func:`.self_check.verify`): a
     tiny random latent (:data:`CHECK_LATENT_HW`) decoded by ``first_stage_model.decode`` and by
-    :func:`..executors.kl_exact.decode_exact` in tiles of :data:`CHECK_TILE` px. Keyed by the decoder's code fingerprint, the walker's source, dtype and device type. ``prepare()`` runs
-    first when the check runs (the node loads the weights)."""
+    :func:`..executors.kl_exact.decode_exact` in tiles of :data:`CHECK_TILE` px. Keyed by the decoder's code
+    fingerprint, the walker's version, dtype and device type. ``prepare()`` runs first when the check runs
+    (the node loads the weights)."""
     model = job.vae.first_stage_model
     cls = type(model)
     key = (f"kl-exact/{cls.__module__}.{cls.__qualname__}/{code_fingerprint(model)}/exact-{dp.executor_digest()}"

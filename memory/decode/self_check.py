@@ -1,14 +1,14 @@
 """Self-checks: prove on the running host that an executor reproduces the host's own decode.
 
-The exact executors (the KL walker, :mod:`.tiled_exact`; the chunked Wan executor, :mod:`.video_chunked`)
+The exact executors (the KL walker, :mod:`..executors.kl_exact`; the chunked Wan executor, :mod:`..executors.wan`)
 drive the host's modules themselves, so they are exact only while the host's decoder behaves as they
 assume. ComfyUI 0.33 changed the Wan cache protocol under the chunked executor, whose output was then off
 by up to 0.25 while the report said exact. Hence: before an executor's output is reported exact, the
 executor must have passed a self-check on this host, for this decoder:
 
 * a tiny latent is decoded by the host (``first_stage_model.decode``, what ``VAEDecode`` runs) and by the
-  executor in a few configurations (:func:`verify`; the engines choose them: ``image_decode.check_exact``,
-  ``video_decode.check_chunked``);
+  executor in a few configurations (:func:`verify`; the engines choose them: ``decode.image.check_exact``,
+  ``decode.video.check_chunked``);
 * every configuration must match within the float noise of the dtype (:func:`tolerance`): otherwise the
   engine falls back to an exact-by-construction path (the host's own decode) or reports the output as
   approximate, with the verdict as the reason.

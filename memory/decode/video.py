@@ -66,7 +66,7 @@ def check_chunked(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
     k = 1 in 1x2 tiles with in-place caches (one-frame chunks: the caches' history restored; phase 1, the
     store, per-tile caches; the split before the head keeps the tiles' extra work small) and k = 2 on whole
     frames (chunks of several frames, the one-tile path). Keyed by the decoder's code fingerprint, the
-    detected cache protocol, the executor's source, dtype and device type. ``prepare()`` runs first when the
+    detected cache protocol, the executor's version, dtype and device type. ``prepare()`` runs first when the
     check runs (the node loads the weights)."""
     model = job.vae.first_stage_model
     lay = job.layout

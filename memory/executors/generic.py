@@ -1,6 +1,6 @@
 """Single-pass tiled decode for any VAE: latent tiles with a halo, cropped, written into one buffer.
 
-For decoders the exact path (``tiled_exact``) does not support (image VAEs of third-party packs such
+For decoders the exact path (``kl_exact``) does not support (image VAEs of third-party packs such
 as DC-AE, up-path attention, ...). Each latent tile (its core plus ``halo`` latent px on every side
 that is not an image border) is decoded by the caller's ``decode_fn`` and only the core's pixels are
 written into a preallocated output buffer, so every output pixel is computed once (ComfyUI's
@@ -21,7 +21,7 @@ so it has ``halo - feather`` px of context there: for a local decoder to stay ex
 
 Tiles are processed per batch item; ``tile`` and ``halo`` are in latent px. 4-D ``(B, C, h, w)`` and
 5-D ``(B, C, t, h, w)`` latents are tiled over their last two dims (the whole time axis per tile).
-Progress, stop, fault injection and OOM resume behave as in ``tiled_exact`` (resume = skip finished
+Progress, stop, fault injection and OOM resume behave as in ``kl_exact`` (resume = skip finished
 tiles; the pending ones are re-split with half the tile); finished tiles are never recomputed, so a
 resumed decode equals an uninterrupted one with the same halo wherever the decoder is local.
 """
