@@ -15,9 +15,15 @@ For each family (fixture VAEs with the real ComfyUI architectures, loaded throug
 ``--write`` stores the models, with their fit points, real checks and inputs, in
 ``memory/cost/data/<family>.json`` (the shipped defaults), replacing only the models of the same key: a family
 whose memory depends on the host (``Family.host_keyed``, Wan) keeps one set of models per host variant
-(``calibration.host_variant``: run the bench on each host). Run from the repo root with the host's python::
+(``calibration.host_variant``: run the bench on each host).
 
-    .cache/venv/bin/python bench/cost_model.py [--families kl wan21] [--write] [--rss] [--no-real]
+The fixtures of no known family (``UNKNOWN_KINDS``: FLUX.2's ``AutoencoderKL`` with the latent BatchNorm,
+Sana's DC-AE as ``scripts/sana_vae.py`` loads it) are benched the same way under the key their first decode
+looks up (``calibration.vae_key``: the model class and a digest of its structure) and written to
+``memory/cost/data/<kind>.json``, so their first decode calibrates nothing either. Run from the repo root with
+the host's python::
+
+    .cache/venv/bin/python bench/cost_model.py [--families kl wan21 flux2] [--write] [--rss] [--no-real]
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ log = logging.getLogger("vramfit.bench.cost_model")
 log.setLevel(logging.INFO)
 
 KIND_OF_FAMILY = {"kl": "kl_f8", "wan21": "wan21", "wan22": "wan22", "hunyuan_video": "hunyuan_video"}
+UNKNOWN_KINDS = ("flux2", "dcae_sana")
+"""Fixture kinds of no known family: benched under their structure keys (``<kind>.json``)."""
 DTYPES = ("float32", "bfloat16", "float16")
 
 # Real decodes, float32 CPU: (output px h, w, latent frames, batch); none of these is in fit_grid.
@@ -47,6 +55,9 @@ REAL_SIZES: dict[str, list[tuple[int, int, int, int]]] = {
     "wan21": [(32, 32, 1, 1), (40, 40, 2, 1), (64, 64, 3, 1), (96, 96, 2, 1)],
     "wan22": [(32, 32, 1, 1), (48, 48, 2, 1), (64, 64, 3, 1), (96, 96, 2, 1)],
     "hunyuan_video": [(32, 32, 1, 1), (40, 40, 2, 1), (64, 64, 3, 1), (96, 96, 2, 1)],
+    # multiples of 32 px (DC-AE) and 16 px (FLUX.2)
+    "flux2": [(96, 96, 0, 1), (96, 96, 0, 2), (160, 224, 0, 1), (192, 192, 0, 1), (288, 288, 0, 1)],
+    "dcae_sana": [(96, 96, 0, 1), (96, 96, 0, 2), (160, 224, 0, 1), (192, 192, 0, 1), (288, 288, 0, 1)],
 }
 
 
@@ -68,6 +79,12 @@ def _load_vae(kind: str) -> Any:
 
     cfg = import_comfy(HostConfig.load())
     path = make_models(cfg.models_dir / "vae", seed=0, kinds=[kind])[kind]
+    if kind == "dcae_sana":  # not a ComfyUI model: loaded as ComfyUI_ExtraModels' ExtraVAELoader does
+        import torch
+
+        from scripts.sana_vae import load_dcae
+
+        return load_dcae(str(path), torch.float32), path
     import comfy.sd
     import comfy.utils
 
@@ -89,11 +106,22 @@ def bench_family(family: str, real: bool, rss: bool) -> tuple[list[Any], float |
     from vramfit.memory.measure.tracker import PeakTracker, rss_supported
     from vramfit.memory.vae.families import FAMILIES, identify
 
-    kind = KIND_OF_FAMILY[family]
+    kind = KIND_OF_FAMILY.get(family, family)
     vae, path = _load_vae(kind)
-    if identify(vae) != family:
-        raise RuntimeError(f"{path.name} is recognised as {identify(vae)!r}, not {family!r}")
-    geo = FAMILIES[family].geometry
+    known = family if family in KIND_OF_FAMILY else None
+    if identify(vae) != known:
+        raise RuntimeError(f"{path.name} is recognised as {identify(vae)!r}, not {known!r}")
+    from vramfit.memory.vae.families import model_name
+
+    from scripts.fixtures import FIXTURES
+
+    spec = FIXTURES[kind]
+
+    def subject_of(**kw: Any) -> Any:  # as the node's job identifies it (ratio and channels of the latent)
+        return subject(vae, family=known or model_name(vae), spatial_ratio=spec.spatial_ratio,
+                       channels=spec.latent_channels, **kw)
+
+    geo = FAMILIES[family].geometry if known else subject_of().geometry
     try:
         import comfyui_version
 
@@ -104,7 +132,7 @@ def bench_family(family: str, real: bool, rss: bool) -> tuple[list[Any], float |
     for dt_name in DTYPES:
         dt = getattr(torch, dt_name)
         t0 = time.perf_counter()
-        m = calibrate_vae(subject(vae, dtype=dt, device="cpu"))
+        m = calibrate_vae(subject_of(dtype=dt, device="cpu"))
         inputs = dict(m.inputs)
         inputs.update(
             fixture=path.name,
@@ -130,7 +158,7 @@ def bench_family(family: str, real: bool, rss: bool) -> tuple[list[Any], float |
         return models, None, ""
 
     m32 = models[0]
-    run = decode_run(vae.first_stage_model.decode, vae.latent_channels, torch.float32, "cpu")
+    run = decode_run(vae.first_stage_model.decode, spec.latent_channels, torch.float32, "cpu")
     checks = []
     log.info("%s float32: real decodes on %s (sizes not in the fit grid)", family, platform.machine())
     for h, w, t, b in REAL_SIZES[family]:
@@ -201,7 +229,9 @@ def bench_family(family: str, real: bool, rss: bool) -> tuple[list[Any], float |
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", nargs="+", default=list(KIND_OF_FAMILY), choices=list(KIND_OF_FAMILY))
+    names = [*KIND_OF_FAMILY, *UNKNOWN_KINDS]
+    parser.add_argument("--families", nargs="+", default=names, choices=names,
+                        help="known families, or fixture kinds of no known family (UNKNOWN_KINDS)")
     parser.add_argument("--write", action="store_true", help="write memory/cost/data/<family>.json")
     parser.add_argument("--rss", action="store_true", help="measure process RSS overhead (Linux)")
     parser.add_argument("--no-real", action="store_true", help="meta calibration only (no real decodes)")
@@ -222,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     from vramfit.memory.store import write_entries
 
     measured = {f: r[1] for f, r in results.items() if r[1] is not None}
+    benched = {m.key.family for models, _, _ in results.values() for m in models}
     shipped = {m.key.family: m.overhead for m in CostModelStore(None).models()
-               if m.key.device_type == "cpu" and m.key.family not in results}
+               if m.key.device_type == "cpu" and m.key.family not in benched}
     overhead = max([*measured.values(), *shipped.values()], default=0.0)
     log.info("CPU process overhead: measured %s, shipped for other families %s -> %.2f for the CPU models written",
              {f: round(v, 2) for f, v in measured.items()}, shipped, overhead)
@@ -238,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             DATA_DIR.mkdir(exist_ok=True)
             target = DATA_DIR / f"{family}.json"
             new = {m.key for m in models}
-            kept = [m for m in CostModelStore(None).models() if m.key.family == family and m.key not in new]
+            families = {m.key.family for m in models}
+            kept = [m for m in CostModelStore(None).models() if m.key.family in families and m.key not in new]
             everything = sorted([*kept, *models], key=lambda m: m.key)
             write_entries(target, CostModelStore.section, CostModelStore.schema,
                           {str(m.key): m.to_dict() for m in everything})

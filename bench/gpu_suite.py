@@ -42,16 +42,19 @@ TABLE_COLUMNS = {
 
 
 def host_dirs(work: pathlib.Path, versions: list[str] | None) -> list[tuple[str, pathlib.Path]]:
-    """``(version, ComfyUI folder)`` of the unpacked hosts, optionally only ``versions``."""
+    """``(version, ComfyUI folder)`` of the unpacked hosts, optionally only ``versions``; raises
+    ``LookupError`` naming the hosts there when one of ``versions`` is not (a kit built without 0.33.0)."""
     sys.path.insert(0, str(ROOT))
     from scripts.host import comfyui_version
 
-    found = []
-    for comfy in sorted(work.glob("hosts/*/ComfyUI")):
-        v = comfyui_version(comfy)
-        if versions is None or v in versions:
-            found.append((v, comfy))
-    return found
+    found = [(comfyui_version(comfy), comfy) for comfy in sorted(work.glob("hosts/*/ComfyUI"))]
+    if versions is None:
+        return found
+    missing = [v for v in versions if v not in {f[0] for f in found}]
+    if missing:
+        raise LookupError(f"the kit holds ComfyUI {[f[0] for f in found]}, not {missing} (scripts/gpu_kit.sh "
+                          "packs 0.33.0 only where its source is: VRAMFIT_GPU_033_SRC)")
+    return [f for f in found if f[0] in versions]
 
 
 def modes(comfy: pathlib.Path, device: str, wanted: list[str] | None) -> list[str]:
@@ -163,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=pathlib.Path, required=True)
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (the dry run)")
     ap.add_argument("--small", action="store_true", help="tiny sizes (the dry run)")
-    ap.add_argument("--hosts", help="comma-separated ComfyUI versions (default: every unpacked host)")
+    ap.add_argument("--hosts", help="comma-separated ComfyUI versions (default: every host of the kit; "
+                    "one the kit lacks is an error)")
     ap.add_argument("--modes", help="comma-separated dynamic VRAM modes: on,off (default: both where present)")
     ap.add_argument("--models", default="wan21,wan22", help="video part: VAEs to run")
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds for the whole part (default 540)")
@@ -171,11 +175,17 @@ def main(argv: list[str] | None = None) -> int:
     args.device = "cpu" if args.cpu else "cuda"
     logging.basicConfig(level=logging.INFO, format="[vramfit-gpu] %(message)s")
     t_end = time.monotonic() + args.deadline
-    configs = [(v, c, m) for v, c in host_dirs(args.work, args.hosts.split(",") if args.hosts else None)
-               for m in modes(c, args.device, args.modes.split(",") if args.modes else None)]
+    try:
+        hosts = host_dirs(args.work, args.hosts.split(",") if args.hosts else None)
+    except LookupError as e:
+        log.error("--hosts %s: %s", args.hosts, e)
+        return 2
+    wanted_modes = args.modes.split(",") if args.modes else None
+    configs = [(v, c, m) for v, c in hosts for m in modes(c, args.device, wanted_modes)]
     if not configs:
         log.error("no ComfyUI host under %s/hosts (run bench/gpu_suite.sh, which unpacks the kit)", args.work)
         return 2
+    log.info("%s on ComfyUI %s", args.part, ", ".join(v for v, _ in hosts))
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     with open(args.out / f"{args.part}.log", "a") as logf:

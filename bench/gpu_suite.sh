@@ -2,6 +2,8 @@
 # The GPU suite: one part per call on a lent GPU device (see docs/BENCHMARKS.md "GPU suite").
 #
 #   bash bench/gpu_suite.sh PART [--hosts 0.3.75,0.33.0] [--modes on,off] [--models wan21] [--deadline S]
+#   (--hosts: default every host of the kit, which lacks 0.33.0 when scripts/gpu_kit.sh had no source for it;
+#   naming a host the kit lacks is an error)
 #   bash bench/gpu_suite.sh PART --cpu --small      # the dry run (CPU, tiny sizes; the default tests run it)
 #
 # PART: tests | image | video | scenes. From the repository root, with the kit (scripts/gpu_kit.sh -> .gpu/)
@@ -40,8 +42,18 @@ if [[ -f "$KIT/site.tar.xz" ]]; then
   fi
 fi
 
-# 2. Each ComfyUI of the kit, unpacked once (per kit file), with this pack linked in.
-for tarball in "$KIT"/hosts/comfyui-*.tar.xz; do
+# 2. Each ComfyUI of the kit, unpacked once (per kit file), with this pack linked in; a host unpacked
+# earlier from a kit file that is gone (a kit rebuilt without 0.33.0) is removed, so it never runs.
+shopt -s nullglob
+tarballs=("$KIT"/hosts/comfyui-*.tar.xz)
+(( ${#tarballs[@]} )) || { log "no ComfyUI in $KIT/hosts: run 'bash scripts/gpu_kit.sh' first"; exit 2; }
+for dest in "$WORK"/hosts/comfyui-*; do
+  if [[ ! -f "$KIT/hosts/$(basename "$dest").tar.xz" ]]; then
+    rm -rf "$dest"; log "removed $dest: the kit no longer holds $(basename "$dest")"
+  fi
+done
+log "the kit's hosts: $(for t in "${tarballs[@]}"; do basename "$t" .tar.xz; done | tr '\n' ' ')"
+for tarball in "${tarballs[@]}"; do
   name="$(basename "$tarball" .tar.xz)"
   dest="$WORK/hosts/$name"
   if [[ "$(cat "$dest/.id" 2>/dev/null)" != "$(cat "$tarball.id" 2>/dev/null)" ]]; then

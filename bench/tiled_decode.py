@@ -17,8 +17,11 @@ test suite checks correctness; the numbers go to docs/BENCHMARKS.md).
 
     .cache/venv/bin/python bench/tiled_decode.py [--sizes 512 1024] [--threads 2] [--default] [--json out.json]
 
-``--write-defaults`` instead (re)writes the shipped exact cost models of the SD KL decoder structure
-(``memory/cost/data/exact/kl_cpu.json``: float32 on CPU, store / recompute; meta sizing, ~10 s), then exits.
+``--write-defaults`` instead (re)writes the shipped exact cost models of every KL decoder structure of the
+fixtures (float32 on CPU, store / recompute; meta sizing, ~10-30 s each), one file per structure in
+``memory/cost/data/exact/``: ``kl_cpu.json`` (SD/SDXL ``AutoencoderKL``), ``flux_cpu.json`` (FLUX.1's
+``AutoencodingEngine``: same decoder, its own key) and ``flux2_cpu.json`` (FLUX.2: the latent BatchNorm makes
+its own structure signature), then exits. ``--kinds`` writes a subset.
 """
 
 from __future__ import annotations
@@ -58,14 +61,16 @@ def _host() -> tuple[Any, Any]:
 
     nodes = load_comfy_in_process()
     cls = nodes.NODE_CLASS_MAPPINGS[NODE_ID]
-    return nodes, sys.modules[cls.__module__]
+    mod = sys.modules[cls.__module__]
+    mod.MEASURE_CPU_TENSORS = False  # the node's own peak as the process RSS: the measure of the other rows
+    return nodes, mod
 
 
-def _load_kl(nodes: Any) -> Any:
+def _load_kl(nodes: Any, kind: str = "kl_f8") -> Any:
     from scripts.fixtures import make_models
     from scripts.host import HostConfig
 
-    path = make_models(HostConfig.load().models_dir / "vae", seed=0, kinds=["kl_f8"])["kl_f8"]
+    path = make_models(HostConfig.load().models_dir / "vae", seed=0, kinds=[kind])[kind]
     return nodes.VAELoader().load_vae(path.name)[0]
 
 
@@ -204,18 +209,24 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_defaults(mod: Any, vae: Any) -> None:
-    """Calibrate the exact cost models ComfyUI uses on CPU for the SD KL structure and ship them."""
+DEFAULT_FILES = {"kl_f8": "kl_cpu.json", "flux": "flux_cpu.json", "flux2": "flux2_cpu.json"}
+"""Fixture kind -> its shipped exact cost-model file (one KL decoder structure each)."""
+
+
+def write_defaults(vae: Any, kind: str) -> None:
+    """Calibrate the exact cost models ComfyUI uses on CPU (float32) for ``vae``'s structure and ship them in
+    ``DEFAULT_FILES[kind]``."""
     from importlib import import_module
 
     dp = import_module(_pack_name() + ".memory.cost.exact")
     model = vae.first_stage_model
     models = []
     for recompute in (False, True):
-        m = dp.calibrate_exact(model, 4, torch.float32, "cpu", recompute=recompute, store_on_device=True)
-        log.info("%s", m.describe())
+        m = dp.calibrate_exact(model, int(vae.latent_channels), torch.float32, "cpu", recompute=recompute,
+                               store_on_device=True)
+        log.info("%s: %s", kind, m.describe())
         models.append(m)
-    path = dp.DEFAULTS_DIR / "kl_cpu.json"
+    path = dp.DEFAULTS_DIR / DEFAULT_FILES[kind]
     dp.write_exact_models(path, models)
     log.info("wrote %s", path)
 
@@ -227,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--default", action="store_true", help="also run the node with budget_mb=0")
     parser.add_argument("--json", type=pathlib.Path, default=None)
     parser.add_argument("--write-defaults", action="store_true", help="write the shipped exact cost models and exit")
+    parser.add_argument("--kinds", nargs="+", choices=list(DEFAULT_FILES), default=list(DEFAULT_FILES),
+                        help="with --write-defaults: the fixture kinds to write (default: all)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     if "vramfit" not in sys.modules:  # the pack importable without ComfyUI, as in the tests
@@ -238,10 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         spec.loader.exec_module(module)
     torch.set_num_threads(args.threads)
     nodes, mod = _host()
-    vae = _load_kl(nodes)
     if args.write_defaults:
-        write_defaults(mod, vae)
+        for kind in args.kinds:
+            write_defaults(_load_kl(nodes, kind), kind)
         return 0
+    vae = _load_kl(nodes)
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for px in args.sizes:

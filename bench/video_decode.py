@@ -16,7 +16,9 @@ every candidate the planner needs is meta-sized) and **warm** (a new store read 
 wrote: what a second ComfyUI run finds in its user folder; no sizing).
 
 Per decode: wall seconds, the live-tensor peak (``PeakTracker(method="dispatch")``: the same measure for
-all, the output included), and the max abs diff vs ``VAEDecode`` on [0, 1]. Ratios against ``VAEDecode``.
+all, the output included), and the max abs diff vs ``VAEDecode`` on [0, 1]. The VAE is loaded and every
+decode and sizing runs under ``torch.inference_mode``, as ComfyUI's executor runs nodes. Ratios against
+``VAEDecode``.
 Nothing is asserted (tests check correctness; numbers go to docs/BENCHMARKS.md).
 
     .cache/venv/bin/python bench/video_decode.py [--sizes 64 128] [--frames 17] [--threads 2] [--json out.json]
@@ -71,7 +73,8 @@ def _host() -> tuple[Any, Any, Any]:
 
 
 def _measure(tracker_mod: Any, fn: Callable[[], Any]) -> dict:
-    with torch.no_grad(), tracker_mod.PeakTracker("cpu", method="dispatch") as t:
+    # under inference mode, as ComfyUI runs nodes
+    with torch.inference_mode(), tracker_mod.PeakTracker("cpu", method="dispatch") as t:
         t0 = time.perf_counter()
         out = fn()
         wall = time.perf_counter() - t0
@@ -191,7 +194,7 @@ def meta_rows(nodes: Any, mod: Any, vae: Any, spec: str) -> list[dict]:
 
     def peak(fn: Callable[[torch.Tensor], Any]) -> tuple[float, float]:
         t0 = time.perf_counter()
-        with torch.no_grad(), sizing.MetaSizer([m], dt, dev) as sz:
+        with torch.inference_mode(), sizing.MetaSizer([m], dt, dev) as sz:
             z = torch.empty((1, lay.latent_channels, t, h, w), dtype=dt, device=dev)
             fn(z)
             del z
@@ -246,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = HostConfig.load()
     paths = make_models(cfg.models_dir / "vae", seed=0, kinds=["wan21"])
-    vae = nodes.VAELoader().load_vae(paths["wan21"].name)[0]
+    with torch.inference_mode():  # as ComfyUI's executor runs VAELoader
+        vae = nodes.VAELoader().load_vae(paths["wan21"].name)[0]
     log.info("fixture Wan 2.1 VAE (random weights), float32, CPU, torch %s, %d threads, %s", torch.__version__,
              args.threads, platform.processor() or platform.machine())
     rows: list[dict] = []

@@ -1,15 +1,19 @@
 """One report format for every VRAM Fit node (decode plans, offload, the VRAM monitor).
 
-A report is a title line plus aligned ``key : value`` rows, easy to read in ComfyUI's text preview,
-in ``/history`` for API runs and in logs; :meth:`Report.to_dict` gives the same content as data.
+A report is a title line, a one-line verdict (:attr:`Report.summary`, unindented) and aligned
+``key : value`` rows, easy to read in ComfyUI's text preview, in ``/history`` for API runs and in logs;
+:meth:`Report.to_dict` gives the same content as data.
 
     VRAM Fit | Tiled VAE Decode | cpu
+    exact · 2x3 tiles · RSS peak 5.02 GiB of 6.61 GiB tensor budget · 12.30 s
       budget    : 6.61 GiB = 7.20 GiB free - 160.0 MiB VAE weights - 512.0 MiB reserve
       plan      : 2x3 tiles of 64x96 latent px, 1 image/pass, exact
       predicted : peak 5.10 GiB (77% of budget)
-      measured  : peak 5.02 GiB in 12.3 s
+      measured  : peak 5.02 GiB (process RSS high-water mark; ...)
 
-A decode report whose measured peak exceeds the budget gets an ``over budget`` row and a logged warning
+The budget bounds the decode's tensor-level working memory (allocator bytes); the verdict names the
+figure measured (:func:`measure_tag`). A decode report whose measured peak exceeds the budget says
+``OVER BUDGET`` in its verdict and gets an ``over budget`` row and a logged warning
 (:func:`flag_measured_overrun`).
 """
 
@@ -21,6 +25,11 @@ from typing import Any
 
 TITLE_PREFIX = "VRAM Fit"
 OVER_BUDGET_ROW = "over budget"
+OVER_BUDGET = "OVER BUDGET"
+"""In a verdict whose measured peak exceeds the budget."""
+SEP = " · "
+"""Between the parts of a verdict."""
+BUDGET_BOUNDS = "the budget bounds the decode's tensor-level working memory (allocator bytes)"
 log = logging.getLogger("vramfit.memory.report")
 
 
@@ -71,13 +80,53 @@ def fmt_seconds(s: float | None) -> str:
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
 
 
+def measure_tag(method: str) -> str:
+    """A peak measure's short name for a verdict: ``RSS`` (process RSS high-water mark), ``tensor`` (live
+    tensor bytes), ``allocated`` (``max_memory_allocated``); empty when nothing was measured."""
+    m = method.lower()
+    if "rss" in m:
+        return "RSS"
+    if "max_memory_allocated" in m:
+        return "allocated"
+    return "tensor" if "tensor" in m else ""
+
+
+def measure_note(method: str) -> str:
+    """What a measured peak is, next to what the budget bounds (a decode report's ``measured`` row)."""
+    tag = measure_tag(method)
+    if tag == "RSS":
+        return ("the whole process above the decode's start, allocator caches and libraries included, often "
+                f"2-4x the tensor-level peak; {BUDGET_BOUNDS}: compare it with the predicted peak")
+    if tag:
+        return ("allocator bytes, " if tag == "allocated" else "") + "the figure the budget bounds"
+    return f"not measured; {BUDGET_BOUNDS}"
+
+
+def peak_verdict(measured: int | None, method: str, budget: int, predicted: int | None = None) -> str:
+    """The peak part of a decode's verdict: ``RSS peak 310.0 MiB of 512.0 MiB tensor budget``; a measured
+    peak over the budget: ``... > 512.0 MiB tensor budget: OVER BUDGET``; unmeasured: the prediction."""
+    limit = f"{fmt_bytes(budget)} tensor budget"
+    if measured is None:
+        return f"predicted {fmt_bytes(predicted)} of {limit}" if predicted else f"peak not measured, {limit}"
+    tag = measure_tag(method)
+    head = f"{tag + ' ' if tag else ''}peak {fmt_bytes(measured)}"
+    return f"{head} > {limit}: {OVER_BUDGET}" if measured > budget else f"{head} of {limit}"
+
+
+def summary_line(*parts: str) -> str:
+    """A verdict line from its parts (empty ones left out), joined by :data:`SEP`."""
+    return SEP.join(p for p in parts if p)
+
+
 @dataclasses.dataclass
 class Report:
-    """A titled list of ``(key, value)`` rows; values may span several lines."""
+    """A titled list of ``(key, value)`` rows under a one-line verdict; values may span several lines."""
 
     node: str
     device: str = ""
     rows: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    summary: str = ""
+    """The verdict: one line under the title (what the node did, at a glance); empty: none."""
 
     def add(self, key: str, value: Any) -> Report:
         self.rows.append((str(key), str(value)))
@@ -101,7 +150,7 @@ class Report:
 
     def text(self) -> str:
         width = max((len(k) for k, _ in self.rows), default=0)
-        lines = [self.title]
+        lines = [self.title] + ([" ".join(self.summary.split())] if self.summary.strip() else [])
         for key, value in self.rows:
             first, *rest = value.splitlines() or [""]
             lines.append(f"  {key.ljust(width)} : {first}")
@@ -112,11 +161,13 @@ class Report:
         return self.text()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"node": self.node, "device": self.device, "rows": [list(r) for r in self.rows]}
+        return {"node": self.node, "device": self.device, "summary": self.summary,
+                "rows": [list(r) for r in self.rows]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Report:
-        return cls(node=data["node"], device=data.get("device", ""), rows=[tuple(r) for r in data["rows"]])
+        return cls(node=data["node"], device=data.get("device", ""), rows=[tuple(r) for r in data["rows"]],
+                   summary=data.get("summary", ""))
 
     @classmethod
     def parse(cls, text: str) -> Report:
@@ -126,7 +177,10 @@ class Report:
             raise ValueError(f"not a VRAM Fit report: {lines[:1]}")
         head = lines[0].split(" | ")
         report = cls(node=head[1], device=head[2] if len(head) > 2 else "")
-        for line in lines[1:]:
+        rest = lines[1:]
+        if rest and rest[0].strip() and not rest[0].startswith(" "):  # the verdict (older reports: none)
+            report.summary, rest = rest[0], rest[1:]
+        for line in rest:
             key, sep, value = line[2:].partition(" : ")
             if sep and key.strip():
                 report.rows.append((key.strip(), value))
@@ -147,6 +201,8 @@ def flag_measured_overrun(report: Report, measured: int | None, method: str, bud
     pct = f" (+{over / budget:.0%})" if budget > 0 else ""
     text = (f"measured peak {fmt_bytes(measured)} ({method}) > budget {fmt_bytes(budget)} available for "
             f"decoding, by {fmt_bytes(over)}{pct}")
+    if measure_tag(method) == "RSS":
+        text += f"; RSS counts the whole process, {BUDGET_BOUNDS}"
     report.insert_after("measured", OVER_BUDGET_ROW, text)
     (logger or log).warning("VRAM Fit · %s: over budget: %s", report.node, text)
     return True

@@ -104,6 +104,14 @@ class Store(Generic[V]):
         """Keep ``value`` (in memory always); ``write``: also write the file now, else at :meth:`flush`."""
         self._keep(key, value, write)
 
+    def drop(self, key: str) -> None:
+        """Forget the value learned for ``key`` (a shipped default stays)."""
+        with self._lock:
+            if self._values.pop(key, None) is None:
+                return
+            self._dirty = True
+        self.flush()
+
     def _keep(self, key: str, value: V, write: bool = True) -> None:
         with self._lock:
             self._values[key] = self.decode(self.encode(value))

@@ -49,11 +49,14 @@ class NodeInputError(ValueError):
 NodeInputError.__module__ = "vramfit"
 
 
-def latent_tensor(node: str, vae: Any, samples: Any, stream: str) -> tuple[torch.Tensor, str]:
-    """The VAE and LATENT checks both decode nodes share: ``(latent tensor, label for the report)``.
+def latent_tensor(node: str, vae: Any, samples: Any, stream: str) -> tuple[torch.Tensor, str, str]:
+    """The VAE and LATENT checks both decode nodes share: ``(latent, label, note)``.
 
-    A ComfyUI >= 0.33 NestedTensor (e.g. video + audio of LTX-2) gives its first stream, as core VAE
-    Decode does (the other streams belong to other VAEs), labelled ``"<stream> of a nested latent"``.
+    ``latent`` is laid out as the VAE decodes it: a 4-D latent on a video VAE is B single frames,
+    ``(B, C, 1, H, W)`` (as ComfyUI's sampler lays it out for video models); a 5-D latent of one frame
+    on an image VAE is 4-D (as 0.33's ``VAE.decode``). ``label`` names the value as given, ``note`` the
+    reshape (""). A ComfyUI >= 0.33 NestedTensor (e.g. LTX-2's video + audio) gives its first stream, as
+    core VAE Decode does.
     """
     if vae is None or getattr(vae, "first_stage_model", None) is None:
         raise NodeInputError(
@@ -72,7 +75,45 @@ def latent_tensor(node: str, vae: Any, samples: Any, stream: str) -> tuple[torch
         raise NodeInputError(node, f"samples['samples'] must be a tensor, got {type(z).__name__}")
     if z.is_nested:
         raise NodeInputError(node, "samples['samples'] is a torch nested (jagged) tensor; decode a regular LATENT")
-    return z, label
+    shape = tuple(z.shape)
+    label = f"{label} {shape}"
+    # latent_dim as ComfyUI's VAE means it; a third-party VAE without latent_channels (ExtraModels' EXVAE,
+    # whose latent_dim counts channels) decodes images through its own decode.
+    dim = int(getattr(vae, "latent_dim", 2))
+    if dim != 3 and not hasattr(vae, "latent_channels"):
+        dim = 2
+
+    def error(message: str) -> NodeInputError:
+        return NodeInputError(node, message)
+
+    if dim not in (2, 3):
+        raise error(f"this VAE has latent_dim {dim} (audio or another 1-D latent, not images or video); "
+                    f"{label}: the VRAM Fit decode nodes decode image and video VAEs only; decode it with "
+                    "ComfyUI's own decode node for this VAE (e.g. VAE Decode Audio)")
+    if z.ndim not in (4, 5):
+        raise error(f"{label} is neither a 4-D image latent (B, C, H, W) nor a 5-D video latent "
+                    "(B, C, T, H, W)")
+    if min(shape) < 1:
+        raise error(f"{label} is empty")
+    if dim == 2 and z.ndim == 5 and shape[2] > 1:
+        raise error(f"{label} is a 5-D video latent of {shape[2]} frames, but this is an image VAE, which "
+                    "decodes single images: wrong VAE for this latent; connect the VAE of the video model "
+                    "that made it (e.g. Wan's VAE)")
+    if getattr(vae, "handles_tiling", False):  # ComfyUI >= 0.33 (MiniMax H3, SeedVR2) bound their own memory
+        raise error(f"this VAE ({type(vae.first_stage_model).__name__}) tiles internally (handles_tiling); "
+                    f"{label}: decode it with ComfyUI's VAE Decode, which lets the model bound its memory")
+    want = getattr(vae, "latent_channels", None)
+    if want is not None and int(want) != int(shape[1]):
+        raise error(f"{label} has {shape[1]} channels but the VAE expects {want}: wrong VAE for this latent "
+                    "(or an empty latent of another model family); connect the VAE of the model that made it")
+    note = ""
+    if dim == 3 and z.ndim == 4:  # no time axis: each batch item is one frame
+        z = z.unsqueeze(2)
+        note = f"4-D latent on a video VAE: {shape[0]} single frame(s), time axis added"
+    elif dim == 2 and z.ndim == 5:
+        z = z.squeeze(2)
+        note = "5-D latent of one frame on an image VAE: decoded as images, time axis removed"
+    return z, label, note
 
 
 def oom_exceptions() -> tuple[type[BaseException], ...]:
@@ -94,6 +135,31 @@ def progress_callback(total: int, node_id: str | None = None) -> Callable[[int, 
         bar.update_absolute(int(done), total=None if total_now is None else max(1, int(total_now)))
 
     return progress
+
+
+PHASE_EVENT = "vramfit.phase"
+"""The websocket event that shows a decode's phase on its node (web/js/vramfit.js draws it in the report's
+header): ``{"node": id, "text": ...}``. ComfyUI's own progress text is not used: the frontend of ComfyUI
+0.3.75 saves it into the node's widget values, so saved workflows would carry it."""
+
+
+def progress_text(node_id: str | None = None) -> Callable[[str], None]:
+    """``show(text)``: a line of text on the running node while it works (:data:`PHASE_EVENT`); nothing
+    without a running server (in-process use)."""
+
+    def show(text: str) -> None:
+        nid = node_id or executing_context()[1]
+        server = sys.modules.get("server")
+        instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+        if instance is None or nid is None:
+            return
+        try:
+            data = {"node": str(nid), "text": text}
+            instance.send_sync(PHASE_EVENT, data, getattr(instance, "client_id", None))
+        except Exception as e:  # noqa: BLE001 - display only, never fails a decode
+            log.debug("VRAM Fit: phase not sent: %s", e)
+
+    return show
 
 
 def intermediate_device() -> torch.device:

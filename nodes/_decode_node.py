@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,25 +34,37 @@ def _store(name: str, make: Callable[[Any], Any], what: str) -> Any:
 
 
 def comfy_env(node_id: str | None, fault_hook: Callable[[str, int], None] | None = None,
-              measure_cpu_tensors: bool = False) -> DecodeEnv:
+              measure_cpu_tensors: bool = True) -> DecodeEnv:
     """ComfyUI's callables and the pack's persisted stores for either decode engine."""
     return DecodeEnv(
         should_stop=_comfy.should_stop,
         on_oom=_comfy.on_oom,
         oom_exceptions=_comfy.oom_exceptions(),
         progress_bar=lambda total: _comfy.progress_callback(total, node_id),
+        phase=_comfy.progress_text(node_id),
         budget=_comfy.vae_budget,
         offload=lambda vae, need: _comfy.offload_others(vae, need, "needed" if need is not None else "all"),
         load_weights=_comfy.load_vae_weights,
         cost_models=_store("cost_models.json", CostModelStore, "cost-model"),
         exact_cost_models=_store("exact_cost_models.json", ExactCostStore, "exact cost-model"),
         peaks=_store("video_peaks.json", PeakStore, "video peak"),
-        checks=self_check.store_at(_comfy.user_cache_file(self_check.FILE_NAME, "self-check")),
+        checks=_checks(),
         attention=bounded_vae_attention,
         norm_params=group_norm_params,
         fault_hook=fault_hook,
         measure_cpu_tensors=measure_cpu_tensors,
     )
+
+
+RECHECK_ENV = "VRAMFIT_RECHECK"
+"""``VRAMFIT_RECHECK=1`` in ComfyUI's environment: every stored self-check verdict is checked again, once per
+decoder per process (the way to re-check a cached failure without deleting files)."""
+
+
+def _checks() -> self_check.CheckStore:
+    store = self_check.store_at(_comfy.user_cache_file(self_check.FILE_NAME, "self-check"))
+    store.recheck = os.environ.get(RECHECK_ENV, "").strip() not in ("", "0")
+    return store
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from comfy_api.v0_0_2 import io, ui
 from ..memory.measure.monitor import module_weight_bytes
 from ..memory.measure.procfs import malloc_trim, process_rss
 from ..memory.offload import accepts_keyword, offload_for_decode, residency
-from ..memory.report import Report, fmt_bytes, fmt_seconds
+from ..memory.report import Report, fmt_bytes, fmt_seconds, summary_line
 from ._comfy import (
     CATEGORY,
     MODEL_SOCKET_TYPES,
@@ -384,6 +384,22 @@ def _dynamic_line(states: list[_ModelState]) -> str:
     return head + "; resident pages of the dynamic models:\n" + "\n".join(lines)
 
 
+def _hint_lines(hints: list[tuple[str, str, str, str, int, str]]) -> str:
+    """The ``downstream`` row: one line per model output not wired into value/keep, naming every
+    downstream input that uses it (one missing keep is one line, however many nodes read that model)."""
+    users: dict[tuple[str, int, str], list[str]] = {}
+    for nid, ct, name, src, slot, socket in hints:
+        use = f"node {nid} ({ct}).{name}"
+        if use not in users.setdefault((src, slot, socket), []):
+            users[(src, slot, socket)].append(use)
+    lines = []
+    for (src, _slot, socket), uses in users.items():
+        verb, who = ("uses", "that node") if len(uses) == 1 else ("use", "the first that runs")
+        lines.append(f"{', '.join(uses)} {verb} the {socket} of node {src}: not wired into value/keep - "
+                     f"unloaded now, reloaded by {who}")
+    return "\n".join(lines)
+
+
 def _models_line(states: list[_ModelState], after: bool) -> str:
     items = [
         (s.name, s.loaded_after if after else s.loaded_before, s.device)
@@ -492,11 +508,27 @@ def _report(
                 "drop", "not available (no ComfyUI server in this process): the weights were offloaded only"
             )
     if hints:
-        lines = [
-            f"node {nid} ({ct}).{name} uses the {socket} of node {src}: not wired into value/keep"
-            + (" - unloaded now, reloaded by that node" if unload != UNLOAD_NONE else "")
-            for nid, ct, name, src, _slot, socket in hints
-        ]
-        r.add("downstream", "\n".join(lines))
+        r.add("downstream", _hint_lines(hints))
     r.add("time", fmt_seconds(seconds))
+    r.summary = _summary(unload, states, released, dropped, seconds)
     return r
+
+
+def _summary(
+    unload: str, states: list[_ModelState], released: int, dropped: bool | None, seconds: float
+) -> str:
+    """The verdict: ``freed 484.5 MiB · unloaded 1 of 2 models · kept AutoencoderKL · 95 ms``."""
+    n = len(states)
+    unloaded = sum(1 for s in states if not s.still_listed)
+    partial = sum(1 for s in states if s.still_listed and s.loaded_after < s.loaded_before)
+    kept = [s.name for s in states if s.kept]
+    if unload == UNLOAD_NONE:
+        what = f"nothing unloaded (unload: {UNLOAD_NONE}) · {n} model{'s' if n != 1 else ''} loaded"
+    else:
+        what = f"freed {fmt_bytes(released)} · unloaded {unloaded} of {n} model{'s' if n != 1 else ''}"
+        what += f" ({partial} partly)" if partial else ""
+    keep = ""
+    if unload == UNLOAD_KEEP:
+        more = f" +{len(kept) - 1} more" if len(kept) > 1 else ""
+        keep = f"kept {kept[0]}{more}" if kept else "kept none"
+    return summary_line(what, keep, "drop at prompt end" if dropped else "", fmt_seconds(seconds))

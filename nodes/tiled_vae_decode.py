@@ -4,7 +4,8 @@ This file is the ComfyUI adapter: the schema, input validation and the wiring of
 (cancel, cache flush, OOM type, progress bar, free memory, offload, weight loading, cost-model caches,
 bounded mid-block attention, GroupNorm weight casting) into ``memory.decode.image.decode_image``, which
 chooses the path (untiled / exact tiles / approximate tiles), plans, re-plans after out-of-memory
-errors, decodes the batch and writes the report (see its docstring and docs/TILED_DECODE.md).
+errors, decodes the batch and writes the report (see its docstring and docs/TILED_DECODE.md). Single
+frames of a video VAE (a 4-D latent on Wan, Qwen-Image...) go to ``memory.decode.video.decode_video``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from comfy_api.v0_0_2 import io
 
 from ..memory.decode.env import DecodeEnv
 from ..memory.decode.image import REPORT_NODE, DecodeResult, ImageJob, decode_image, make_job
-from . import _comfy, _decode_node
+from ..memory.decode.video import VideoDecodeResult, VideoJob, decode_video
+from . import _comfy, _decode_node, video_decode
 
 log = logging.getLogger("vramfit.nodes.tiled_vae_decode")
 
@@ -30,49 +32,44 @@ _FAULT_HOOK: Callable[[str, int], None] | None = None
 """Test hook (``DecodeEnv.fault_hook``): called as ``("tile", k)`` inside every tile attempt of the
 executors and ``("pass", i)`` before every pass; raise an out-of-memory exception there to exercise the
 recovery paths. Read when a decode starts."""
-MEASURE_CPU_TENSORS = False
-"""Debug/tests (``DecodeEnv.measure_cpu_tensors``): on CPU, count live tensor bytes with ``PeakTracker``
-(dispatch mode, a Python hook on every op). Off by default: the report then shows the process RSS
-high-water mark."""
+MEASURE_CPU_TENSORS = True
+"""``DecodeEnv.measure_cpu_tensors``: on CPU, the report's measured peak is the live tensor bytes
+(``PeakTracker`` dispatch mode: the figure the budget bounds; its hook on every op cost 1-2.5 % of the decode,
+measured in docs/BENCHMARKS.md). False: the process RSS high-water mark (2-4x the tensor peak, not comparable
+with the budget)."""
 
 def _error(message: str) -> _comfy.NodeInputError:
     return _comfy.NodeInputError(REPORT_NODE, message)
 
 
-def _validate(vae: Any, samples: Any, tile_size: int, halo: int) -> ImageJob:
-    z, label = _comfy.latent_tensor(REPORT_NODE, vae, samples, "first stream")
-    shape = tuple(z.shape)
-    video_hint = "use the Temporal-Chunk Video Decode (VRAM Fit) node for video latents"
-    if z.ndim == 5:
-        raise _error(f"{label} {shape} is a 5-D video latent (B, C, T, H, W); this node decodes images: {video_hint}")
-    if z.ndim != 4:
-        raise _error(f"{label} {shape} is not a 4-D image latent (B, C, H, W)")
-    if min(shape) < 1:
-        raise _error(f"{label} {shape} is empty")
-    core_attrs = hasattr(vae, "latent_channels")
-    if core_attrs and int(getattr(vae, "latent_dim", 2)) != 2:
-        kind = "a video" if int(vae.latent_dim) == 3 else "an audio/1-D"
-        raise _error(f"this is {kind} VAE (latent_dim {vae.latent_dim}); latent {shape}: {video_hint}")
-    if getattr(vae, "handles_tiling", False):  # ComfyUI >= 0.33: the model tiles internally
-        raise _error(f"this VAE ({type(vae.first_stage_model).__name__}) tiles internally (handles_tiling); "
-                     f"latent {shape}: decode it with ComfyUI's VAE Decode, which lets the model bound its memory")
-    channels = int(shape[1])
-    if core_attrs and int(vae.latent_channels) != channels:
-        raise _error(
-            f"latent {shape} has {channels} channels but the VAE expects {vae.latent_channels}: wrong VAE for "
-            f"this latent (a video latent flattened to 4-D? {video_hint})"
-        )
+def _checked(vae: Any, samples: Any, tile_size: int, halo: int) -> tuple[ImageJob | VideoJob, str]:
+    """``(job, note)``: an image job, or a video job of single frames where the VAE is a video VAE (a 4-D
+    latent, or a 5-D one of one frame); ``note`` says how the latent was reshaped ("" when it was not)."""
+    z, label, note = _comfy.latent_tensor(REPORT_NODE, vae, samples, "first stream")
+    if z.ndim == 5 and z.shape[2] > 1:
+        raise _error(f"{label} is a video latent of {z.shape[2]} frames (B, C, T, H, W) on a video VAE "
+                     "(latent_dim 3); this node decodes images (4-D latents, or video latents of one frame): "
+                     "use the Temporal-Chunk Video Decode (VRAM Fit) node for videos")
     if tile_size < 0 or (tile_size and (tile_size % 8 or tile_size < MIN_TILE_PX)):
         raise _error(f"tile_size {tile_size}: use 0 (auto) or a multiple of 8 of at least {MIN_TILE_PX} px")
     if halo < -1:
         raise _error(f"halo {halo}: use -1 (auto: the decoder's convolutional reach) or >= 0 latent px")
     if hasattr(vae, "throw_exception_if_invalid"):
         vae.throw_exception_if_invalid()
+    if z.ndim == 5:  # single frames of a video VAE: the video engine (exact Wan path), as the video node does
+        route = "the video engine decodes them, as Temporal-Chunk Video Decode (VRAM Fit) does"
+        note = f"{note}; {route}" if note else f"single frames of a video VAE: {route}"
+        return video_decode.make_job(vae, z, _comfy.intermediate_device(), tile_size=tile_size), note
     try:
         return make_job(vae, z, core=_comfy.has_core_decode(vae), out_device=_comfy.intermediate_device(),
-                        tile_size=tile_size, halo=halo)
+                        tile_size=tile_size, halo=halo), note
     except ValueError as e:  # the spatial ratio cannot be inferred
         raise _error(str(e)) from e
+
+
+def _validate(vae: Any, samples: Any, tile_size: int, halo: int) -> ImageJob | VideoJob:
+    """The job of :func:`_checked`."""
+    return _checked(vae, samples, tile_size, halo)[0]
 
 
 def comfy_env(node_id: str | None = None) -> DecodeEnv:
@@ -88,13 +85,16 @@ def decode(
     budget_mb: int = 0,
     unload_others: bool = True,
     node_id: str | None = None,
-) -> DecodeResult:
-    """Everything the node does; returns the images (B, H, W, C) on [0, 1] and the report."""
+) -> DecodeResult | VideoDecodeResult:
+    """Everything the node does; returns the images (B, H, W, C) on [0, 1] and the report (single frames of a
+    video VAE: the video engine's result)."""
     t0 = time.perf_counter()
-    job = _validate(vae, samples, int(tile_size), int(halo))
+    job, note = _checked(vae, samples, int(tile_size), int(halo))
+    run = decode_video if isinstance(job, VideoJob) else decode_image
     with _decode_node.input_errors(REPORT_NODE):
-        return decode_image(job, comfy_env(node_id), budget_mb=int(budget_mb), unload_others=bool(unload_others),
-                            t_start=t0)
+        result = run(job, comfy_env(node_id), budget_mb=int(budget_mb), unload_others=bool(unload_others),
+                     t_start=t0)
+    return video_decode.noted(result, REPORT_NODE, note)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -28,9 +28,9 @@ DISPLAY_NAME = "Temporal-Chunk Video Decode (VRAM Fit)"
 _FAULT_HOOK: Callable[[str, int], None] | None = None
 """Test hook (``DecodeEnv.fault_hook``): called as ``("step", s)`` at every step of the executor (raise an
 OOM there to test resumes). Read when a decode starts."""
-MEASURE_CPU_TENSORS = False
-"""Debug/tests (``DecodeEnv.measure_cpu_tensors``): on CPU count live tensor bytes (PeakTracker dispatch)
-instead of the RSS high-water mark."""
+MEASURE_CPU_TENSORS = True
+"""As ``tiled_vae_decode.MEASURE_CPU_TENSORS``: on CPU the live tensor bytes (the figure the budget bounds),
+False: the process RSS high-water mark."""
 
 DecodeResult = VideoDecodeResult
 
@@ -39,35 +39,33 @@ def _error(message: str) -> _comfy.NodeInputError:
     return _comfy.NodeInputError(REPORT_NODE, message)
 
 
-def _validate(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int) -> VideoJob:
-    z, label = _comfy.latent_tensor(REPORT_NODE, vae, samples, "video stream")
-    shape = tuple(z.shape)
-    hint = "use Tiled VAE Decode (VRAM Fit) for image latents"
-    if z.ndim == 4:
-        raise _error(f"{label} {shape} is a 4-D image latent (B, C, H, W); this node decodes video latents "
-                     f"(B, C, T, H, W): {hint}")
-    if z.ndim != 5:
-        raise _error(f"{label} {shape} is not a 5-D video latent (B, C, T, H, W)")
-    if min(shape) < 1:
-        raise _error(f"{label} {shape} is empty")
-    dim = int(getattr(vae, "latent_dim", 3))
-    if dim != 3:
-        raise _error(f"this VAE is not a video VAE (latent_dim {dim}); latent {shape}: {hint}")
-    if getattr(vae, "handles_tiling", False):  # ComfyUI >= 0.33 (MiniMax H3, SeedVR2): the model chunks itself
-        raise _error(f"this VAE ({type(vae.first_stage_model).__name__}) tiles and chunks internally "
-                     f"(handles_tiling); latent {shape}: decode it with ComfyUI's VAE Decode, which lets the model "
-                     "bound its memory")
-    want = getattr(vae, "latent_channels", None)
-    if want is not None and int(want) != int(shape[1]):
-        raise _error(f"latent {shape} has {shape[1]} channels but the VAE expects {want}: wrong VAE for this "
-                     f"latent (an image latent? {hint})")
+def _checked(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int) -> tuple[VideoJob, str]:
+    """``(job, note)``: a 4-D latent on a video VAE is its batch of single frames; ``note`` says so."""
+    z, label, note = _comfy.latent_tensor(REPORT_NODE, vae, samples, "video stream")
+    if z.ndim == 4:  # the VAE is an image VAE (latent_tensor laid the latent out as it decodes)
+        raise _error(f"this VAE is an image VAE, not a video VAE; {label} decodes as images: use "
+                     "Tiled VAE Decode (VRAM Fit)")
     if frames_per_chunk < 0:
         raise _error(f"frames_per_chunk {frames_per_chunk}: use 0 (auto) or >= 1 latent frames")
     if tile_size < 0:
         raise _error(f"tile_size {tile_size}: use 0 (auto) or a tile side in output pixels")
     if hasattr(vae, "throw_exception_if_invalid"):
         vae.throw_exception_if_invalid()
-    return make_job(vae, z, _comfy.intermediate_device(), frames_per_chunk=frames_per_chunk, tile_size=tile_size)
+    return make_job(vae, z, _comfy.intermediate_device(), frames_per_chunk=frames_per_chunk,
+                    tile_size=tile_size), note
+
+
+def _validate(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int) -> VideoJob:
+    """The job of :func:`_checked`."""
+    return _checked(vae, samples, frames_per_chunk, tile_size)[0]
+
+
+def noted(result: Any, node: str, note: str) -> Any:
+    """``result`` with its report titled for ``node`` and, when the latent was reshaped, a row saying how."""
+    result.report.node = node
+    if note:
+        result.report.insert_after("vae", "input", note)
+    return result
 
 
 def comfy_env(node_id: str | None = None) -> DecodeEnv:
@@ -86,10 +84,11 @@ def decode(
 ) -> VideoDecodeResult:
     """Everything the node does; returns frames ``(B*T, H, W, 3)`` on [0, 1] (as VAEDecode) and the report."""
     t0 = time.perf_counter()
-    job = _validate(vae, samples, int(frames_per_chunk), int(tile_size))
+    job, note = _checked(vae, samples, int(frames_per_chunk), int(tile_size))
     with _decode_node.input_errors(REPORT_NODE):
-        return decode_video(job, comfy_env(node_id), budget_mb=int(budget_mb), unload_others=bool(unload_others),
-                            t_start=t0)
+        result = decode_video(job, comfy_env(node_id), budget_mb=int(budget_mb),
+                              unload_others=bool(unload_others), t_start=t0)
+    return noted(result, REPORT_NODE, note)
 
 
 # --------------------------------------------------------------------------------------------------

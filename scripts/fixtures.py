@@ -10,6 +10,10 @@ builds the same ``first_stage_model`` it would for the real releases:
 * ``hunyuan_video``  HunyuanVideo 3-D ``AutoencoderKL`` (16 channels, 8x spatial, 4x temporal), bfloat16.
 * ``flux``           FLUX.1 ``ae.safetensors``: ``AutoencodingEngine`` with the KL encoder/decoder at 16 latent
                      channels and no quant convs (ComfyUI's ``VAELoader`` picks that branch from the keys), float32.
+* ``flux2``          FLUX.2 ``flux2-vae``: ``AutoencoderKL`` with ``batch_norm_latent`` (z 32, quant convs, a
+                     BatchNorm over the 2x2-patchified latent: 128 channels, 16x spatial), keyed as BFL's
+                     file (``encoder.quant_conv``, ``decoder.post_quant_conv``, ``bn.running_mean`` /
+                     ``bn.running_var``), bfloat16.
 * ``dcae_sana``      Sana's DC-AE (``dc-ae-f32c32-sana-1.0``: 32 channels, 32x spatial), diffusers'
                      ``AutoencoderDC``, bfloat16; not a ComfyUI model: ComfyUI_ExtraModels' ``ExtraVAELoader``
                      loads it into its own ``VAE`` subclass, which ``scripts/sana_vae.py`` mirrors.
@@ -55,7 +59,7 @@ log = logging.getLogger("vramfit.fixtures")
 GENERATOR_VERSION = "vramfit-fixtures/2"
 """Stored in each file's metadata; bump it when the weights a seed produces change."""
 
-KINDS = ("kl_f8", "wan21", "wan22", "hunyuan_video", "flux", "dcae_sana")
+KINDS = ("kl_f8", "wan21", "wan22", "hunyuan_video", "flux", "flux2", "dcae_sana")
 COMFY_KINDS = KINDS[:-1]
 """The kinds ComfyUI's own ``VAELoader`` loads (``dcae_sana`` loads through ``scripts/sana_vae.py``)."""
 
@@ -149,9 +153,33 @@ class FixtureSpec:
                 "encoder_config": {"target": f"{module}.Encoder", "params": dd},
                 "decoder_config": {"target": f"{module}.Decoder", "params": dd},
             }
+        if self.kind == "flux2":
+            # diffusers' AutoencoderKLFlux2 / BFL's flux2 AutoEncoder: the SD KL encoder/decoder at z 32,
+            # quant convs (64 -> 64, 32 -> 32) and a BatchNorm (eps 1e-4) over the 2x2-patchified latent.
+            return {"ddconfig": dict(_KL_DDCONFIG, z_channels=32, batch_norm_latent=True), "embed_dim": 32}
         if self.kind == "dcae_sana":
             return dict(DCAE_SANA_CONFIG)
         raise KeyError(self.kind)
+
+    def file_key(self, key: str) -> str:
+        """The key of the model's state-dict entry ``key`` in the released file (BFL's FLUX.2 file nests
+        the quant convs in the encoder and decoder; ComfyUI's loader moves them back)."""
+        for model_prefix, file_prefix in _FILE_PREFIXES.get(self.kind, ()):
+            if key.startswith(model_prefix):
+                return file_prefix + key[len(model_prefix):]
+        return key
+
+    def model_key(self, key: str) -> str:
+        """Inverse of :meth:`file_key`."""
+        for model_prefix, file_prefix in _FILE_PREFIXES.get(self.kind, ()):
+            if key.startswith(file_prefix):
+                return model_prefix + key[len(file_prefix):]
+        return key
+
+
+_FILE_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
+    "flux2": (("quant_conv.", "encoder.quant_conv."), ("post_quant_conv.", "decoder.post_quant_conv.")),
+}
 
 
 def _spec(kind: str, dtype: torch.dtype, **kw) -> FixtureSpec:
@@ -228,6 +256,20 @@ FIXTURES: dict[str, FixtureSpec] = {
         example_latent=(1, 16, 8, 8),
         example_output=(1, 64, 64, 3),
         description="FLUX.1 VAE (KL, z 16, no quant convs)",
+    ),
+    "flux2": _spec(
+        "flux2",
+        torch.bfloat16,
+        latent_channels=128,
+        latent_dim=2,
+        spatial_ratio=16,
+        temporal_ratio=1,
+        model_class="AutoencoderKL",
+        module="comfy.ldm.models.autoencoder",
+        params=84_046_372,
+        example_latent=(1, 128, 4, 4),
+        example_output=(1, 64, 64, 3),
+        description="FLUX.2 VAE (KL, z 32, quant convs, BatchNorm'd 2x2-patchified latent: 128 ch, 16x)",
     ),
     "dcae_sana": _spec(
         "dcae_sana",
@@ -353,6 +395,19 @@ def _emphasise_current_frame(module: torch.nn.Module) -> None:
         module.weight.mul_(scale.view(1, 1, kt, 1, 1))
 
 
+def _trained_statistics(module: torch.nn.modules.batchnorm._BatchNorm) -> None:
+    """Running statistics of a trained BatchNorm instead of the constructor's (mean 0, variance 1): FLUX.2's
+    decode starts with ``z * sqrt(var + eps) + mean``, so both must matter. Means N(0, 0.5^2), variances
+    log-uniform on [e^-1, e] (positive), and a trained model's batch count."""
+    with torch.no_grad():
+        if module.running_mean is not None:
+            module.running_mean.copy_(0.5 * torch.randn_like(module.running_mean))
+        if module.running_var is not None:
+            module.running_var.copy_(torch.exp(2 * torch.rand_like(module.running_var) - 1))
+        if module.num_batches_tracked is not None:
+            module.num_batches_tracked.fill_(100_000)
+
+
 def _materialise(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Allocate, initialise (fp32, CPU) and cast to ``dtype`` one module at a time (low peak memory).
 
@@ -370,6 +425,8 @@ def _materialise(model: torch.nn.Module, dtype: torch.dtype) -> None:
             raise TypeError(f"don't know how to initialise {name or '<root>'} ({type(module).__qualname__})")
         if isinstance(module, torch.nn.Conv3d):
             _emphasise_current_frame(module)
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            _trained_statistics(module)
         for p_name, t in list(module.named_parameters(recurse=False)) + list(
             module.named_buffers(recurse=False)
         ):
@@ -389,7 +446,7 @@ def build_state_dict(kind: str, seed: int = 0) -> dict[str, torch.Tensor]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         _materialise(model, spec.dtype)
-    return {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    return {spec.file_key(k): v.detach().contiguous() for k, v in model.state_dict().items()}
 
 
 # --------------------------------------------------------------------------------------------------

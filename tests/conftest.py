@@ -83,6 +83,16 @@ def client(server):
 # Shared by the decode tests (helpers: ``tests/helpers.py``)
 
 
+@pytest.fixture()
+def inference_mode():
+    """The test body under ``torch.inference_mode()``, as ComfyUI's executor runs every node
+    (``pytestmark = pytest.mark.usefixtures("inference_mode")``; module-scoped fixtures run outside it)."""
+    import torch
+
+    with torch.inference_mode():
+        yield
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a whole module (``pytestmark = pytest.mark.usefixtures("one_thread")``);

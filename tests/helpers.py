@@ -9,6 +9,9 @@
 * :func:`one_thread`: one intra-op thread (the ``one_thread`` fixture): on the shared 2-core machine
   2 OpenMP threads made the tiled host modules ~2.3x slower in wall time (147 s vs 64 s measured
   under load) and the tiny-decoder unit modules ~10x.
+* :func:`load_vae`: a VAE as ComfyUI's executor loads it (``VAELoader`` under ``torch.inference_mode``:
+  ComfyUI runs every node so, and decodes are run the same way by the host tests), so that no plan is
+  validated in a mode users never run (issue 22: views of inference tensors have no ``_base``).
 """
 
 from __future__ import annotations
@@ -67,3 +70,11 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(n)
+
+
+def load_vae(comfy: Any, name: str) -> Any:
+    """``VAELoader().load_vae(name)`` under ``torch.inference_mode`` (as ComfyUI's executor runs the loader);
+    ``comfy``: ComfyUI's ``nodes`` module. Its weights are inference tensors that require grad: decode it
+    under inference mode (or ``no_grad``) only, as ComfyUI does; a core ``VAEDecode`` outside both raises."""
+    with torch.inference_mode():
+        return comfy.VAELoader().load_vae(name)[0]

@@ -30,9 +30,9 @@ def reference(comfy: Any, fixture_vaes: dict, kind: str, shape: tuple[int, ...],
     seed = SEEDS.get(kind, 0) if seed is None else seed
     key = (kind, tuple(shape), seed)
     if key not in _REFS:
-        vae = comfy.VAELoader().load_vae(fixture_vaes[kind])[0]
         z = structured_latent(shape, seed=seed)
-        with torch.inference_mode():  # as ComfyUI runs nodes (0.33's process_output works in place)
+        with torch.inference_mode():  # as ComfyUI runs nodes, loaders included (0.33 post-processes in place)
+            vae = comfy.VAELoader().load_vae(fixture_vaes[kind])[0]
             (ref,) = comfy.VAEDecode().decode(vae, {"samples": z})
         _REFS[key] = (vae, z, ref)
     return _REFS[key]

@@ -122,7 +122,7 @@ def host_variant(vae: Any, known: str | None) -> str:
     if model not in _VARIANTS:
         from ..vae.wan_layout import cache_protocol
 
-        with MetaSizer([model], torch.float32) as sizer:
+        with torch.inference_mode(), MetaSizer([model], torch.float32) as sizer:  # as ComfyUI runs nodes
             out = model.decode(torch.empty((1, fam.latent_channels, *VARIANT_LATENT)))
             del out
         _VARIANTS[model] = f"{cache_protocol(model).name}-{sizer.peak_bytes // 1024}k"
@@ -213,10 +213,11 @@ def cost_model_for(
     executor: str = "full",
     run: Callable[[Geometry], object] | None = None,
     before_real: Callable[[], None] | None = None,
+    first_use: Any = None,
 ) -> CostModel:
     """The cost model to plan ``s``'s decode with: cached or shipped for its key, else calibrated once now
     (meta sizing, falling back to real decodes when the decoder cannot run on fake tensors; ``before_real()``
-    first, e.g. to load the weights) and cached in ``store``."""
+    first, e.g. to load the weights; shown and timed as a ``first_use`` phase) and cached in ``store``."""
     key = vae_key(s, executor)
 
     def fit() -> CostModel:
@@ -229,4 +230,7 @@ def cost_model_for(
             before_real()
         return calibrate_vae(s, executor=executor, run=run, mode="real")
 
-    return store.get_or_calibrate(key, fit)
+    if first_use is None:
+        return store.get_or_calibrate(key, fit)
+    what = f"calibrating its memory model ({executor})"
+    return store.get_or_calibrate(key, lambda: first_use.run(what, fit))

@@ -410,8 +410,13 @@ def calibrate_exact(
             c_in, c_core, c_0 = nnls([[i, c, 1.0] for i, c, _ in obs], targets, weights)
         else:
             # The input region never varied independently of the core (no tile of this signature had a
-            # halo): attribute the area term to the input region, which is >= the core for every tile.
-            c_in, c_0 = nnls([[i, 1.0] for i, _, _ in obs], targets, weights)
+            # halo): attribute the area term to the input region, which is >= the core for every tile. One
+            # input size only leaves slope and constant undetermined: proportional, the largest ratio seen
+            # (a constant fitted there under-predicts larger tiles).
+            if len({i for i, _, _ in obs}) >= 2:
+                c_in, c_0 = nnls([[i, 1.0] for i, _, _ in obs], targets, weights)
+            else:
+                c_in, c_0 = max(y / max(1.0, i) for i, _, y in obs), 0.0
             c_core = 0.0
         cost = TileCost(sig, c_in, c_core, c_0, len(obs))
         worst = max(abs(cost.predict(i, c) - y) / max(1.0, y) for i, c, y in obs)

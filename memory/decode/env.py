@@ -64,9 +64,12 @@ class DecodeEnv:
     """Tests: called as ``("tile", k)`` inside every tile attempt, ``("pass", i)`` before every image pass and
     ``("step", s)`` at every step of the video executors; raise an out-of-memory exception there to
     exercise the recovery paths."""
-    measure_cpu_tensors: bool = False
-    """On CPU, count live tensor bytes with ``PeakTracker`` (dispatch mode, a Python hook on every op)
-    instead of the process RSS high-water mark."""
+    phase: Callable[[str], None] | None = None
+    """Shows what a decode is doing besides decoding (first use: checking, calibrating) on the node; the
+    nodes pass ComfyUI's progress text."""
+    measure_cpu_tensors: bool = True
+    """On CPU, count live tensor bytes with ``PeakTracker`` (dispatch mode, a Python hook on every op: the
+    figure the budget bounds); False: the process RSS high-water mark (cheaper, not comparable with it)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,9 +54,18 @@ from ..plan.image import (
     make_job,
 )
 from ..plan.types import Plan
-from ..report import Report, flag_measured_overrun, fmt_bytes, fmt_seconds
+from ..report import (
+    Report,
+    flag_measured_overrun,
+    fmt_bytes,
+    fmt_seconds,
+    measure_note,
+    peak_verdict,
+    summary_line,
+)
 from .env import DecodeEnv, load_weights, measured, prepare
-from .self_check import CheckStore, Verdict, code_fingerprint, verify
+from .first_use import FirstUse, first_use_tag
+from .self_check import CheckStore, Verdict, checked, code_fingerprint
 
 log = logging.getLogger("vramfit.memory.decode.image")
 
@@ -76,7 +85,7 @@ CHECK_TILE = 16
 
 
 def check_exact(job: ImageJob, store: CheckStore, norm_params: te.NormParamsFn | None = None,
-                prepare: Callable[[], None] | None = None) -> Verdict:
+                prepare: Callable[[], None] | None = None, first_use: FirstUse | None = None) -> Verdict:
     """Self-check of the exact tiled walker for this decoder on this host (:func:`.self_check.verify`): a
     tiny random latent (:data:`CHECK_LATENT_HW`) decoded by ``first_stage_model.decode`` and by
     :func:`..executors.kl_exact.decode_exact` in tiles of :data:`CHECK_TILE` px. Keyed by the decoder's code
@@ -93,9 +102,7 @@ def check_exact(job: ImageJob, store: CheckStore, norm_params: te.NormParamsFn |
         return te.decode_exact(model, z, CHECK_TILE, compute_device=job.device, norm_params=norm_params)
 
     configs = [(f"tiles of {CHECK_TILE} px", tiled)]
-    if store.get(key) is None and prepare is not None:
-        prepare()
-    return verify(key, store, lambda: model.decode(z), configs, job.dtype)
+    return checked(key, store, model, lambda: model.decode(z), configs, job.dtype, prepare, first_use)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -328,13 +335,14 @@ def decode_image(
     :class:`..plan.grid.ImpossibleBudgetError` (message with the budget) when no plan fits.
     """
     t_plan = time.perf_counter() if t_start is None else t_start
-    job, verdict = _self_check(job, env)
-    full = full_cost_model(job, env, lambda: load_weights(job.vae, env, 0))
+    first = FirstUse(env.phase)
+    job, verdict = _self_check(job, env, first)
+    full = full_cost_model(job, env, lambda: load_weights(job.vae, env, 0), first)
     # Offload upstream models for the fastest plan's need (what ComfyUI's own decode would need).
     prep = prepare(job.vae, env, lambda: ideal_bytes(job, full), budget_mb, unload_others)
     budget = prep.budget
     avail = int(budget.available)
-    models = image_models(job, env, full, avail)
+    models = image_models(job, env, full, avail, first)
     try:
         p = plan(job, avail, models)
     except ImpossibleBudgetError as e:
@@ -353,17 +361,17 @@ def decode_image(
     seconds = time.perf_counter() - t0
 
     calibrated = models.exact.calibrated if models.exact is not None else []
-    report = _report(job, p, models, budget, prep.offload, seconds, plan_seconds, m, run, calibrated, verdict)
+    report = _report(job, p, models, budget, prep.offload, seconds, plan_seconds, m, run, first, verdict)
     return DecodeResult(run.out, report, p, budget, seconds, plan_seconds, m.peak, m.method, run.oom_events,
                         calibrated)
 
 
-def _self_check(job: ImageJob, env: DecodeEnv) -> tuple[ImageJob, Verdict | None]:
+def _self_check(job: ImageJob, env: DecodeEnv, first: FirstUse) -> tuple[ImageJob, Verdict | None]:
     """The exact walker must have reproduced this host's decode once (:func:`check_exact`); when it did not,
     the job has no exact path (its reason says why)."""
     if job.exact_reason is not None:
         return job, None
-    verdict = check_exact(job, env.checks, env.norm_params, lambda: load_weights(job.vae, env, 0))
+    verdict = check_exact(job, env.checks, env.norm_params, lambda: load_weights(job.vae, env, 0), first)
     if not verdict.ok:
         job = dataclasses.replace(job, exact_reason=f"the exact tiled walker's {verdict.describe()}")
     return job, verdict
@@ -374,7 +382,7 @@ def _self_check(job: ImageJob, env: DecodeEnv) -> tuple[ImageJob, Verdict | None
 
 
 def _report(job: ImageJob, plan: Plan, models: ImageModels, budget: Any, offload_text: str, seconds: float,
-            plan_seconds: float, m: Any, run: _Run, calibrated: list[str], verdict: Verdict | None) -> Report:
+            plan_seconds: float, m: Any, run: _Run, first: FirstUse, verdict: Verdict | None) -> Report:
     b = int(job.z.shape[0])
     h, w = job.out_hw
     r = Report(REPORT_NODE, str(job.device))
@@ -404,12 +412,38 @@ def _report(job: ImageJob, plan: Plan, models: ImageModels, budget: Any, offload
     where = f", at {plan.config.peak.segment}" if plan.path == "exact" else ""
     r.add("predicted", f"peak {fmt_bytes(plan.planned)} ({pct:.0%} of budget){over}; tensor-level "
                        f"{fmt_bytes(plan.tracked)}{where}")
-    r.add("measured", f"peak {fmt_bytes(m.peak)} ({m.method})" if m.peak is not None else m.method)
+    r.add("measured", f"peak {fmt_bytes(m.peak)} ({m.method}: {measure_note(m.method)})" if m.peak is not None
+          else f"{m.method} ({measure_note(m.method)})")
     flag_measured_overrun(r, m.peak, m.method, int(budget.available), log)
     r.add("time", f"{fmt_seconds(seconds)} decoding ({run.passes} pass{'es' if run.passes != 1 else ''}), "
                   f"{fmt_seconds(plan_seconds)} planning")
-    if calibrated:
-        r.add("calibrated", "exact cost model (meta sizing): " + ", ".join(calibrated))
+    if first.done:
+        r.add("first use", first.describe())
     if run.oom_events:
         r.add("oom", "\n".join(run.oom_events))
+    r.summary = summary_line(_summary(job, plan, budget, seconds, m, run), first_use_tag(first))
     return r
+
+
+def _summary(job: ImageJob, plan: Plan, budget: Any, seconds: float, m: Any, run: _Run) -> str:
+    """The verdict: ``exact · 2x3 tiles · RSS peak 310.0 MiB of 512.0 MiB tensor budget · 15.10 s``."""
+    b = int(job.z.shape[0])
+    if plan.path == "untiled":
+        shape = "untiled"
+    elif plan.path == "exact":
+        c = plan.config
+        h, w = job.out_hw
+        shape = "1 tile" if c.whole else f"{-(-h // c.tile)}x{-(-w // c.tile)} tiles"
+    else:
+        shape = f"{plan.config.rows}x{plan.config.cols} tiles"
+    if b > 1:
+        shape += f" x {b} images"
+    oom = len(run.oom_events)
+    return summary_line(
+        "exact" if plan.path in ("untiled", "exact") else "approximate",
+        shape,
+        peak_verdict(m.peak, m.method, int(budget.available), plan.planned),
+        "planned over budget (user tile)" if plan.over_budget and (m.peak or 0) <= budget.available else "",
+        fmt_seconds(seconds),
+        f"{oom} out-of-memory re-plan{'s' if oom != 1 else ''}" if oom else "",
+    )

@@ -17,6 +17,17 @@ A :class:`Verdict` is kept per key: the executor, the decoder's :func:`code_fing
 structure, every module's class, forward and decode code, the source files behind them, the torch version), the
 host behaviour the executor detected, the dtype and the device type. The store is in memory and, for the
 nodes, ``self_checks.json`` under ComfyUI's user folder: one check per decoder and host, then none.
+
+Three outcomes (:func:`checked`):
+
+* **passed**: stored under the structure key; every file of that structure is then decoded exactly;
+* **failed** (finite outputs that differ, or another shape): stored under the structure key *and the weights'
+  digest* (:func:`weights_digest`), so one file cannot condemn the other files of its structure (each checks
+  for itself); re-checked when the host, torch or the pack changes, or once per process when the store's
+  ``recheck`` is set (the nodes set it from ``VRAMFIT_RECHECK=1``);
+* **inconclusive** (non-finite values in the host's reference or the executor's output, or the check ran out
+  of memory): no verdict, never stored; the decode reports exactness as unverified for this run and the next
+  decode checks again.
 """
 
 from __future__ import annotations
@@ -36,10 +47,14 @@ import torch
 from ..report import fmt_seconds
 from ..store import Store
 from ..vae.families import structure_digest
+from .first_use import FirstUse
 
 log = logging.getLogger("vramfit.memory.decode.self_check")
 
-__all__ = ["FILE_NAME", "CheckStore", "Verdict", "code_fingerprint", "memory_store", "store_at", "tolerance", "verify"]
+__all__ = [
+    "FILE_NAME", "RECHECK_HINT", "CheckStore", "Verdict", "checked", "code_fingerprint", "memory_store",
+    "store_at", "tolerance", "verify", "weights_digest",
+]
 
 NOISE_EPS = 8
 """Tolerance in machine epsilons of the dtype (float32: floored at :data:`MIN_TOLERANCE`)."""
@@ -71,31 +86,86 @@ class Verdict:
     """Time the check took when it ran (host decode + every configuration)."""
     detail: str = ""
     """What went wrong ("" when ok)."""
+    conclusive: bool = True
+    """False: the check could not conclude (non-finite reference, out of memory): no verdict, never stored."""
+    weights: str = ""
+    """The weights' digest a failure was found with (:func:`weights_digest`; "" for passes)."""
+    cached: bool = dataclasses.field(default=False, compare=False)
+    """Read from the store (not run now); not stored itself."""
+
+    @property
+    def state(self) -> str:
+        """``passed``, ``failed`` or ``inconclusive``."""
+        return "passed" if self.ok else ("failed" if self.conclusive else "inconclusive")
 
     def describe(self) -> str:
         what = f"vs the host's own decode of a tiny latent, checked in {fmt_seconds(self.seconds)}"
         if self.ok:
             return f"self-check passed on this host (max abs diff {self.max_diff:.1e} <= {self.tolerance:.0e} {what})"
+        if not self.conclusive:
+            return (f"self-check could not conclude on this host ({self.detail}): exactness is unverified "
+                    "for this run; not cached, checked again at the next decode")
         diff = "" if math.isinf(self.max_diff) else f"max abs diff {self.max_diff:.3g} > {self.tolerance:.0e} "
         extra = f" ({self.detail})" if self.detail else ""
-        return f"self-check FAILED on this host: {self.worst}: {diff}{what}{extra}"
+        again = f"; {RECHECK_HINT}" if self.cached else ""
+        return f"self-check FAILED on this host: {self.worst}: {diff}{what}{extra}{again}"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d.pop("cached")
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Verdict:
         return cls(bool(d["ok"]), float(d["max_diff"]), float(d["tolerance"]), str(d["worst"]),
-                   float(d["seconds"]), str(d.get("detail", "")))
+                   float(d["seconds"]), str(d.get("detail", "")), bool(d.get("conclusive", True)),
+                   str(d.get("weights", "")))
+
+
+RECHECK_HINT = ("a verdict cached for this VAE file (its weights); other files of this structure check for "
+                "themselves; it is checked again when ComfyUI, torch or VRAM Fit change, or now: restart "
+                "ComfyUI with VRAMFIT_RECHECK=1")
 
 
 class CheckStore(Store[dict]):
     """Verdicts by key (dicts of :meth:`Verdict.to_dict`)."""
 
     section = "checks"
+    recheck = False
+    """Set: a stored verdict is run again once per key in this process (nodes: ``VRAMFIT_RECHECK=1``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rechecked: set[str] = set()
 
     def decode(self, value: Any) -> dict[str, Any]:
         return Verdict.from_dict(value).to_dict()
+
+    def verdict(self, key: str, weights: str) -> Verdict | None:
+        """The verdict stored for ``key``: this file's failure (``key#weights``), else the structure's pass (a
+        failure stored at ``key`` itself, by versions before per-file failures, is not a verdict). With
+        ``recheck``, an entry not written by this process is no verdict (checked again, once)."""
+        for k in (f"{key}#{weights}", key):
+            found = self.get(k)
+            if found is None or not (found["ok"] or k != key):
+                continue
+            if self.recheck and k not in self.rechecked:
+                return None
+            return dataclasses.replace(Verdict.from_dict(found), cached=True)
+        return None
+
+    def keep(self, key: str, verdict: Verdict, weights: str) -> None:
+        """Store a conclusive verdict: a pass under ``key`` (this file's earlier failure dropped), a failure
+        under ``key#weights``. An inconclusive one is not kept."""
+        if not verdict.conclusive:
+            return
+        if verdict.ok:
+            self.drop(f"{key}#{weights}")
+            self.put(key, verdict.to_dict())
+            self.rechecked.add(key)
+        else:
+            self.put(f"{key}#{weights}", verdict.to_dict())
+            self.rechecked.add(f"{key}#{weights}")
 
 
 FILE_NAME = "self_checks.json"
@@ -190,11 +260,29 @@ def code_fingerprint(model: Any) -> str:
 # The check
 
 
+def weights_digest(model: Any) -> str:
+    """Short digest of ``model``'s weights (shapes, dtypes and up to 64 evenly spaced values of every
+    parameter and buffer): which file a failure was found with. "" when a weight is not materialised."""
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.device.type == "meta":
+                return ""
+            flat = t.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 64)][:64].float().cpu()
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+            h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
 def _max_diff(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, str]:
     if tuple(out.shape) != tuple(ref.shape):
         return math.inf, f"output shape {tuple(out.shape)}, the host's {tuple(ref.shape)}"
-    d = (out.float() - ref.float()).abs().max().item()
-    return (d, "") if math.isfinite(d) else (math.inf, "non-finite values")
+    return (out.float() - ref.float()).abs().max().item(), ""
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in str(e).lower()
 
 
 def verify(
@@ -203,16 +291,18 @@ def verify(
     reference: Callable[[], torch.Tensor],
     configs: Sequence[tuple[str, Callable[[], torch.Tensor]]],
     dtype: torch.dtype,
+    weights: str = "",
 ) -> Verdict:
-    """The stored verdict for ``key``, or run the check now and store it.
+    """The stored verdict for ``key`` and ``weights`` (:meth:`CheckStore.verdict`), or run the check now.
 
     ``reference()``: the host's own decode of a tiny latent; ``configs``: ``(label, run)`` pairs, each
     ``run()`` the executor's decode of the same latent in one configuration. Passes when every output has
-    the reference's shape and is within :func:`tolerance` of it. A run that raises fails the check; that
-    verdict is not stored (it may be transient), so the next decode checks again."""
-    found = store.get(key)
+    the reference's shape and is within :func:`tolerance` of it. Inconclusive (not stored, checked again next
+    time) when an output is non-finite or the check runs out of memory. A run that raises otherwise fails
+    the check; that verdict is not stored either (it may be transient)."""
+    found = store.verdict(key, weights)
     if found is not None:
-        return Verdict.from_dict(found)
+        return found
     tol = tolerance(dtype)
     t0 = time.perf_counter()
     label = "the host's decode"
@@ -220,15 +310,63 @@ def verify(
     try:
         with torch.inference_mode():
             ref = reference()
+            if not bool(torch.isfinite(ref).all()):
+                verdict = Verdict(False, math.inf, tol, label, time.perf_counter() - t0,
+                                  "the host's own decode of the check latent has non-finite values: broken "
+                                  "or overflowing weights", conclusive=False, weights=weights)
+                log.warning("%s [%s]", verdict.describe(), key)
+                return verdict
             for label, run in configs:
-                d, why = _max_diff(run(), ref)
+                out = run()
+                if not bool(torch.isfinite(out).all()):  # e.g. an fp16 overflow: no evidence either way
+                    verdict = Verdict(False, math.inf, tol, label, time.perf_counter() - t0,
+                                      f"{label} gave non-finite values where the host's decode has none",
+                                      conclusive=False, weights=weights)
+                    log.warning("%s [%s]", verdict.describe(), key)
+                    return verdict
+                d, why = _max_diff(out, ref)
                 if d > worst_d:
                     worst, worst_d, detail = label, d, why
     except Exception as e:  # noqa: BLE001 - any failure means "not proven"; logged and reported
-        verdict = Verdict(False, math.inf, tol, label, time.perf_counter() - t0, f"{type(e).__name__}: {e}")
+        oom = _is_oom(e)
+        what = f"{label} ran out of memory: {e}" if oom else f"{type(e).__name__}: {e}"
+        verdict = Verdict(False, math.inf, tol, label, time.perf_counter() - t0, what, conclusive=not oom,
+                          weights=weights)
         log.warning("%s [%s]", verdict.describe(), key)
         return verdict
-    verdict = Verdict(worst_d <= tol, worst_d, tol, worst, time.perf_counter() - t0, detail)
-    store.put(key, verdict.to_dict())
+    ok = worst_d <= tol
+    seconds = time.perf_counter() - t0
+    verdict = Verdict(ok, worst_d, tol, worst, seconds, detail, weights="" if ok else weights)
+    store.keep(key, verdict, weights)
     (log.info if verdict.ok else log.warning)("%s [%s]", verdict.describe(), key)
     return verdict
+
+
+def checked(
+    key: str,
+    store: CheckStore,
+    model: Any,
+    reference: Callable[[], torch.Tensor],
+    configs: Sequence[tuple[str, Callable[[], torch.Tensor]]],
+    dtype: torch.dtype,
+    prepare: Callable[[], None] | None = None,
+    first_use: FirstUse | None = None,
+) -> Verdict:
+    """:func:`verify` for an executor over ``model``: the stored verdict for this structure (or, after a
+    failure, for this file: :func:`weights_digest`), else ``prepare()`` (the node loads the weights) and check
+    now (a ``first_use`` phase: shown and timed)."""
+    weights = weights_digest(model)
+    found = store.verdict(key, weights)
+    if found is not None:
+        return found
+
+    def check() -> Verdict:
+        w = weights
+        if prepare is not None:
+            prepare()
+            w = w or weights_digest(model)
+        return verify(key, store, reference, configs, dtype, w)
+
+    if first_use is None:
+        return check()
+    return first_use.run("checking exactness against the host's decode", check)

@@ -19,11 +19,20 @@ from ..executors.wan import decode_wan_chunked
 from ..plan import plan
 from ..plan.types import Plan
 from ..plan.video import REPORT_NODE, VideoJob, blend_fn, blend_ratios, model_key
-from ..report import Report, flag_measured_overrun, fmt_bytes, fmt_seconds
+from ..report import (
+    Report,
+    flag_measured_overrun,
+    fmt_bytes,
+    fmt_seconds,
+    measure_note,
+    peak_verdict,
+    summary_line,
+)
 from ..vae.families import identify, model_name
 from ..vae.wan_layout import cache_protocol, is_wan_vae, wan_layout
 from .env import DecodeEnv, load_weights, measured, prepare
-from .self_check import CheckStore, Verdict, code_fingerprint, verify
+from .first_use import FirstUse, first_use_tag
+from .self_check import CheckStore, Verdict, checked, code_fingerprint
 
 log = logging.getLogger("vramfit.memory.decode.video")
 
@@ -60,7 +69,8 @@ CHECK_LATENT = (3, 1, 2)
 history between one-frame calls shows from the second), 1x2 latent px (two tiles)."""
 
 
-def check_chunked(job: VideoJob, store: CheckStore, prepare: Callable[[], None] | None = None) -> Verdict:
+def check_chunked(job: VideoJob, store: CheckStore, prepare: Callable[[], None] | None = None,
+                  first_use: FirstUse | None = None) -> Verdict:
     """Self-check of the chunked executor for this decoder on this host (:func:`.self_check.verify`): a tiny
     random latent (:data:`CHECK_LATENT`) decoded by ``first_stage_model.decode`` and by the executor with
     k = 1 in 1x2 tiles with in-place caches (one-frame chunks: the caches' history restored; phase 1, the
@@ -82,9 +92,7 @@ def check_chunked(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
         (f"k = 1, 1x2 tiles at split {last}, in-place caches", run(1, (1, 1), split=last, rollback=False)),
         ("k = 2, whole frames", run(2, None)),
     ]
-    if store.get(key) is None and prepare is not None:
-        prepare()
-    return verify(key, store, lambda: model.decode(z), configs, job.dtype)
+    return checked(key, store, model, lambda: model.decode(z), configs, job.dtype, prepare, first_use)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -119,7 +127,9 @@ def _host_decode(job: VideoJob, view: torch.Tensor, bar: ProgressFn | None, env:
         del out
     if bar is not None:
         bar(b, b)
-    stats.update(exact=True, chunks=b, units=b, protocol=cache_protocol(model).name)
+    stats.update(exact=True, chunks=b, units=b)
+    if job.wan:
+        stats["protocol"] = cache_protocol(model).name
 
 
 def _post(vae: Any, view: torch.Tensor) -> None:
@@ -147,6 +157,7 @@ def decode_video(
     model = vae.first_stage_model
 
     t0 = time.perf_counter() if t_start is None else t_start  # planning time, offload included
+    first = FirstUse(env.phase)
     # Offload for the fastest plan's peak (sized once, kept for the plan below); 0: not predicted.
     prep = prepare(vae, env, lambda: plan(job, 1 << 62, env.peaks).planned or None, budget_mb, unload_others)
     budget = prep.budget
@@ -156,7 +167,8 @@ def decode_video(
         lay = job.layout
         r = lay.spatial_ratio
         frames = lay.out_frames(t)
-        job = dataclasses.replace(job, verdict=check_chunked(job, env.checks, lambda: load_weights(vae, env, 0)))
+        verdict = check_chunked(job, env.checks, lambda: load_weights(vae, env, 0), first)
+        job = dataclasses.replace(job, verdict=verdict)
     else:
         frames_of, index_formula, r = blend_ratios(vae)
         frames = int(round(frames_of(t))) if callable(frames_of) else int(round(frames_of * t))
@@ -188,12 +200,12 @@ def decode_video(
                 stats=stats)
         _post(vae, view)
     seconds = time.perf_counter() - t1
-    report = _report(job, p, budget, prep.offload, stats, seconds, plan_seconds, m.peak, m.method)
+    report = _report(job, p, budget, prep.offload, stats, seconds, plan_seconds, m.peak, m.method, first)
     return VideoDecodeResult(buf, report, p, budget, seconds, m.peak, m.method, stats, plan_seconds)
 
 
 def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: dict, seconds: float,
-            plan_seconds: float, measured: int | None, method: str) -> Report:
+            plan_seconds: float, measured: int | None, method: str, first: FirstUse | None = None) -> Report:
     r = Report(REPORT_NODE, str(job.device))
     r.add("vae", f"{job.family} ({str(job.dtype).removeprefix('torch.')}); latent {tuple(job.z.shape)}")
     if plan.path == "host":
@@ -231,10 +243,29 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
                            f"planned in {fmt_seconds(plan_seconds)} (offload and self-check included)")
     else:
         r.add("predicted", "not predicted (meta sizing of the decoder failed; see the log)")
-    r.add("measured", f"peak {fmt_bytes(measured)} ({method})" if measured is not None else method)
+    r.add("measured", f"peak {fmt_bytes(measured)} ({method}: {measure_note(method)})" if measured is not None
+          else f"{method} ({measure_note(method)})")
     flag_measured_overrun(r, measured, method, int(budget.available), log)
     r.add("time", f"{fmt_seconds(seconds)} ({stats.get('chunks', '?')} chunks)")
-    if stats.get("shrinks") or stats.get("restarts"):
+    if first is not None and first.done:
+        r.add("first use", first.describe())
+    retries = int(stats.get("shrinks") or 0) + int(stats.get("restarts") or 0)
+    if retries:
         r.add("oom", f"{stats.get('shrinks', 0)} re-plan(s), {stats.get('restarts', 0)} restart(s): finished with "
                      f"k = {stats.get('frames_per_chunk')}, tile {stats.get('tile')}")
+    if plan.path == "host":
+        shape = "host decode"
+    else:
+        n = stats.get("chunks", "?")
+        shape = f"{n} tile-chunks" if plan.path == "wan" and plan.config.tile is not None else f"{n} chunks"
+    b = int(job.z.shape[0])
+    r.summary = summary_line(
+        "exact" if plan.path == "host" or (job.wan and plan.exact) else "approximate",
+        shape + (f" x {b} videos" if b > 1 else ""),
+        peak_verdict(measured, method, int(budget.available), plan.planned or None),
+        "planned over budget" if plan.over_budget and not (measured or 0) > budget.available else "",
+        fmt_seconds(seconds),
+        f"{retries} out-of-memory retr{'ies' if retries != 1 else 'y'}" if retries else "",
+        first_use_tag(first),
+    )
     return r

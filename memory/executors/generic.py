@@ -30,21 +30,18 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
 from ..oom import OomEvent, OomResume, oom_types
-from ..tiles import Rect, grid, pair, split_even, tile_count
+from ..tiles import Rect, grid, pair, split_even
 
 log = logging.getLogger("vramfit.memory.executors.generic")
 
-__all__ = ["count_generic_steps", "decode_generic"]
+__all__ = ["decode_generic"]
 
 ProgressFn = Callable[[int, int], None]
-def count_generic_steps(latent_shape: Sequence[int], tile: int | Sequence[int]) -> int:
-    """Tile steps of an uninterrupted ``decode_generic`` (batch x tiles)."""
-    return int(latent_shape[0]) * tile_count(int(latent_shape[-2]), int(latent_shape[-1]), tile)
 
 
 def _ramp(n: int, start_pad: int, end_pad: int, band: int, device: torch.device) -> torch.Tensor:

@@ -15,14 +15,25 @@ import torch
 
 from ..oom import OomEvent, oom_types
 from ..tiles import chunk_ranges, spans
-from ..vae.wan_layout import CACHE_T, WanLayout, accepts, cache_protocol, frames_of, is_causal, wan_layout
+from ..vae.wan_layout import (
+    CACHE_T,
+    WanLayout,
+    accepts,
+    cache_protocol,
+    frames_of,
+    is_causal,
+    views_more,
+    wan_layout,
+)
 from .blend import stop_driver
 
 log = logging.getLogger("vramfit.memory.executors.wan")
 
-EXECUTOR_VERSION = "v1"
+EXECUTOR_VERSION = "v2"
 """Version of the chunked executor's allocation pattern, part of every persisted video peak's key: bump it
-when a change alters what the executor holds at its peak (the persisted peaks are then re-sized)."""
+when a change alters what the executor holds at its peak (the persisted peaks are then re-sized). v2: the
+"per_call" caches are compacted under ``torch.inference_mode`` too (v1 peaks sized there held whole
+activations)."""
 
 __all__ = ["EXECUTOR_VERSION", "decode_wan_chunked"]
 
@@ -30,11 +41,6 @@ MIN_TILE = 2
 """Smallest tile core (latent px) the OOM fallback shrinks to."""
 
 ProgressFn = Callable[[int, int], None]
-
-
-def _views_more(t: torch.Tensor) -> bool:
-    """``t`` is a view into a larger storage (keeping the rest of it alive)."""
-    return t.untyped_storage().nbytes() > t.numel() * t.element_size()
 
 
 def _unpatchify(x: torch.Tensor, p: int) -> torch.Tensor:
@@ -227,7 +233,7 @@ class _WanRun:
             prev = hist[i] if hist is not None else None
             if e.shape[2] < CACHE_T and isinstance(prev, torch.Tensor):
                 cache[i] = torch.cat([prev[:, :, -1:].to(e.device), e], dim=2)
-            elif self.protocol.compacts and _views_more(e):
+            elif self.protocol.compacts and views_more(e):
                 cache[i] = e.clone()
 
     def _layer(self, layer: Any, x: torch.Tensor, cache: list, idx: list[int], hist: list | None,

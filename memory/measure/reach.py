@@ -73,11 +73,21 @@ class ReachReport:
         return bool(self.global_ops)
 
     def describe(self) -> str:
-        glob = f"; global: {', '.join(self.global_ops)}" if self.global_ops else ""
+        glob = f"; global: {global_summary(self.global_ops)}" if self.global_ops else ""
         return (
             f"conv reach {self.total:g} latent px (pre-up {self.pre_up:g} + up path {self.up_path:g}, "
             f"{self.method}){glob}"
         )
+
+
+GLOBAL_SHOWN = 3
+"""Global modules named in :meth:`ReachReport.describe`; the rest are counted."""
+
+
+def global_summary(names: tuple[str, ...] | list[str], shown: int = GLOBAL_SHOWN) -> str:
+    """``3 modules (mid.attn_1, up.0.attn.0, up.0.attn.1)`` or ``24 modules (a, b, c, +21 more)``."""
+    head = ", ".join(names[:shown]) + (f", +{len(names) - shown} more" if len(names) > shown else "")
+    return f"{len(names)} module{'s' if len(names) != 1 else ''} ({head})"
 
 
 def conv_radius(conv: Any) -> float:

@@ -44,7 +44,8 @@ def decode_run(
     device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> Callable[[Geometry], None]:
-    """``run(g)``: decode a random latent of ``g``'s shape with ``decode`` under ``no_grad``.
+    """``run(g)``: decode a random latent of ``g``'s shape with ``decode`` under ``torch.inference_mode``, as
+    ComfyUI's executor runs every node (a decoder may allocate otherwise outside it).
 
     The latent is created inside the call (so it is part of the tracked pass, as the latent moved
     to the device is in a real decode) and the output is dropped before returning.
@@ -53,7 +54,7 @@ def decode_run(
 
     def run(g: Geometry) -> None:
         shape = latent_shape(g, latent_channels)
-        with torch.no_grad():
+        with torch.inference_mode():
             gen = torch.Generator().manual_seed(seed)  # own generator: the global RNG is left alone
             z = torch.randn(shape, generator=gen, dtype=torch.float32).to(device=dev, dtype=dtype)
             out = decode(z)

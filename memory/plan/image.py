@@ -114,10 +114,12 @@ def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device 
 # Cost models and reach
 
 
-def full_cost_model(job: ImageJob, env: Any, load: Callable[[], None] | None = None) -> CostModel:
+def full_cost_model(job: ImageJob, env: Any, load: Callable[[], None] | None = None,
+                    first_use: Any = None) -> CostModel:
     """Cost model of the untiled decode: shipped/cached for its key, else calibrated once (meta sizing; real
-    decodes, after ``load()`` puts the weights on the device, when the decoder cannot run on fake tensors)."""
-    return cost_model_for(job.subject, env.cost_models, before_real=load)
+    decodes, after ``load()`` puts the weights on the device, when the decoder cannot run on fake tensors;
+    a ``first_use`` phase)."""
+    return cost_model_for(job.subject, env.cost_models, before_real=load, first_use=first_use)
 
 
 _REACH: dict[str, tuple[ReachReport, bool]] = {}
@@ -176,7 +178,8 @@ def plan_untiled(job: ImageJob, full: CostModel, budget: int) -> Plan | None:
 class ExactPlanner:
     """Lazily calibrated exact cost models + the mid phase of this latent, for ``choose_exact``."""
 
-    def __init__(self, job: ImageJob, env: Any, overhead: float, attention_bytes: int) -> None:
+    def __init__(self, job: ImageJob, env: Any, overhead: float, attention_bytes: int,
+                 first_use: Any = None) -> None:
         self.job = job
         self.env = env
         self.overhead = overhead
@@ -186,6 +189,8 @@ class ExactPlanner:
         self.latent_hw = (int(job.z.shape[2]), int(job.z.shape[3]))
         self._mid: dict[bool, int] = {}
         self.calibrated: list[str] = []
+        self.first_use = first_use
+        """A :class:`..decode.first_use.FirstUse` that shows and times calibrations (None: silent)."""
 
     def cost_model(self, recompute: bool, on_device: bool) -> dp.ExactCostModel:
         job = self.job
@@ -198,7 +203,9 @@ class ExactPlanner:
                                    f"{m.calibration_seconds:.1f} s")
             return m
 
-        return self.env.exact_cost_models.get_or_calibrate(key, fit)
+        what = f"calibrating the memory model of exact tiles ({'recompute' if recompute else 'store'})"
+        run = fit if self.first_use is None else lambda: self.first_use.run(what, fit)
+        return self.env.exact_cost_models.get_or_calibrate(key, run)
 
     def mid(self, on_device: bool) -> int:
         if on_device not in self._mid:
@@ -288,12 +295,13 @@ class ImageModels:
     """The traced reach and the halo taken from it, for the report (approximate path)."""
 
 
-def image_models(job: ImageJob, env: Any, full: CostModel, budget: int) -> ImageModels:
+def image_models(job: ImageJob, env: Any, full: CostModel, budget: int, first_use: Any = None) -> ImageModels:
     """The models of ``job``'s plans: ``full`` (:func:`full_cost_model`), the exact executor's (its mid
     block's split attention, on CPU, gets a quarter of ``budget`` for its score slices) or, without an exact
     path, the decoder's reach for the approximate tiles' halo."""
     if job.exact_reason is None:
-        return ImageModels(full, ExactPlanner(job, env, float(full.overhead), max(ATTENTION_MIN, budget // 4)))
+        attention = max(ATTENTION_MIN, budget // 4)
+        return ImageModels(full, ExactPlanner(job, env, float(full.overhead), attention, first_use))
     traced, global_ops = reach(job)
     halo = default_halo(traced) if job.halo < 0 else int(job.halo)
     text = f"{traced.describe()}; halo {halo} latent px{' (auto)' if job.halo < 0 else ''}"

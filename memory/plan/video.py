@@ -132,12 +132,14 @@ def peak_key(job: VideoJob, cd: Chunking, fingerprint: str | None = None) -> str
 
 def size_candidate(job: VideoJob, cd: Chunking) -> int:
     """Meta-sized peak bytes of ``decode_wan_chunked`` for this candidate at ``min(T, 1 + 2 k)`` latent
-    frames, without the output buffer (the store's growth with ``T`` is added by :func:`decode_peak`)."""
+    frames, without the output buffer (the store's growth with ``T`` is added by :func:`decode_peak`). Sized
+    under ``torch.inference_mode``, as ComfyUI runs the node (a persisted peak holds in any caller's mode:
+    the executor allocates the same either way, see docs/VIDEO_DECODE.md)."""
     model = job.vae.first_stage_model
     lay = job.layout
     b, c, t, h, w = (int(v) for v in job.z.shape)
     t_meta = _t_meta(t, cd.k)
-    with MetaSizer([model], job.dtype, job.device) as sizer:
+    with torch.inference_mode(), MetaSizer([model], job.dtype, job.device) as sizer:  # as ComfyUI runs nodes
         zf = torch.empty((b, c, t_meta, h, w), dtype=job.dtype, device=job.device)
         out = vc.decode_wan_chunked(model, zf, cd.k, cd.tile, halo=None, split=cd.split, compute_device=job.device,
                                     dtype=job.dtype, store_device="cpu" if cd.store == "host" else None,
@@ -327,7 +329,7 @@ def host_decode_peak(job: VideoJob, peaks: PeakStore) -> int:
     peak = peaks.get(key)
     if peak is None:
         model = job.vae.first_stage_model
-        with MetaSizer([model], job.dtype, job.device) as sizer:
+        with torch.inference_mode(), MetaSizer([model], job.dtype, job.device) as sizer:
             out = model.decode(torch.empty((1, c, t, h, w), dtype=job.dtype, device=job.device))
             del out
         peak = int(sizer.peak_bytes)
@@ -335,18 +337,21 @@ def host_decode_peak(job: VideoJob, peaks: PeakStore) -> int:
     return peak
 
 
-def plan_host_decode(job: VideoJob, budget: int, peaks: PeakStore, verdict: Any) -> Plan | None:
-    """The exact fallback when the chunked executor failed its self-check (``verdict``: the self-check's
-    :class:`.self_check.Verdict`): the host's own decode, if its peak (+ the output buffer) fits ``budget``;
-    else None."""
-    lay = job.layout
+def plan_host_decode(job: VideoJob, budget: int, peaks: PeakStore, reason: str) -> Plan | None:
+    """The host's own decode (exact by construction), if its peak (+ the output buffer) fits ``budget``; else
+    None. Taken when the chunked executor failed its self-check (Wan; ``reason``: the verdict) and, for other
+    video VAEs, before any overlap-blend (``reason``: it fits)."""
     _, _, t, h, w = (int(v) for v in job.z.shape)
-    planned = out_bytes(job, lay.out_frames(t), h * lay.spatial_ratio, w * lay.spatial_ratio)
-    planned += host_decode_peak(job, peaks)
+    if job.wan:
+        frames, r = job.layout.out_frames(t), job.layout.spatial_ratio
+    else:
+        frames_of, _, r = blend_ratios(job.vae)
+        frames = int(round(frames_of(t))) if callable(frames_of) else int(round(frames_of * t))
+    planned = out_bytes(job, frames, h * r, w * r) + host_decode_peak(job, peaks)
     if planned > budget:
         return None
     return Plan("host", Chunking(max(1, t - 1)), "the host's own decode (first_stage_model.decode, as VAE Decode), "
-                "one batch item at a time", planned, reason=f"the chunked executor's {verdict.describe()}")
+                "one batch item at a time", planned, reason=reason)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -393,7 +398,7 @@ def blend_chunk_peak(job: VideoJob, k: int, peaks: PeakStore) -> int:
     key = f"{model_key(job)}/{b}x{c}x{kk}x{h}x{w}/blend"
     peak = peaks.get(key)
     if peak is None:
-        with MetaSizer([job.vae.first_stage_model], job.dtype, job.device) as sizer:
+        with torch.inference_mode(), MetaSizer([job.vae.first_stage_model], job.dtype, job.device) as sizer:
             out = blend_fn(job)(torch.empty((b, c, kk, h, w), dtype=job.dtype, device=job.device))
             del out
         peak = int(sizer.peak_bytes)
@@ -430,6 +435,15 @@ def plan_blend(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
     return plan
 
 
+def _host_if_sized(job: VideoJob, budget: int, peaks: PeakStore, reason: str) -> Plan | None:
+    """:func:`plan_host_decode`, or None when the host's decode cannot be meta-sized (logged)."""
+    try:
+        return plan_host_decode(job, budget, peaks, reason)
+    except Exception as e:  # noqa: BLE001 - an op without a fake kernel: no prediction, so not this plan
+        log.warning("meta sizing of %s's own decode failed (%s: %s)", job.family, type(e).__name__, e)
+        return None
+
+
 # --------------------------------------------------------------------------------------------------
 # The entry
 
@@ -438,17 +452,18 @@ def plan(job: VideoJob, budget: int, peaks: PeakStore | None = None) -> Plan:
     """The plan of ``job`` within ``budget`` bytes, its peaks sized on fake tensors (kept in ``peaks``). Wan:
     when the chunked executor failed its self-check (``job.verdict``) and the user set neither chunk nor tile,
     the host's own decode if it fits; else :func:`plan_wan`, exact as the verdict says (no verdict: exact by
-    construction). Other video VAEs: :func:`plan_blend`."""
+    construction). Other video VAEs: the host's own decode when it fits (exact), else :func:`plan_blend`."""
     peaks = PeakStore() if peaks is None else peaks
     k_user, verdict = int(job.frames_per_chunk), job.verdict
     if not job.wan:
-        return plan_blend(job, budget, k_user, peaks)
+        found = None if k_user else _host_if_sized(job, budget, peaks, "it fits the budget")
+        return found if found is not None else plan_blend(job, budget, k_user, peaks)
     tile_user = None
     if job.tile_size:
         lt = max(1, int(job.tile_size) // job.layout.spatial_ratio)
         tile_user = (lt, lt)
     if verdict is not None and not verdict.ok and not k_user and tile_user is None:
-        found = plan_host_decode(job, budget, peaks, verdict)
+        found = plan_host_decode(job, budget, peaks, f"the chunked executor's {verdict.describe()}")
         if found is not None:
             return found
     stats: dict = {}

@@ -29,7 +29,6 @@ __all__ = [
     "RowStep",
     "SegmentInfo",
     "axis_extents",
-    "count_exact_steps",
     "find_decoder",
     "kl_layout",
     "exact_geometry",
@@ -615,10 +614,3 @@ class ExactGeometry:
 def exact_geometry(model: Any, latent_shape: Sequence[int], tile: tuple[int, int], recompute: bool = False) -> ExactGeometry:
     """The segments, step counts and sizes of ``decode_exact(model, z, tile, recompute=...)``."""
     return kl_layout(model, recompute).geometry(latent_shape, tile)
-
-
-def count_exact_steps(model: Any, latent_shape: Sequence[int], tile: int | tuple[int, int],
-                      recompute: bool = False) -> int:
-    """Progress units of one uninterrupted decode (mid steps + tile steps: :attr:`ExactGeometry.total_steps`)."""
-    b, _, lh, lw = (int(s) for s in latent_shape)
-    return b * kl_layout(model, recompute).require().steps((lh, lw), tile)

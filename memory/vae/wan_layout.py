@@ -19,7 +19,7 @@ from ..geometry import decoded_frames
 log = logging.getLogger("vramfit.memory.vae.wan_layout")
 
 __all__ = ["CACHE_T", "CacheProtocol", "CacheSlot", "SplitInfo", "WanLayout", "accepts", "cache_protocol",
-           "frames_of", "is_causal", "is_wan_vae", "wan_layout"]
+           "frames_of", "is_causal", "is_wan_vae", "views_more", "wan_layout"]
 
 CACHE_T = 2
 """Frames a causal-conv cache entry holds (``comfy.ldm.wan.vae.CACHE_T``)."""
@@ -281,14 +281,21 @@ class CacheProtocol:
         return self.views or self.name == "unknown"
 
 
+def views_more(t: torch.Tensor) -> bool:
+    """``t`` is a view into a larger storage (keeping the rest of it alive); told by the storage, so it also
+    works on inference tensors, whose views carry no view metadata (``_base`` is None)."""
+    return t.untyped_storage().nbytes() > t.numel() * t.element_size()
+
+
 _PROTOCOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def cache_protocol(model: Any) -> CacheProtocol:
     """The cache protocol of a Wan ``first_stage_model``'s blocks, measured: the decoder's first cached
     residual block runs twice on a one-frame 1x1 zero input with a fresh cache list; its first entry then
-    holds 2 frames (``"carry"``) or 1 (``"per_call"``). Microseconds; shapes only (works on fake tensors);
-    memoised per model object."""
+    holds 2 frames (``"carry"``) or 1 (``"per_call"``); a third call of 3 frames tells whether the entry is a
+    view of the activation (its storage larger than itself). Microseconds; shapes only (works on fake and
+    inference tensors alike); memoised per model object."""
     found = _PROTOCOLS.get(model)
     if found is not None:
         return found
@@ -305,9 +312,13 @@ def cache_protocol(model: Any) -> CacheProtocol:
             with torch.no_grad():
                 for _ in range(2):
                     block(x, cache, [0])
-            entry = cache[0]
-            kept = int(entry.shape[2])
-            proto = CacheProtocol({2: "carry", 1: "per_call"}.get(kept, "unknown"), kept, entry._base is not None)
+                kept = int(cache[0].shape[2])
+                # A call of 3 frames: a view of the block's activation holds more storage than its 2 frames.
+                # Told by the storage, not ``_base``: views of inference tensors (ComfyUI runs every node
+                # under ``torch.inference_mode``) have no ``_base``.
+                block(x.expand(-1, -1, CACHE_T + 1, -1, -1), cache, [0])
+                views = views_more(cache[0])
+            proto = CacheProtocol({2: "carry", 1: "per_call"}.get(kept, "unknown"), kept, views)
         except Exception as e:  # noqa: BLE001 - an unexpected block: unknown protocol, the self-check decides
             log.warning("probing the Wan cache protocol failed (%s: %s)", type(e).__name__, e)
     _PROTOCOLS[model] = proto

@@ -23,6 +23,8 @@ from selenium.webdriver.common.keys import Keys
 
 EXTENSION = "VRAMFit.Reports"
 REPORT_WIDGET = "vramfit_report"
+VERDICT_SELECTOR = ".vramfit-verdict"
+"""The verdict header of a report widget: the report's one-line verdict, shown above the text box."""
 PACK_PREFIX = "VRAMFit_"
 PACK_FOLDER = "ComfyUI-VRAM-Fit"  # the template browser lists the pack under its custom_nodes folder name
 
@@ -72,8 +74,11 @@ _REPORTS_JS = """
 const g = window.app.graph;
 return (g.nodes ?? g._nodes).filter((n) => n.type.startsWith(arguments[0])).map((n) => {
   const w = n.widgets?.find((w) => w.name === arguments[1]);
+  const box = w ? (w.element.querySelector?.("textarea") ?? w.element) : null;
+  const head = w?.element.querySelector?.(arguments[2]) ?? null;
   const imgs = (n.imgs ?? []).map((i) => ({src: i.src, complete: i.complete, width: i.naturalWidth}));
-  return {id: String(n.id), type: n.type, text: w ? w.element.value : null, images: imgs};
+  return {id: String(n.id), type: n.type, text: box ? box.value : null, images: imgs,
+          verdict: head ? head.textContent : null, tone: head ? head.dataset.tone : null};
 });
 """
 
@@ -248,14 +253,21 @@ class ComfyPage:
         )
 
     def reports(self) -> list[dict]:
-        """``[{id, type, text, images}]`` of every pack node: the report box's text and the node's images."""
-        return self.js(_REPORTS_JS, PACK_PREFIX, REPORT_WIDGET)
+        """``[{id, type, text, verdict, tone, images}]`` of every pack node: the report box's text, the
+        verdict header's text and tone (``ok``/``approximate``/``over``) and the node's images."""
+        return self.js(_REPORTS_JS, PACK_PREFIX, REPORT_WIDGET, VERDICT_SELECTOR)
 
     def show_report(self, node_id: str) -> tuple[Any, dict]:
-        """Centre ``node_id`` at 100 % zoom; returns its report box (a WebElement) and the node's screen rect."""
+        """Centre ``node_id`` at 100 % zoom; returns its report widget (a WebElement: the verdict header and
+        the text box) and the node's screen rect."""
         box = self.js(_CENTER_JS, node_id, REPORT_WIDGET)
         time.sleep(0.5)  # one animation frame at least: the frontend positions DOM widgets while drawing
         return box, self.js(_NODE_SCREEN_RECT_JS, node_id)
+
+    def shown_lines(self, widget: Any) -> tuple[Any, Any]:
+        """The verdict header and the text box (WebElements) of a report widget from :meth:`show_report`."""
+        head = widget.find_element(By.CSS_SELECTOR, VERDICT_SELECTOR)
+        return head, widget.find_element(By.TAG_NAME, "textarea")
 
 
 def xpath_literal(text: str) -> str:
@@ -277,4 +289,4 @@ def is_inside(inner: dict, outer: dict, slack: float = 2.0) -> bool:
     )
 
 
-__all__ = ["ComfyPage", "PageError", "WebDriverException", "is_inside"]
+__all__ = ["VERDICT_SELECTOR", "ComfyPage", "PageError", "WebDriverException", "is_inside"]

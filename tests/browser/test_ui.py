@@ -1,5 +1,6 @@
 """The pack in a real browser (issue 13): templates load from the template browser, the CPU templates run
-from the Run button, and every pack node shows its report on the canvas (VRAM Monitor: with its plot).
+from the Run button, and every pack node shows its report on the canvas (VRAM Monitor: with its plot),
+its one-line verdict first, in a header above the report box (issue 22).
 
 Screenshots: ``outputs/browser/<ComfyUI version>/<template>_loaded.png``, ``<template>_run.png`` (whole
 graph) and ``<template>_<node id>_report.png`` (each pack node at 100 %); see tests/browser/conftest.py.
@@ -13,6 +14,7 @@ import re
 import urllib.request
 
 import pytest
+from vramfit.memory.report import Report
 
 from scripts.host import ROOT
 from scripts.workflow_graphs import CPU_TEMPLATES
@@ -36,6 +38,19 @@ REPORTS = {
     "VRAMFit_Bf16Loader": ("bf16 Loader", ("file", "before", "dtype", "after")),
     "VRAMFit_VRAMMonitor": ("VRAM Monitor", ("allocated", "peak", "timeline")),
 }
+_BYTES = r"[\d.,]+ (?:B|KiB|MiB|GiB)"
+_TIME = r"[\d.]+ m?s"
+VERDICTS = {
+    # path word, tiles or chunks, measured peak (named: RSS, tensor, allocated) vs the budget, time
+    "decode": re.compile(rf"^(exact|approximate) · [^·]+ · (RSS |tensor |allocated )?peak {_BYTES} (of|>) "
+                         rf"{_BYTES} tensor budget(: OVER BUDGET)?( · [^·]+)? · {_TIME}( · .+)?$"),
+    "VRAMFit_OffloadManager": re.compile(rf"^(freed {_BYTES} · unloaded \d+ of \d+ models?|nothing unloaded "
+                                         rf".+)( · kept .+)?( · drop at prompt end)? · {_TIME}$"),
+    "VRAMFit_Bf16Loader": re.compile(rf"^\w+ · {_BYTES} loaded, \d+% of the file's {_BYTES} · .+$"),
+    "VRAMFit_VRAMMonitor": re.compile(rf"^#\d+ .+ · (RSS |allocated )?peak ({_BYTES}|-)"
+                                      rf"( · allocated {_BYTES})?"),
+}
+"""The one-line verdict each pack node shows first (memory/report.py ``Report.summary``)."""
 
 
 def _template(name: str) -> dict:
@@ -113,6 +128,14 @@ def test_cpu_template_runs_and_shows_reports(page, ui_server, shots_dir, name):
         assert text.startswith(f"VRAM Fit | {title}"), text
         assert [k for k in rows if not _has_row(text, k)] == [], text
         assert text == "\n".join(history["outputs"][r["id"]]["text"])
+        # the verdict: the report's line under its title, shown in the header above the box, in its form
+        verdict = Report.parse(text).summary
+        assert verdict and r["verdict"] == verdict == text.splitlines()[1], (r["verdict"], text)
+        form = VERDICTS["decode" if "Decode" in r["type"] else r["type"]]
+        assert form.match(verdict), (r["type"], verdict)
+        assert len(verdict) < 110, verdict
+        tone = "over" if "OVER BUDGET" in verdict else "approximate" if verdict.startswith("approx") else "ok"
+        assert r["tone"] == tone, (r["tone"], verdict)
         if r["type"] == "VRAMFit_VRAMMonitor":
             images = history["outputs"][r["id"]]["images"]
             assert len(r["images"]) == len(images) == 1
@@ -131,3 +154,11 @@ def test_cpu_template_runs_and_shows_reports(page, ui_server, shots_dir, name):
         page.screenshot(shots_dir / f"{_file_part(name)}_{r['id']}_report.png")
         assert box.is_displayed(), f"report box of node {r['id']} is not displayed"
         assert box.rect["height"] >= 40 and is_inside(box.rect, node_rect), (box.rect, node_rect)
+        # the first line shown on the node is the verdict: its header is visible, above the report text
+        head, area = page.shown_lines(box)
+        assert head.is_displayed() and area.is_displayed(), r["id"]
+        assert head.text.strip() == r["verdict"], (head.text, r["verdict"])
+        assert head.rect["y"] + head.rect["height"] <= area.rect["y"] + 1, (head.rect, area.rect)
+        assert is_inside(head.rect, node_rect), (head.rect, node_rect)
+        weight = head.value_of_css_property("font-weight")
+        assert weight in ("700", "bold"), weight

@@ -55,7 +55,7 @@ def tiled(comfy):
     mod = sys.modules[comfy.NODE_CLASS_MAPPINGS["VRAMFit_TiledVAEDecode"].__module__]
     yield mod
     mod._FAULT_HOOK = None
-    mod.MEASURE_CPU_TENSORS = False
+    mod.MEASURE_CPU_TENSORS = True
 
 
 @pytest.fixture(scope="session")

@@ -80,7 +80,13 @@ def _rows(out) -> dict[str, str]:
     report = Report.parse(out.result[3])
     assert report.node == "bf16 Loader"
     assert out.ui.as_dict()["text"][0] == out.result[3]
-    return dict(report.rows)
+    rows = dict(report.rows)
+    # the verdict: dtype, bytes loaded against the file, what was loaded, how it computes
+    first = rows["after"].split(" (", 1)[0]
+    assert report.summary.startswith(f"{rows['dtype'].split()[0]} · {first} loaded, "), report.summary
+    s = report.summary
+    assert s.endswith("computed as stored") or " · cast per layer to " in s, s
+    return rows
 
 
 def _exact(row: str) -> int:

@@ -6,6 +6,9 @@
 * ``budget_mb`` caps the decode's working memory, not the VAE's weights: the same budget on the same latent
   gives the same budget, plan and success whether the VAE's weights were loaded beforehand (by a core
   ``VAEDecode``) or not (a VAE fresh from ``VAELoader``). Both nodes' tooltips say so.
+
+Loads and decodes run under ``torch.inference_mode`` (the ``inference_mode`` fixture), as ComfyUI's executor
+runs every node.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import pytest
 from scripts.fixtures import structured_latent
 from tests.video_refs import WAN21, reference
 
-pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread", "inference_mode")]
 
 IMAGE_NODE = "VRAMFit_TiledVAEDecode"
 VIDEO_NODE = "VRAMFit_TemporalChunkVideoDecode"
@@ -31,14 +34,14 @@ SMALL = (1, 4, 13, 18)  # 104 x 144 px
 def image(comfy):
     m = sys.modules[comfy.NODE_CLASS_MAPPINGS[IMAGE_NODE].__module__]
     yield m
-    m.MEASURE_CPU_TENSORS = False
+    m.MEASURE_CPU_TENSORS = True
 
 
 @pytest.fixture(scope="module")
 def video(comfy):
     m = sys.modules[comfy.NODE_CLASS_MAPPINGS[VIDEO_NODE].__module__]
     yield m
-    m.MEASURE_CPU_TENSORS = False
+    m.MEASURE_CPU_TENSORS = True
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +64,7 @@ def test_image_decode_over_budget_is_flagged(image, kl_vae, caplog):
         with caplog.at_level(logging.WARNING, logger="vramfit"):
             over = image.decode(kl_vae, {"samples": z}, tile_size=104, budget_mb=18)  # user tile: too big
     finally:
-        image.MEASURE_CPU_TENSORS = False
+        image.MEASURE_CPU_TENSORS = True
     assert within.measured_peak <= within.budget.available and OVER not in _rows(within), within.report.text()
     assert over.plan.over_budget and over.measured_peak > 18 * MiB, over.report.text()
     row = _rows(over).get(OVER, "")
@@ -79,7 +82,7 @@ def test_video_decode_over_budget_is_flagged(video, wan21, caplog):
         with caplog.at_level(logging.WARNING, logger="vramfit"):  # user chunk and tile: too big for 1 MiB
             over = video.decode(vae, {"samples": z}, frames_per_chunk=2, tile_size=40, budget_mb=1)
     finally:
-        video.MEASURE_CPU_TENSORS = False
+        video.MEASURE_CPU_TENSORS = True
     assert within.measured_peak <= within.budget.available and OVER not in _rows(within), within.report.text()
     assert over.measured_peak > 1 * MiB, over.report.text()
     assert "live tensor bytes" in _rows(over).get(OVER, ""), over.report.text()

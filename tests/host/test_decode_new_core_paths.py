@@ -82,8 +82,9 @@ def test_tiled_refuses_a_nested_video_latent_naming_node_and_stream(tiled, kl_va
         tiled.decode(kl_vae, {"samples": nested(torch.zeros(1, 16, 3, 8, 8), audio_stream())})
     text = str(err.value)
     assert text.startswith("[VRAM Fit · Tiled VAE Decode]"), text
-    assert "first stream of a nested latent (2 streams) (1, 16, 3, 8, 8) is a 5-D video latent" in text
-    assert "Temporal-Chunk Video Decode" in text
+    assert "first stream of a nested latent (2 streams) (1, 16, 3, 8, 8)" in text
+    assert "wrong VAE for this latent" in text
+    assert "Temporal-Chunk Video Decode" not in text  # it rejects it too
 
 
 def test_tiled_refuses_a_vae_that_tiles_internally(tiled, kl_vae):
@@ -111,12 +112,14 @@ def test_video_decodes_the_video_stream_of_a_nested_latent(video, wan_vae):
     assert (both.images - plain.images).abs().max().item() <= 1e-6
 
 
-def test_video_refuses_a_nested_latent_whose_first_stream_is_an_image(video, wan_vae):
+def test_video_refuses_a_nested_latent_of_another_family(video, wan_vae):
+    """(A nested single-frame Wan latent decodes: tests/host/test_latent_vae_sweep.py.)"""
     with pytest.raises(ValueError) as err:
-        video.decode(wan_vae, {"samples": nested(torch.zeros(1, 16, 8, 8), audio_stream())})
+        video.decode(wan_vae, {"samples": nested(torch.zeros(1, 4, 8, 8), audio_stream())})
     text = str(err.value)
     assert text.startswith("[VRAM Fit · Temporal-Chunk Video Decode]"), text
-    assert "video stream of a nested latent (2 streams) (1, 16, 8, 8) is a 4-D image latent" in text
+    assert "video stream of a nested latent (2 streams) (1, 4, 8, 8) has 4 channels" in text
+    assert "but the VAE expects 16" in text
 
 
 def test_video_refuses_a_vae_that_tiles_internally(video, wan_vae):

@@ -161,3 +161,87 @@ def test_check_of_a_fixture_vae_is_cheap_and_persisted(comfy, fixture_vaes, kind
     again = check(sc.CheckStore(path))
     assert again == verdict  # the stored verdict (a new run would have measured its own seconds)
     assert time.perf_counter() - t0 < min(0.5, verdict.seconds)
+
+
+def _load_kl(comfy, fixture_vaes, nudge: float = 0.0, nan: bool = False):
+    """The fixture KL VAE loaded as ComfyUI's executor loads it (inference mode); ``nudge`` shifts one conv's
+    weights (another file of the same structure), ``nan`` breaks one weight (a decode that is non-finite)."""
+    with torch.inference_mode():
+        vae = comfy.VAELoader().load_vae(fixture_vaes["kl_f8"])[0]
+        w = vae.first_stage_model.decoder.conv_in.weight
+        if nudge:
+            w.add_(nudge)
+        if nan:
+            w[0, 0, 0, 0] = float("nan")
+    return vae
+
+
+def _node_decode(mod, vae, z, **kw):
+    with torch.inference_mode():
+        return mod.decode(vae, {"samples": z}, **kw)
+
+
+def test_a_non_finite_vae_is_no_verdict_and_does_not_downgrade_good_ones(comfy, fixture_vaes, fresh_checks):
+    """Issue 22 (2): a broken file's check could not conclude: nothing cached, the report says exactness is
+    unverified; good files of the same structure then decode exactly."""
+    mod = _module(comfy, IMAGE_NODE)
+    z = structured_latent((1, 4, 8, 10), seed=3)
+    r = _node_decode(mod, _load_kl(comfy, fixture_vaes, nan=True), z, tile_size=32)
+    path = dict(r.report.rows)["path"]
+    log.info("non-finite KL: %s", path)
+    assert path.startswith("approximate") and "could not conclude" in path and "unverified" in path, path
+    assert len(fresh_checks) == 0  # no verdict cached
+
+    good = _load_kl(comfy, fixture_vaes, nudge=1e-3)
+    r = _node_decode(mod, good, z, tile_size=32)
+    rows = dict(r.report.rows)
+    assert rows["path"].startswith("exact: layer-synchronous tiles") and "self-check passed" in rows["check"]
+    with torch.inference_mode():
+        ref = comfy.VAEDecode().decode(good, {"samples": z})[0]
+    assert _diff(r.images, ref) <= 1e-4
+
+
+def test_a_cached_failure_is_per_file_and_rechecked_with_the_env_switch(comfy, fixture_vaes, fresh_checks,
+                                                                       monkeypatch):
+    """A real failure stored for file A does not condemn file B of the same structure; A's report says how to
+    re-check, and ``VRAMFIT_RECHECK=1`` re-checks it (A is in fact fine: the pass replaces the failure)."""
+    from vramfit.memory.decode import self_check as sc
+
+    mod = _module(comfy, IMAGE_NODE)
+    monkeypatch.delenv("VRAMFIT_RECHECK", raising=False)
+    z = structured_latent((1, 4, 8, 10), seed=4)
+    a, b = _load_kl(comfy, fixture_vaes), _load_kl(comfy, fixture_vaes, nudge=2e-3)
+    assert dict(_node_decode(mod, a, z, tile_size=32).report.rows)["path"].startswith("exact")
+    (key,) = fresh_checks.keys()
+    weights_a = sc.weights_digest(a.first_stage_model)
+    fresh_checks.drop(key)  # as if A had failed: its failure stored for its weights
+    fresh_checks.put(f"{key}#{weights_a}", sc.Verdict(False, 0.3, 1e-4, "tiles of 16 px", 1.0).to_dict())
+
+    path = dict(_node_decode(mod, a, z, tile_size=32).report.rows)["path"]
+    assert path.startswith("approximate") and "FAILED" in path and "VRAMFIT_RECHECK=1" in path, path
+    b_path = dict(_node_decode(mod, b, z, tile_size=32).report.rows)["path"]
+    assert b_path.startswith("exact"), b_path  # B checks itself
+
+    monkeypatch.setenv("VRAMFIT_RECHECK", "1")  # A is re-checked, not passed through B's stored pass
+    r = _node_decode(mod, a, z, tile_size=32)
+    assert dict(r.report.rows)["path"].startswith("exact"), dict(r.report.rows)["path"]
+    assert fresh_checks.get(f"{key}#{weights_a}") is None and fresh_checks.get(key)["ok"]
+
+
+def test_first_use_work_is_shown_on_the_node_and_reported_once(comfy, fixture_vaes, fresh_checks,
+                                                               monkeypatch):
+    """Issue 22 (5): the once-per-structure self-check is announced on the node while it runs and timed in the
+    report's ``first use`` row; the next decode does no such work and says nothing of it."""
+    mod = _module(comfy, IMAGE_NODE)
+    comfy_mod = sys.modules[mod.__name__.rsplit(".", 1)[0] + "._comfy"]
+    shown: list[str] = []
+    monkeypatch.setattr(comfy_mod, "progress_text", lambda node_id=None: shown.append)
+    vae, z = _load_kl(comfy, fixture_vaes, nudge=3e-3), structured_latent((1, 4, 8, 10), seed=5)
+    report = _node_decode(mod, vae, z, tile_size=32).report
+    rows = dict(report.rows)
+    assert "checking exactness" in rows["first use"] and "once per VAE structure" in rows["first use"], rows
+    assert " · first use +" in report.summary, report.summary  # the verdict line says why it took longer
+    assert shown and shown[0].startswith("first use of this VAE: checking exactness"), shown
+    n = len(shown)
+    report = _node_decode(mod, vae, z, tile_size=32).report
+    assert "first use" not in dict(report.rows) and "first use" not in report.summary and len(shown) == n

@@ -82,10 +82,11 @@ def test_loader_detects_the_real_architecture(loaded, fixture_vaes):
     with safetensors.safe_open(path, framework="pt") as f:
         keys = set(f.keys())
         meta = f.metadata()
-        sample = f.get_tensor(next(iter(sorted(keys))))
-    assert keys == set(fsm.state_dict().keys())
+        dtypes = {f.get_slice(k).get_dtype() for k in keys}
+    assert {spec.model_key(k) for k in keys} == set(fsm.state_dict().keys())
     assert sum(p.numel() for p in fsm.state_dict().values()) == spec.params
-    assert sample.dtype == spec.dtype
+    floats = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+    assert {floats.get(d, d) for d in dtypes} - {"I64"} == {spec.dtype}, dtypes  # int64: batch counts
     assert meta["vramfit_fixture_kind"] == spec.kind
     assert meta["vramfit_fixture_generator"] == fixtures.GENERATOR_VERSION
     if spec.kind == "wan22":
@@ -95,6 +96,14 @@ def test_loader_detects_the_real_architecture(loaded, fixture_vaes):
     if spec.kind == "flux":  # FLUX's ae.safetensors: no quant convs, so ComfyUI builds an AutoencodingEngine
         assert not any("quant_conv" in k for k in keys)
         assert fsm.decoder.conv_in.weight.shape[1] == 16
+    if spec.kind == "flux2":  # BFL's flux2-vae keys; ComfyUI builds AutoencoderKL with the latent BatchNorm
+        assert {"encoder.quant_conv.weight", "decoder.post_quant_conv.weight", "bn.running_var"} <= keys
+        assert not any(k.startswith(("quant_conv.", "post_quant_conv.")) for k in keys)
+        assert fsm.bn is not None and fsm.bn.num_features == 128 and fsm.decoder.conv_in.weight.shape[1] == 32
+        assert fsm.post_quant_conv.weight.shape[:2] == (32, 32)
+        assert fsm.quant_conv.weight.shape[:2] == (64, 64)
+        var, mean = fsm.bn.running_var.float(), fsm.bn.running_mean.float()
+        assert var.min().item() > 0 and var.std().item() > 0.1 and mean.abs().mean().item() > 0.1
 
 
 @host
@@ -286,7 +295,13 @@ def test_specs_are_consistent():
             expected = [spatial[0] * spec.temporal_ratio - (spec.temporal_ratio - 1), *expected]
         assert spec.example_output == (b, *expected, 3)
     assert FIXTURES["kl_f8"].dtype == torch.float16
-    assert FIXTURES["wan21"].dtype == FIXTURES["wan22"].dtype == torch.bfloat16
+    assert FIXTURES["wan21"].dtype == FIXTURES["wan22"].dtype == FIXTURES["flux2"].dtype == torch.bfloat16
+    flux2 = FIXTURES["flux2"]
+    assert (flux2.latent_channels, flux2.spatial_ratio) == (128, 16)
+    for key in ("quant_conv.weight", "post_quant_conv.bias", "decoder.conv_in.weight", "bn.running_mean"):
+        assert flux2.model_key(flux2.file_key(key)) == key
+    assert flux2.file_key("post_quant_conv.bias") == "decoder.post_quant_conv.bias"
+    assert FIXTURES["flux"].file_key("decoder.conv_in.weight") == "decoder.conv_in.weight"
 
 
 # ---------------------------------------------------------------------------------------- latents

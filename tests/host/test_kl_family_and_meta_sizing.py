@@ -10,11 +10,12 @@ import types
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from vramfit.memory.cost import exact as dp
 from vramfit.memory.geometry import Geometry
 from vramfit.memory.measure.sizing import MetaSizer, decode_run
 from vramfit.memory.vae.families import identify
 
-from scripts.fixtures import _KL_DDCONFIG
+from scripts.fixtures import _KL_DDCONFIG, build_model
 
 pytestmark = pytest.mark.host
 
@@ -22,6 +23,21 @@ pytestmark = pytest.mark.host
 def test_fixture_kl_vaes_are_the_kl_family(kl_vae, flux_vae) -> None:
     assert identify(kl_vae) == "kl"
     assert identify(flux_vae) == "kl"
+
+
+@pytest.mark.usefixtures("comfy")
+def test_flux2_is_its_own_structure() -> None:
+    """FLUX.2's VAE (the SD KL decoder at z 32 behind a latent BatchNorm, 128 channels at 16x) is no ``kl``:
+    its untiled cost models are keyed by its structure, and its exact ones by its own structure signature
+    (the BatchNorm's rescale) while FLUX.1's share SD's signature under their own class name."""
+    models = {kind: build_model(kind, "meta") for kind in ("kl_f8", "flux", "flux2")}
+    vae = types.SimpleNamespace(first_stage_model=models["flux2"], upscale_ratio=16, latent_dim=2,
+                                latent_channels=128)  # fmt: skip
+    assert identify(vae) is None
+    sig = {kind: dp.structure_signature(m) for kind, m in models.items()}
+    assert sig["flux"] == sig["kl_f8"] != sig["flux2"]
+    keys = {kind: dp.exact_key(m, torch.float32, "cpu", False, True) for kind, m in models.items()}
+    assert len(set(keys.values())) == 3
 
 
 def _meta_kl_vae(**ddconfig) -> types.SimpleNamespace:

@@ -4,6 +4,9 @@
   not used for fitting within +-15 % (KL and Wan 2.1), and says so with the numbers;
 * meta sizing (fake tensors, no compute) counts exactly the bytes a real decode counts, per family;
 * the shipped defaults (meta-calibrated) predict the same held-out real decodes within +-15 %.
+
+VAEs are loaded and decoded under ``torch.inference_mode`` (``tests.helpers.load_vae``; calibration runs
+through ``decode_run``, which enters it), as ComfyUI's executor runs every node.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from vramfit.memory.measure.tracker import PeakTracker, tracker_factory
 from vramfit.memory.vae.families import FAMILIES, identify
 
 from scripts.fixtures import structured_latent
+from tests.helpers import load_vae
 
 pytestmark = pytest.mark.host
 log = logging.getLogger("vramfit.tests.memory")
@@ -32,7 +36,7 @@ KIND_FAMILY = {"kl_f8": "kl", "wan21": "wan21", "wan22": "wan22", "hunyuan_video
 
 
 def _load(comfy, fixture_vaes, kind):
-    vae = comfy.VAELoader().load_vae(fixture_vaes[kind])[0]
+    vae = load_vae(comfy, fixture_vaes[kind])  # under inference mode, as ComfyUI's executor loads it
     assert identify(vae) == KIND_FAMILY[kind]
     return vae
 
@@ -51,7 +55,7 @@ def _geometry(family: str, px: int, frames: int) -> Geometry:
 def _real_peak(vae, g: Geometry) -> int:
     """Tracked peak of a real decode of a *structured* latent (the calibration used random ones)."""
     z = structured_latent(latent_shape(g, vae.latent_channels), seed=1).to(vae.vae_dtype)
-    with torch.no_grad(), PeakTracker("cpu") as t:
+    with torch.inference_mode(), PeakTracker("cpu") as t:  # as ComfyUI runs nodes
         out = vae.first_stage_model.decode(z)
         del out
     return t.peak_bytes

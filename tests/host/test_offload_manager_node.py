@@ -10,7 +10,7 @@ import uuid
 import pytest
 import torch
 from vramfit.memory.measure.tracker import PeakTracker
-from vramfit.memory.report import Report
+from vramfit.memory.report import Report, fmt_bytes
 
 from scripts.host import prompt_executor
 
@@ -139,6 +139,12 @@ def test_graph_unloads_the_second_model_and_frees_what_the_tracker_measured(
     assert "WanVAE" not in names and "AutoencoderKL" in names
     assert len(names) == int(rows["before"].split()[0]) - 1
     assert "load and offload device are both cpu" in rows["device"]
+    # the verdict: freed, unloaded, kept, time
+    n = int(rows["before"].split()[0])
+    freed_all = fmt_bytes(_bytes(rows["freed"]))
+    assert report.summary == (
+        f"freed {freed_all} · unloaded 1 of {n} models · kept AutoencoderKL · {rows['time']}"
+    ), report.summary
 
 
 def test_running_the_prompt_twice_runs_the_node_twice(executor, fixture_vaes) -> None:
@@ -205,6 +211,33 @@ def test_drop_without_a_server_and_downstream_hints(executor, fixture_vaes) -> N
     assert "downstream" not in dict(_report(hist).rows)
 
 
+def test_one_missing_keep_is_one_downstream_line(executor, fixture_vaes) -> None:
+    """Two decodes (and a second Offload Manager's keep) read the VAE that is not wired into keep: the
+    report names that one problem once, with every input that uses the VAE (it listed it once per input)."""
+    graph = {
+        "1": {"class_type": "VAELoader", "inputs": {"vae_name": fixture_vaes["kl_f8"]}},
+        "3": {"class_type": "EmptyLatentImage", "inputs": {"width": 24, "height": 16, "batch_size": 1}},
+        "8": {"class_type": "VRAMFit_OffloadManager",
+              "inputs": {"value": ["3", 0], "unload": "all except kept", "method": "offload",
+                         "empty_cache": False}},
+        "9": {"class_type": "VRAMFit_OffloadManager",
+              "inputs": {"value": ["8", 0], "unload": "nothing", "method": "offload", "empty_cache": False,
+                         "keep": ["1", 0]}},
+        "10": {"class_type": "VAEDecode", "inputs": {"samples": ["9", 0], "vae": ["1", 0]}},
+        "12": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["1", 0]}},
+        "11": {"class_type": "PreviewImage", "inputs": {"images": ["10", 0]}},
+        "13": {"class_type": "PreviewImage", "inputs": {"images": ["12", 0]}},
+    }  # fmt: skip
+    _, hist, _ = run_graph(executor, graph)
+    report = _report(hist)
+    lines = dict(report.rows)["downstream"].splitlines()
+    assert lines == [
+        "node 9 (VRAMFit_OffloadManager).keep, node 10 (VAEDecode).vae, node 12 (VAEDecode).vae use the "
+        "VAE of node 1: not wired into value/keep - unloaded now, reloaded by the first that runs"
+    ], lines
+    assert report.text().count("the VAE of node 1") == 1
+
+
 def test_gguf_style_patcher_subclass_is_unloaded(comfy) -> None:
     """A ModelPatcher subclass with tensor-subclass weights (as ComfyUI-GGUF's) goes through the node."""
     from comfy import model_management as mm
@@ -249,6 +282,7 @@ def test_gguf_style_patcher_subclass_is_unloaded(comfy) -> None:
     assert patcher.loaded_size() == 0 and patcher.unpatch_calls > calls_after_load[0]  # its own unpatch ran
     assert keep_patcher.unpatch_calls == calls_after_load[1] and keep_patcher.loaded_size() > 0
     assert "Sequential" in rows["unloaded"] and rows["keep"].startswith("Linear")
+    assert " · kept Linear · " in Report.parse(out.result[1]).summary
     freed = _released(rows, "Sequential")
     assert freed > 0 and abs(freed - t.end_bytes) <= 0.10 * t.end_bytes, (freed, t.end_bytes)
     assert out.ui.as_dict()["text"][0] == out.result[1]

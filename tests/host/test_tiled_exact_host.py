@@ -21,7 +21,7 @@ from vramfit.memory.executors import kl_exact as te
 from vramfit.memory.measure import reach as rc
 from vramfit.memory.vae import kl_layout as kll
 
-from scripts.fixtures import structured_latent
+from scripts.fixtures import build_model, structured_latent
 from tests.helpers import exact_tile_borders, psnr, seam_ratio
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
@@ -34,14 +34,18 @@ TILE = (64, 64)  # px at each level's resolution: 3 x 4 tiles at full resolution
 @pytest.fixture(scope="module")
 def reference(comfy, kl_vae):
     z = structured_latent(LATENT, seed=3)
-    (image,) = comfy.VAEDecode().decode(kl_vae, {"samples": z})
-    return z, image
+    with torch.inference_mode():  # as ComfyUI's executor runs every node
+        (image,) = comfy.VAEDecode().decode(kl_vae, {"samples": z})
+    return z, image.clone()
 
 
 def exact_image(vae, z, **kw) -> torch.Tensor:
-    """decode_exact + ComfyUI's own post-processing, as the node does: (B, H, W, 3) on [0, 1]."""
-    out = te.decode_exact(vae.first_stage_model, z.to(vae.vae_dtype).to(vae.device), TILE, **kw)
-    return vae.process_output(out.float()).movedim(1, -1)
+    """decode_exact + ComfyUI's own post-processing, as the node does (under ``torch.inference_mode``):
+    (B, H, W, 3) on [0, 1]."""
+    with torch.inference_mode():
+        out = te.decode_exact(vae.first_stage_model, z.to(vae.vae_dtype).to(vae.device), TILE, **kw)
+        image = vae.process_output(out.float()).movedim(1, -1)
+    return image.clone()
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +60,19 @@ def test_fixture_is_supported(kl_vae):
     assert kll.supports_exact(kl_vae.first_stage_model), kll.unsupported_reason(kl_vae.first_stage_model)
 
 
-def test_shipped_exact_cost_models_match_this_executor(kl_vae):
-    """The shipped models (memory/cost/data/exact/kl_cpu.json) are keyed by a digest of tiled_exact.py: after
-    any change to it they must be regenerated (``bench/tiled_decode.py --write-defaults``), else every
-    first decode calibrates (seconds) and the default test run plans with fresh calibrations."""
+@pytest.mark.parametrize("kind", ["kl_f8", "flux", "flux2"])
+def test_shipped_exact_cost_models_match_this_executor(comfy, kind):
+    """The shipped models (memory/cost/data/exact/: kl_cpu.json, flux_cpu.json, flux2_cpu.json) are keyed by
+    the executor's version and each KL fixture's class and structure: after a change to either they must be
+    regenerated (``bench/tiled_decode.py --write-defaults``), else every first decode calibrates (12-30 s on
+    CPU) and the default test run plans with fresh calibrations. The models are built on ``meta`` as ComfyUI's
+    loader builds them (the loaded fixtures: ``test_first_use_shipped.py``)."""
+    model = build_model(kind, "meta")
     shipped = dp.ExactCostStore(None)  # the shipped defaults only
-    for recompute in (False, True):
-        key = dp.exact_key(kl_vae.first_stage_model, torch.float32, "cpu", recompute, True)
+    keys = {dp.exact_key(model, torch.float32, "cpu", recompute, True) for recompute in (False, True)}
+    for key in keys:
         assert shipped.get(key) is not None, f"no shipped exact cost model {key}: run --write-defaults"
+    assert len(keys) == 2 and all(shipped.get(k).key == k for k in keys)
 
 
 def test_exact_matches_core_vae_decode(kl_vae, reference, exact_clean):

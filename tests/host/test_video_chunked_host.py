@@ -18,7 +18,8 @@
   (measured 6e-8).
 
 Heavier variants (batch of 2 with tiles, Wan 2.2 with k=3, Hunyuan vs VAEDecodeTiled) are marked
-``slow``. The latents and their ``VAEDecode`` references are shared with the node tests
+``slow``. Every decode runs under ``torch.inference_mode`` (the ``inference_mode`` fixture), as ComfyUI runs
+nodes. The latents and their ``VAEDecode`` references are shared with the node tests
 (``tests/video_refs.py``).
 """
 
@@ -37,7 +38,7 @@ from vramfit.memory.vae import wan_layout as wl
 from scripts.host import core_decode_tiled
 from tests.video_refs import HUNYUAN, WAN21, WAN22, reference
 
-pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread", "inference_mode")]
 log = logging.getLogger("vramfit.tests.video_chunked")
 
 TOL = 1e-3
@@ -192,7 +193,7 @@ def _blend(vae, z, k, o):
     m = vae.first_stage_model
     fn = lambda a: m.decode(a.to(vae.vae_dtype).to(vae.device)).float()  # noqa: E731  (as VAE.decode_tiled_3d)
     stats: dict = {}
-    with torch.no_grad():
+    with torch.inference_mode():
         out = blend.decode_overlap_blend(
             fn,
             z,

@@ -113,6 +113,9 @@ def test_one_timeline_per_prompt_across_monitors(comfy) -> None:
     rows = dict(report.rows)
     assert report.node == "VRAM Monitor" and report.device == "cpu"
     assert rows["prompt"] == f"{p1} (2 samples)" and rows["sample"] == "#2 node 11 (node 11)"
+    s = report.summary
+    assert s.startswith("#2 node 11 · RSS peak ") and " · free " in s, s
+    assert out_b.result[1].splitlines()[1] == report.summary
     table = rows["timeline"].splitlines()
     assert len(table) == 3 and "after sampling" in table[1] and "node 11" in table[2]
     assert rows["models"].split()[0].isdigit()

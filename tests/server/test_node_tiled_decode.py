@@ -47,6 +47,8 @@ def test_headless_workflow_saves_image_and_reports_plan(server, client, fixture_
     text = entry["outputs"]["3"]["text"][0]  # ui.PreviewText, stored in /history
     assert text.startswith("VRAM Fit | Tiled VAE Decode | cpu"), text
     assert "exact: layer-synchronous tiles" in text and "tiles of 32 px" in text, text
+    verdict = text.splitlines()[1]  # under the title: 96x72 px in 32-px tiles
+    assert verdict.startswith("exact · 3x3 tiles x 2 images · "), text
 
 
 def test_video_latent_vae_mismatch_is_a_clear_error(client, fixture_vaes):

@@ -49,6 +49,8 @@ def test_headless_hunyuan_latent_to_animated_webp(server, client, fixture_vaes):
     text = entry["outputs"]["3"]["text"][0]
     assert text.startswith("VRAM Fit | Temporal-Chunk Video Decode | cpu"), text
     assert "exact: causal caches" in text and "k = 2" in text, text
+    verdict = text.splitlines()[1]  # under the title
+    assert verdict.startswith("exact · ") and " chunks · " in verdict, text
 
 
 def test_image_latent_is_a_clear_error(client, fixture_vaes):
@@ -59,4 +61,5 @@ def test_image_latent_is_a_clear_error(client, fixture_vaes):
     with pytest.raises(WorkflowError) as err:
         client.run(wf, timeout=120)
     text = str(err.value)
-    assert "[VRAM Fit · Temporal-Chunk Video Decode]" in text and "Tiled VAE Decode" in text, text
+    assert "[VRAM Fit · Temporal-Chunk Video Decode]" in text and "expects 16" in text, text
+    assert "Tiled VAE Decode" not in text, text  # a 4-channel latent is the wrong VAE for both nodes

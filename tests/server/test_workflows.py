@@ -466,8 +466,11 @@ def test_demo_cpu_variant_runs_through_the_headless_runner(server, shipped_input
     for title in ("VRAM Monitor", "Offload Manager", "Tiled VAE Decode"):
         assert f"VRAM Fit | {title}" in proc.stdout
     lines = proc.stdout[proc.stdout.index("VRAM Fit | Tiled VAE Decode"):].splitlines()
-    end = next(i for i, line in enumerate(lines[1:], 1) if not line.startswith("  "))  # rows are indented
-    rows = dict(Report.parse("\n".join(lines[:end])).rows)
+    assert lines[1].startswith("exact · "), lines[:2]  # the verdict, right under the title
+    end = next(i for i, line in enumerate(lines[2:], 2) if not line.startswith("  "))  # rows are indented
+    report = Report.parse("\n".join(lines[:end]))
+    rows = dict(report.rows)
+    assert report.summary == lines[1] and " tensor budget" in report.summary, report.summary
     assert rows["path"].startswith("exact: layer-synchronous tiles"), rows
     assert "tiles" in rows["plan"] and f"{DEMO_BUDGET_MB} MiB" in rows["budget"], rows
 

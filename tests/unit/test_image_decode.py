@@ -20,7 +20,7 @@ from vramfit.memory.plan import exact as pe
 from vramfit.memory.plan import image as pim
 from vramfit.memory.plan.grid import ImpossibleBudgetError
 from vramfit.memory.plan.types import Plan
-from vramfit.memory.vae.kl_layout import count_exact_steps
+from vramfit.memory.vae.kl_layout import kl_layout
 
 from tests.unit.test_tiled_exact import _latent, _model
 
@@ -282,10 +282,30 @@ def test_one_progress_bar_over_all_passes(vae, case, stores):
     r = decode(vae, z, stores, {"progress_bar": bar}, tile_size=16, budget_mb=1024)
     assert r.plan.path == "exact"
     c = r.plan.config
-    per_item = count_exact_steps(vae.first_stage_model, (1, *z.shape[1:]), c.tile, c.recompute)
+    per_item = r.plan.units
+    assert per_item == kl_layout(vae.first_stage_model, c.recompute).steps(z.shape[-2:], c.tile) > 1
     assert totals == [2 * per_item]
     assert events[0] == (0, 2 * per_item) and events[-1] == (2 * per_item, 2 * per_item)
     assert [d for d, _ in events] == sorted(d for d, _ in events)
+
+
+def test_the_approximate_paths_bar_counts_the_planned_tiles():
+    """The generic executor's steps are the plan's tiles (``Plan.units`` = ``Tiling.rows * cols``)."""
+    vae = TinyVAE(_model(up_attn=True), ratio=4)
+    totals: list[int] = []
+    events: list[tuple[int, int]] = []
+
+    def bar(total: int):
+        totals.append(total)
+        return lambda done, t: events.append((done, t))
+
+    z = _latent((2, 4, 12, 10), seed=3)
+    r = decode(vae, z, _stores(), {"progress_bar": bar}, tile_size=16, budget_mb=1024)
+    tiling = r.plan.config
+    assert r.plan.path == "generic" and r.plan.units == tiling.rows * tiling.cols > 1
+    assert totals == [2 * r.plan.units] and events[-1] == (2 * r.plan.units, 2 * r.plan.units)
+    done = [d for d, _ in events]
+    assert done == sorted(done) and sorted(set(done)) == list(range(2 * r.plan.units + 1))
 
 
 def test_a_decode_identifies_the_vae_once(vae, case, stores, monkeypatch):

@@ -49,15 +49,18 @@ def test_a_difference_beyond_noise_fails_and_names_the_worst_config():
     assert not v.ok and v.worst == "bad one" and v.max_diff == pytest.approx(0.25)
     text = v.describe()
     assert "FAILED" in text and "bad one" in text and "max abs diff 0.25" in text
-    assert store.get("k") == v.to_dict()  # a real mismatch is stored: it will not pass next time either
+    # a real mismatch is stored, for these weights: it will not pass next time either
+    assert store.get("k#") == v.to_dict() and store.verdict("k", "") == v and store.get("k") is None
+    assert store.verdict("k", "").cached and "VRAMFIT_RECHECK=1" in store.verdict("k", "").describe()
 
 
-def test_shape_mismatch_and_nan_fail():
+def test_shape_mismatch_fails_and_a_non_finite_output_is_no_verdict():
     x = torch.zeros(2, 3)
     v = sc.verify("s", sc.CheckStore(), lambda: x, [("short", lambda: x[:1])], torch.float32)
-    assert not v.ok and math.isinf(v.max_diff) and "shape" in v.detail
-    v = sc.verify("n", sc.CheckStore(), lambda: x, [("nan", lambda: x * float("nan"))], torch.float32)
-    assert not v.ok and "non-finite" in v.detail
+    assert not v.ok and v.conclusive and math.isinf(v.max_diff) and "shape" in v.detail
+    store = sc.CheckStore()
+    v = sc.verify("n", store, lambda: x, [("nan", lambda: x * float("nan"))], torch.float32)
+    assert v.state == "inconclusive" and "non-finite" in v.detail and len(store) == 0
 
 
 def test_a_run_that_raises_fails_unstored():
@@ -101,3 +104,70 @@ def test_code_fingerprint_follows_code_not_weights():
     assert sc.code_fingerprint(c) not in (sc.code_fingerprint(a), sc.code_fingerprint(b))
     d = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3), torch.nn.SiLU())
     assert sc.code_fingerprint(d) != sc.code_fingerprint(a)  # structure
+
+
+def test_a_non_finite_reference_is_inconclusive_and_never_cached():
+    """The host's own decode is non-finite (broken or overflowing weights): no verdict, checked again."""
+    store = sc.CheckStore()
+    x = torch.zeros(3)
+    run, run_calls = _calls([x, x])
+    v = sc.verify("k", store, lambda: x / 0 * 0, [("tiles", run)], torch.float32, weights="w1")
+    assert not v.ok and not v.conclusive and v.state == "inconclusive" and run_calls == []
+    text = v.describe()
+    assert "could not conclude" in text and "unverified" in text and "non-finite" in text
+    assert len(store) == 0 and store.verdict("k", "w1") is None
+    # the next decode checks again, and a good file of the same structure passes
+    v = sc.verify("k", store, lambda: x, [("tiles", run)], torch.float32, weights="w2")
+    assert v.ok and run_calls == [1] and store.verdict("k", "w1") == v
+
+
+def test_a_check_out_of_memory_is_inconclusive_and_never_cached():
+    store = sc.CheckStore()
+
+    def oom() -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    v = sc.verify("k", store, lambda: torch.zeros(2), [("tiles", oom)], torch.float32)
+    assert v.state == "inconclusive" and "out of memory" in v.describe() and len(store) == 0
+
+
+def test_one_file_failure_does_not_condemn_other_files_of_the_structure():
+    store = sc.CheckStore()
+    x = torch.zeros(4)
+    bad = sc.verify("k", store, lambda: x, [("tiles", lambda: x + 0.5)], torch.float32, weights="fileA")
+    assert bad.state == "failed" and store.verdict("k", "fileA") == bad
+    assert store.verdict("k", "fileB") is None  # file B is not judged by file A's failure: it checks itself
+    good = sc.verify("k", store, lambda: x, [("tiles", lambda: x)], torch.float32, weights="fileB")
+    assert good.ok and store.verdict("k", "fileC") == good  # a pass holds for the structure
+    assert store.verdict("k", "fileA") == bad  # file A keeps its own failure
+
+
+def test_recheck_runs_a_stored_verdict_again_once_and_a_pass_replaces_the_failure(tmp_path):
+    path = tmp_path / "checks.json"
+    x = torch.zeros(4)
+    sc.verify("k", sc.CheckStore(path), lambda: x, [("tiles", lambda: x + 0.5)], torch.float32, weights="A")
+    store = sc.CheckStore(path)  # the next ComfyUI session, started with VRAMFIT_RECHECK=1
+    store.recheck = True
+    run, run_calls = _calls([x, x])
+    v = sc.verify("k", store, lambda: x, [("tiles", run)], torch.float32, weights="A")
+    assert v.ok and not v.cached and run_calls == [1]
+    again = sc.verify("k", store, lambda: x, [("tiles", run)], torch.float32, weights="A")
+    assert again.ok and again.cached and run_calls == [1]  # once per process
+    assert sc.CheckStore(path).verdict("k", "A").ok  # the failure is gone from the file
+
+
+def test_a_failure_stored_per_structure_by_an_older_version_is_not_a_verdict():
+    store = sc.CheckStore()
+    store.put("k", sc.Verdict(False, math.inf, 1e-4, "tiles", 1.0, "non-finite values").to_dict())
+    assert store.verdict("k", "any") is None
+
+
+def test_weights_digest_follows_weights_not_code():
+    a = torch.nn.Conv2d(2, 3, 3)
+    b = torch.nn.Conv2d(2, 3, 3)
+    assert sc.weights_digest(a) != sc.weights_digest(b)
+    with torch.no_grad():
+        b.weight.copy_(a.weight)
+        b.bias.copy_(a.bias)
+    assert sc.weights_digest(a) == sc.weights_digest(b)
+    assert sc.weights_digest(torch.nn.Conv2d(2, 3, 3, device="meta")) == ""

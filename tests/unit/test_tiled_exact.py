@@ -391,7 +391,7 @@ def test_progress_counts_to_the_announced_total(kl, ref_case):
     z, _ = ref_case
     calls: list[tuple[int, int]] = []
     te.decode_exact(kl, z, (8, 8), progress=lambda d, t: calls.append((d, t)))
-    total = kll.count_exact_steps(kl, z.shape, (8, 8))
+    total = z.shape[0] * kll.kl_layout(kl).steps(z.shape[-2:], (8, 8))  # the planner's figure (Plan.units)
     assert calls[0] == (0, total)
     assert [d for d, _ in calls] == list(range(total + 1))
     assert all(t == total for _, t in calls)

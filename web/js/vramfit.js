@@ -3,17 +3,32 @@
 // The nodes return their report as `ui.text` (V3 `ui.PreviewText`). ComfyUI's frontend draws only
 // `ui.images`/`gifs`/`audio`/... by itself; `ui.text` is shown only by node-specific extensions
 // (`Comfy.PreviewAny` for Preview Any, `Comfy.saveText` for SaveText), so every other node needs its
-// own. This one adds a read-only text box to the VRAMFit_* nodes on their first report and fills it on
-// every `onExecuted` (and when the frontend restores outputs, e.g. from the queue history).
-// Only public frontend API is used (`app`, `registerExtension`, `LGraphNode.addDOMWidget`), present in
-// frontends 1.32 to 1.49 at least.
+// own. This one adds a read-only report widget to the VRAMFit_* nodes on their first report and fills it
+// on every `onExecuted` (and when the frontend restores outputs, e.g. from the queue history): the
+// report's one-line verdict (memory/report.py: the unindented line under the title) as a bold header,
+// red when it says OVER BUDGET, amber when approximate, then the whole report in a text box.
+// While a decode does once-per-VAE work (self-check, calibration) the header shows that phase, sent by the
+// node as the `vramfit.phase` websocket event (nodes/_comfy.py `progress_text`).
+// Only public frontend API is used (`app`, `api`, `registerExtension`, `LGraphNode.addDOMWidget`), present in
+// frontends 1.28 to 1.49 at least.
 import { app } from "../../../scripts/app.js";
+import { api } from "../../../scripts/api.js";
 
 const NODE_PREFIX = "VRAMFit_";
 const WIDGET_NAME = "vramfit_report";
 const LINE_PX = 15; // line height of the report box (11 px monospace)
 const CHAR_PX = 6.6; // width of one character at that size
-const MAX_ROWS = 22; // taller reports scroll inside the box
+const MAX_ROWS = 22; // taller reports scroll inside the box (the verdict included)
+const HEAD_LINE_PX = 16; // line height of the verdict (12 px bold monospace)
+const HEAD_CHAR_PX = 7.3;
+const HEAD_PAD_PX = 6; // its vertical padding and the gap below it
+const TONES = {
+  over: { color: "#ffd7d7", background: "rgba(200, 40, 40, 0.55)" },
+  approximate: { color: "#ffe8b0", background: "rgba(190, 130, 20, 0.45)" },
+  ok: { color: "#d4f5d4", background: "rgba(40, 140, 60, 0.40)" },
+  phase: { color: "#d6e6ff", background: "rgba(40, 90, 190, 0.45)" },
+};
+const PHASE_EVENT = "vramfit.phase";
 
 function reportText(output) {
   const text = output?.text;
@@ -21,14 +36,68 @@ function reportText(output) {
   return Array.isArray(text) ? text.join("\n") : String(text);
 }
 
-function wrappedRows(text, nodeWidth) {
-  const perRow = Math.max(20, Math.floor((nodeWidth - 24) / CHAR_PX));
+function wrappedRows(text, nodeWidth, charPx = CHAR_PX) {
+  const perRow = Math.max(20, Math.floor((nodeWidth - 24) / charPx));
   return text.split("\n").reduce((rows, line) => rows + Math.max(1, Math.ceil(line.length / perRow)), 0);
+}
+
+// The verdict: the unindented line right under the report's title ("" for a report without one).
+function verdictLine(text) {
+  const line = String(text ?? "").split("\n")[1] ?? "";
+  return line.trim() && !line.startsWith(" ") ? line : "";
+}
+
+function tone(verdict) {
+  if (/OVER BUDGET/.test(verdict)) return "over";
+  return /^approximate\b/.test(verdict) ? "approximate" : "ok";
+}
+
+function setReport(wrap, text) {
+  const head = wrap.querySelector(".vramfit-verdict");
+  const box = wrap.querySelector("textarea");
+  const verdict = verdictLine(text);
+  head.textContent = verdict;
+  head.style.display = verdict ? "block" : "none";
+  head.dataset.tone = verdict ? tone(verdict) : "";
+  Object.assign(head.style, TONES[tone(verdict)]);
+  box.value = text ?? "";
+}
+
+function minHeight(wrap, nodeWidth) {
+  const head = wrap.querySelector(".vramfit-verdict").textContent;
+  const headPx = head ? wrappedRows(head, nodeWidth, HEAD_CHAR_PX) * HEAD_LINE_PX + HEAD_PAD_PX : 0;
+  const rows = Math.max(4, wrappedRows(wrap.querySelector("textarea").value, nodeWidth) + 1);
+  return Math.min(MAX_ROWS * LINE_PX, headPx + rows * LINE_PX);
 }
 
 function reportWidget(node) {
   const existing = node.widgets?.find((w) => w.name === WIDGET_NAME);
   if (existing) return existing;
+  const wrap = document.createElement("div");
+  wrap.className = "vramfit-report-wrap";
+  wrap.dataset.vramfitNode = String(node.id);
+  Object.assign(wrap.style, {
+    display: "flex",
+    flexDirection: "column",
+    gap: "2px",
+    width: "100%",
+    height: "100%",
+    boxSizing: "border-box",
+  });
+  const head = document.createElement("div");
+  head.className = "vramfit-verdict";
+  head.title = "VRAM Fit verdict (the report's first line under its title)";
+  Object.assign(head.style, {
+    fontFamily: "monospace",
+    fontSize: "12px",
+    fontWeight: "bold",
+    lineHeight: `${HEAD_LINE_PX}px`,
+    padding: "2px 6px",
+    borderRadius: "4px",
+    whiteSpace: "pre-wrap",
+    overflowWrap: "anywhere",
+    flex: "0 0 auto",
+  });
   const box = document.createElement("textarea");
   box.className = "comfy-multiline-input vramfit-report";
   box.readOnly = true;
@@ -40,24 +109,39 @@ function reportWidget(node) {
     lineHeight: `${LINE_PX}px`,
     whiteSpace: "pre-wrap", // the node keeps its width; long rows wrap instead of hiding to the right
     overflowY: "auto",
+    flex: "1 1 auto",
+    minHeight: "0",
   });
-  const widget = node.addDOMWidget(WIDGET_NAME, "vramfit_report", box, {
+  wrap.append(head, box);
+  setReport(wrap, "");
+  const widget = node.addDOMWidget(WIDGET_NAME, "vramfit_report", wrap, {
     serialize: false,
     getValue: () => box.value,
-    setValue: (v) => {
-      box.value = v ?? "";
-    },
-    getMinHeight: () => Math.min(MAX_ROWS, Math.max(4, wrappedRows(box.value, node.size[0]) + 1)) * LINE_PX,
+    setValue: (v) => setReport(wrap, v),
+    getMinHeight: () => minHeight(wrap, node.size[0]),
   });
   widget.serialize = false; // not in widgets_values (saved workflows) nor in the prompt sent to ComfyUI
   return widget;
+}
+
+// A phase of a running decode ("first use of this VAE: checking exactness ..."), until its report arrives.
+function showPhase(node, text) {
+  const widget = reportWidget(node);
+  const head = widget.element.querySelector(".vramfit-verdict");
+  head.textContent = String(text ?? "");
+  head.style.display = text ? "block" : "none";
+  head.dataset.tone = "phase";
+  Object.assign(head.style, TONES.phase);
+  const [w, h] = node.computeSize();
+  node.setSize([Math.max(node.size[0], w), Math.max(node.size[1], h)]);
+  app.graph?.setDirtyCanvas(true, true);
 }
 
 function showReport(node, output) {
   const text = reportText(output);
   if (text == null) return;
   const widget = reportWidget(node);
-  widget.element.value = text;
+  setReport(widget.element, text);
   widget.value = text;
   const [w, h] = node.computeSize();
   node.setSize([Math.max(node.size[0], w), Math.max(node.size[1], h)]);
@@ -67,6 +151,12 @@ function showReport(node, output) {
 
 app.registerExtension({
   name: "VRAMFit.Reports",
+  setup() {
+    api.addEventListener(PHASE_EVENT, ({ detail }) => {
+      const node = app.graph?.getNodeById(detail?.node);
+      if ((node?.comfyClass ?? node?.type)?.startsWith(NODE_PREFIX)) showPhase(node, detail.text);
+    });
+  },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (!nodeData?.name?.startsWith(NODE_PREFIX)) return;
     const onExecuted = nodeType.prototype.onExecuted;
