@@ -56,5 +56,6 @@ def test_video_latent_vae_mismatch_is_a_clear_error(client, fixture_vaes):
 
     with pytest.raises(WorkflowError) as err:
         client.run(_workflow(fixture_vaes["wan21"], 64, 64, 1), timeout=120)
-    text = str(err.value)
-    assert "[VRAM Fit · Tiled VAE Decode]" in text and "Temporal-Chunk Video Decode" in text, text
+    text = str(err.value)  # EmptyLatentImage's 4 channels on Wan 2.1's 16: the wrong VAE for both nodes
+    assert "[VRAM Fit · Tiled VAE Decode]" in text and "wrong VAE for this latent" in text, text
+    assert "Temporal-Chunk Video Decode" not in text, text

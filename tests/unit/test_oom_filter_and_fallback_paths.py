@@ -246,8 +246,12 @@ def _video(vae, z, env=None, **kw) -> vd.VideoDecodeResult:
 def test_non_wan_video_chunk_follows_the_budget():
     vae = TinyVideoVAE()
     z = torch.randn(1, 4, 9, 16, 16, generator=torch.Generator().manual_seed(0))
-    big = _video(vae, z, budget_mb=1024)
-    assert not vd.make_job(vae, z, "cpu").wan
+    whole = _video(vae, z, budget_mb=1024)  # the host's own decode fits: exact by construction
+    assert whole.plan.path == "host" and whole.plan.exact and not whole.plan.over_budget
+    ref = vae.process_output(vae.first_stage_model.decode(z)).movedim(1, -1).reshape(whole.images.shape)
+    assert torch.equal(whole.images, ref.float())
+    big = _video(vae, z, budget_mb=whole.plan.planned * 0.99 / MiB)  # it does not: overlap-blend chunks
+    assert not vd.make_job(vae, z, "cpu").wan and big.plan.path == "blend" and not big.plan.exact
     assert big.plan.planned > 0 and not big.plan.over_budget and big.plan.config.k == 4 == pv.BLEND_MAX_K
     assert f"peak {fmt_bytes(big.plan.planned)}" in dict(big.report.rows)["predicted"]
     plans = [big.plan]
