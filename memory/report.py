@@ -102,6 +102,13 @@ def measure_note(method: str) -> str:
     return f"not measured; {BUDGET_BOUNDS}"
 
 
+def measured_text(measured: int | None, method: str) -> str:
+    """A decode report's ``measured`` row: the peak, its measure and what that is next to the budget."""
+    if measured is None:
+        return f"{method} ({measure_note(method)})"
+    return f"peak {fmt_bytes(measured)} ({method}: {measure_note(method)})"
+
+
 def peak_verdict(measured: int | None, method: str, budget: int, predicted: int | None = None) -> str:
     """The peak part of a decode's verdict: ``RSS peak 310.0 MiB of 512.0 MiB tensor budget``; a measured
     peak over the budget: ``... > 512.0 MiB tensor budget: OVER BUDGET``; unmeasured: the prediction."""

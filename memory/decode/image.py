@@ -59,7 +59,7 @@ from ..report import (
     flag_measured_overrun,
     fmt_bytes,
     fmt_seconds,
-    measure_note,
+    measured_text,
     peak_verdict,
     summary_line,
 )
@@ -412,8 +412,7 @@ def _report(job: ImageJob, plan: Plan, models: ImageModels, budget: Any, offload
     where = f", at {plan.config.peak.segment}" if plan.path == "exact" else ""
     r.add("predicted", f"peak {fmt_bytes(plan.planned)} ({pct:.0%} of budget){over}; tensor-level "
                        f"{fmt_bytes(plan.tracked)}{where}")
-    r.add("measured", f"peak {fmt_bytes(m.peak)} ({m.method}: {measure_note(m.method)})" if m.peak is not None
-          else f"{m.method} ({measure_note(m.method)})")
+    r.add("measured", measured_text(m.peak, m.method))
     flag_measured_overrun(r, m.peak, m.method, int(budget.available), log)
     r.add("time", f"{fmt_seconds(seconds)} decoding ({run.passes} pass{'es' if run.passes != 1 else ''}), "
                   f"{fmt_seconds(plan_seconds)} planning")

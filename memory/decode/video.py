@@ -18,13 +18,13 @@ from ..executors.blend import decode_overlap_blend
 from ..executors.wan import decode_wan_chunked
 from ..plan import plan
 from ..plan.types import Plan
-from ..plan.video import REPORT_NODE, VideoJob, blend_fn, blend_ratios, model_key
+from ..plan.video import REPORT_NODE, VideoJob, blend_fn, blend_ratios, model_key, output_geometry
 from ..report import (
     Report,
     flag_measured_overrun,
     fmt_bytes,
     fmt_seconds,
-    measure_note,
+    measured_text,
     peak_verdict,
     summary_line,
 )
@@ -163,15 +163,12 @@ def decode_video(
     budget = prep.budget
 
     stats: dict = {}
+    frames, r = output_geometry(job)
     if job.wan:
-        lay = job.layout
-        r = lay.spatial_ratio
-        frames = lay.out_frames(t)
         verdict = check_chunked(job, env.checks, lambda: load_weights(vae, env, 0), first)
         job = dataclasses.replace(job, verdict=verdict)
     else:
-        frames_of, index_formula, r = blend_ratios(vae)
-        frames = int(round(frames_of(t))) if callable(frames_of) else int(round(frames_of * t))
+        frames_of, index_formula, _ = blend_ratios(vae)
     oh, ow = h * r, w * r
     p = plan(job, int(budget.available), env.peaks)
     c = p.config
@@ -243,8 +240,7 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
                            f"planned in {fmt_seconds(plan_seconds)} (offload and self-check included)")
     else:
         r.add("predicted", "not predicted (meta sizing of the decoder failed; see the log)")
-    r.add("measured", f"peak {fmt_bytes(measured)} ({method}: {measure_note(method)})" if measured is not None
-          else f"{method} ({measure_note(method)})")
+    r.add("measured", measured_text(measured, method))
     flag_measured_overrun(r, measured, method, int(budget.available), log)
     r.add("time", f"{fmt_seconds(seconds)} ({stats.get('chunks', '?')} chunks)")
     if first is not None and first.done:

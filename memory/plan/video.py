@@ -342,11 +342,7 @@ def plan_host_decode(job: VideoJob, budget: int, peaks: PeakStore, reason: str) 
     None. Taken when the chunked executor failed its self-check (Wan; ``reason``: the verdict) and, for other
     video VAEs, before any overlap-blend (``reason``: it fits)."""
     _, _, t, h, w = (int(v) for v in job.z.shape)
-    if job.wan:
-        frames, r = job.layout.out_frames(t), job.layout.spatial_ratio
-    else:
-        frames_of, _, r = blend_ratios(job.vae)
-        frames = int(round(frames_of(t))) if callable(frames_of) else int(round(frames_of * t))
+    frames, r = output_geometry(job)
     planned = out_bytes(job, frames, h * r, w * r) + host_decode_peak(job, peaks)
     if planned > budget:
         return None
@@ -380,6 +376,16 @@ def blend_ratios(vae: Any) -> tuple[Callable[[int], Any] | int | float, Callable
     return frames, index, int(spatial)
 
 
+def output_geometry(job: VideoJob) -> tuple[int, int]:
+    """``(output frames, spatial ratio)`` of ``job``'s decode: the Wan layout's, else the VAE's
+    ``upscale_ratio`` (:func:`blend_ratios`)."""
+    t = int(job.z.shape[2])
+    if job.wan:
+        return job.layout.out_frames(t), job.layout.spatial_ratio
+    frames_of, _, r = blend_ratios(job.vae)
+    return (int(round(frames_of(t))) if callable(frames_of) else int(round(frames_of * t))), r
+
+
 def blend_fn(job: VideoJob) -> Callable[[torch.Tensor], torch.Tensor]:
     """One chunk's decode as ``VAE.decode`` feeds it (the VAE's dtype and device), float32 frames."""
     model = job.vae.first_stage_model
@@ -410,9 +416,8 @@ def plan_blend(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
     """The largest chunk (at most :data:`BLEND_MAX_K`, or the user's ``k``) whose meta-sized peak plus the
     output buffer fits ``budget``; the smallest, marked over budget, when none does. When meta sizing
     fails: the largest chunk, not predicted (``planned`` 0)."""
-    frames_of, _, r = blend_ratios(job.vae)
     b, _, t, h, w = (int(v) for v in job.z.shape)
-    frames = int(round(frames_of(t))) if callable(frames_of) else int(round(frames_of * t))
+    frames, r = output_geometry(job)
     out_b = out_bytes(job, frames, h * r, w * r)
     post = 2 * b * 3 * h * w * r * r * 4  # process_output per output frame: two float32 temporaries
     ks = [max(2, k_user)] if k_user else list(range(max(2, min(t, BLEND_MAX_K)), 1, -1))
