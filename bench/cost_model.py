@@ -20,7 +20,10 @@ whose memory depends on the host (``Family.host_keyed``, Wan) keeps one set of m
 The fixtures of no known family (``UNKNOWN_KINDS``: FLUX.2's ``AutoencoderKL`` with the latent BatchNorm,
 Sana's DC-AE as ``scripts/sana_vae.py`` loads it) are benched the same way under the key their first decode
 looks up (``calibration.vae_key``: the model class and a digest of its structure) and written to
-``memory/cost/data/<kind>.json``, so their first decode calibrates nothing either. Run from the repo root with
+``memory/cost/data/<kind>.json``, so their first decode calibrates nothing either; a decoder with an exact
+split path (``memory/vae/split_layout.py``: DC-AE) also gets its suffix's models (executor ``split``, meta
+sizing).
+Run from the repo root with
 the host's python::
 
     .cache/venv/bin/python bench/cost_model.py [--families kl wan21 flux2] [--write] [--rss] [--no-real]
@@ -128,7 +131,12 @@ def bench_family(family: str, real: bool, rss: bool) -> tuple[list[Any], float |
         comfy_version = comfyui_version.__version__
     except ImportError:
         comfy_version = "?"
-    models = []
+    from vramfit.memory.plan.split import EXECUTOR as SPLIT
+    from vramfit.memory.plan.split import PHASES as SPLIT_PHASES
+    from vramfit.memory.plan.split import suffix_run
+    from vramfit.memory.vae.split_layout import split_layout
+
+    models, split_models = [], []
     for dt_name in DTYPES:
         dt = getattr(torch, dt_name)
         t0 = time.perf_counter()
@@ -145,6 +153,13 @@ def bench_family(family: str, real: bool, rss: bool) -> tuple[list[Any], float |
         m = dataclasses.replace(m, inputs=inputs)
         log.info("%s %s: meta calibration in %.1f s", family, dt_name, time.perf_counter() - t0)
         log.info("  %s", m.describe())
+        if split_layout(vae.first_stage_model).reason is None:  # the exact split path's suffix, too
+            s = subject_of(dtype=dt, device="cpu")
+            model = vae.first_stage_model
+            run = suffix_run(split_layout(model), model, s.channels, dt, "cpu")
+            fitted = calibrate_vae(s, executor=SPLIT, run=run, phases=SPLIT_PHASES)
+            split_models.append(dataclasses.replace(fitted, inputs=inputs))
+            log.info("  split suffix: %s", split_models[-1].describe())
         for g, meas, pred, err in m.errors():
             log.info(
                 "    fit  %-62s measured %s predicted %s  %+6.1f%%",
@@ -155,7 +170,7 @@ def bench_family(family: str, real: bool, rss: bool) -> tuple[list[Any], float |
             )
         models.append(m)
     if not real:
-        return models, None, ""
+        return models + split_models, None, ""
 
     m32 = models[0]
     run = decode_run(vae.first_stage_model.decode, spec.latent_channels, torch.float32, "cpu")
@@ -224,7 +239,7 @@ def bench_family(family: str, real: bool, rss: bool) -> tuple[list[Any], float |
         log.info("    rss  %s", note)
     measured = overhead if note else None
     models = [dataclasses.replace(m, validation=tuple(checks)) if m is m32 else m for m in models]
-    return models, measured, note
+    return models + split_models, measured, note
 
 
 def main(argv: list[str] | None = None) -> int:

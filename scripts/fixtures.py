@@ -59,7 +59,7 @@ log = logging.getLogger("vramfit.fixtures")
 GENERATOR_VERSION = "vramfit-fixtures/2"
 """Stored in each file's metadata; bump it when the weights a seed produces change."""
 
-KINDS = ("kl_f8", "wan21", "wan22", "hunyuan_video", "flux", "flux2", "dcae_sana")
+KINDS = ("kl_f8", "wan21", "wan22", "hunyuan_video", "flux", "flux2", "hunyuan_image", "dcae_sana")
 COMFY_KINDS = KINDS[:-1]
 """The kinds ComfyUI's own ``VAELoader`` loads (``dcae_sana`` loads through ``scripts/sana_vae.py``)."""
 
@@ -98,6 +98,17 @@ DCAE_SANA_CONFIG = {
     "decoder_norm_types": "rms_norm",
     "decoder_act_fns": "silu",
     "scaling_factor": 0.41407,
+}
+# Hunyuan Image 2.1's VAE (comfy/sd.py: a 64-channel 2-D ``decoder.conv_in``), ComfyUI 0.3.75 and 0.33.0 alike.
+_HUNYUAN_IMAGE_DDCONFIG = {
+    "block_out_channels": [128, 256, 512, 512, 1024, 1024],
+    "in_channels": 3,
+    "out_channels": 3,
+    "num_res_blocks": 2,
+    "ffactor_spatial": 32,
+    "downsample_match_channel": True,
+    "upsample_match_channel": True,
+    "z_channels": 64,
 }
 _WAN_DDCONFIG = {
     "dim_mult": [1, 2, 4, 4],
@@ -157,6 +168,14 @@ class FixtureSpec:
             # diffusers' AutoencoderKLFlux2 / BFL's flux2 AutoEncoder: the SD KL encoder/decoder at z 32,
             # quant convs (64 -> 64, 32 -> 32) and a BatchNorm (eps 1e-4) over the 2x2-patchified latent.
             return {"ddconfig": dict(_KL_DDCONFIG, z_channels=32, batch_norm_latent=True), "embed_dim": 32}
+        if self.kind == "hunyuan_image":
+            dd = dict(_HUNYUAN_IMAGE_DDCONFIG)
+            module = "comfy.ldm.hunyuan_video.vae"
+            return {
+                "regularizer_config": {"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
+                "encoder_config": {"target": f"{module}.Encoder", "params": dd},
+                "decoder_config": {"target": f"{module}.Decoder", "params": dd},
+            }
         if self.kind == "dcae_sana":
             return dict(DCAE_SANA_CONFIG)
         raise KeyError(self.kind)
@@ -270,6 +289,20 @@ FIXTURES: dict[str, FixtureSpec] = {
         example_latent=(1, 128, 4, 4),
         example_output=(1, 64, 64, 3),
         description="FLUX.2 VAE (KL, z 32, quant convs, BatchNorm'd 2x2-patchified latent: 128 ch, 16x)",
+    ),
+    "hunyuan_image": _spec(
+        "hunyuan_image",
+        torch.bfloat16,
+        latent_channels=64,
+        latent_dim=2,
+        spatial_ratio=32,
+        temporal_ratio=1,
+        model_class="AutoencodingEngine",
+        module="comfy.ldm.models.autoencoder",
+        params=405_575_491,
+        example_latent=(1, 64, 2, 2),
+        example_output=(1, 64, 64, 3),
+        description="Hunyuan Image 2.1 VAE (z 64, 32x; pixel-shuffle up/down sampling, GroupNorm, mid attention)",
     ),
     "dcae_sana": _spec(
         "dcae_sana",

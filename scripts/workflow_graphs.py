@@ -99,8 +99,10 @@ def sana_2048_batch2() -> WorkflowDesc:
             "Sana 1600M 2K (BF16) through the ComfyUI_ExtraModels Sana nodes, two 2048×2048 images. The seed "
             "case of VRAM Fit: with the diffusion model and Gemma still resident, the DC-AE decode of the batch "
             "went from 12.9 GB to 22.9 GB. The Offload Manager unloads everything but the VAE after sampling, and "
-            "the Tiled VAE Decode decodes within what is free (untiled when it fits, else in tiles; DC-AE is not "
-            "a GroupNorm KL VAE, so the tiles use the approximate halo-and-crop path, said in the report). "
+            "the Tiled VAE Decode decodes within what is free, exactly: untiled when it fits, else in exact split "
+            "tiles (DC-AE's linear-attention stages once on the whole latent at 1/8 resolution, its ResBlock "
+            "stages in tiles with a halo of their reach; proven equal to the untiled decode by the first-use "
+            "self-check, said in the report). "
             "Graph and sampler settings follow NVlabs/Sana's ComfyUI example Sana_FlowEuler_2K.json."
         ),
         packs=[SANA],

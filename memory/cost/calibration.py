@@ -214,21 +214,23 @@ def cost_model_for(
     run: Callable[[Geometry], object] | None = None,
     before_real: Callable[[], None] | None = None,
     first_use: Any = None,
+    phases: Sequence[Sequence[str]] | None = None,
 ) -> CostModel:
     """The cost model to plan ``s``'s decode with: cached or shipped for its key, else calibrated once now
     (meta sizing, falling back to real decodes when the decoder cannot run on fake tensors; ``before_real()``
-    first, e.g. to load the weights; shown and timed as a ``first_use`` phase) and cached in ``store``."""
+    first, e.g. to load the weights; shown and timed as a ``first_use`` phase) and cached in ``store``.
+    ``phases``: the executor's feature phases (default: the family's, :func:`default_phases`)."""
     key = vae_key(s, executor)
 
     def fit() -> CostModel:
         try:
-            return calibrate_vae(s, executor=executor, run=run, mode="meta")
+            return calibrate_vae(s, executor=executor, run=run, mode="meta", phases=phases)
         except Exception as e:  # noqa: BLE001 - any op without a fake kernel: fall back to real runs
             log.warning("meta sizing failed for %s (%s: %s); calibrating with real decodes", key,
                         type(e).__name__, e)
         if before_real is not None:
             before_real()
-        return calibrate_vae(s, executor=executor, run=run, mode="real")
+        return calibrate_vae(s, executor=executor, run=run, mode="real", phases=phases)
 
     if first_use is None:
         return store.get_or_calibrate(key, fit)

@@ -40,6 +40,7 @@ import torch
 from ..cost import exact as dp
 from ..executors import generic as tg
 from ..executors import kl_exact as te
+from ..executors.split import decode_split
 from ..oom import OomEvent, OomResume, oom_types
 from ..plan import plan
 from ..plan.exact import ExactChoice
@@ -53,6 +54,7 @@ from ..plan.image import (
     image_models,
     make_job,
 )
+from ..plan.split import suffix_reach, tile_px
 from ..plan.types import Plan
 from ..report import (
     Report,
@@ -63,13 +65,14 @@ from ..report import (
     peak_verdict,
     summary_line,
 )
+from ..vae.split_layout import split_layout
 from .env import DecodeEnv, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
 from .self_check import CheckStore, Verdict, checked, code_fingerprint
 
 log = logging.getLogger("vramfit.memory.decode.image")
 
-__all__ = ["DecodeEnv", "DecodeResult", "ImageJob", "check_exact", "decode_image", "make_job"]
+__all__ = ["DecodeEnv", "DecodeResult", "ImageJob", "check_exact", "check_split", "decode_image", "make_job"]
 
 REPORT_NODE = "Tiled VAE Decode"
 MAX_RETRIES = 3
@@ -103,6 +106,41 @@ def check_exact(job: ImageJob, store: CheckStore, norm_params: te.NormParamsFn |
 
     configs = [(f"tiles of {CHECK_TILE} px", tiled)]
     return checked(key, store, model, lambda: model.decode(z), configs, job.dtype, prepare, first_use)
+
+
+CHECK_SPLIT_TILE = 8
+"""Suffix tiles of the split path's self-check, in px of the prefix's output (2x3 tiles for DC-AE)."""
+
+
+def check_split(job: ImageJob, store: CheckStore, prepare: Callable[[], None] | None = None,
+                first_use: FirstUse | None = None) -> Verdict:
+    """Self-check of the split path for this decoder on this host: a tiny random latent
+    (:data:`CHECK_LATENT_HW`) through the VAE's own decode (``first_stage_model.decode``; for a VAE that
+    overrides ``VAE.decode``, that decode, against ComfyUI's output processing of ours) and through
+    :func:`..executors.split.decode_split` in tiles of :data:`CHECK_SPLIT_TILE` px with the traced halo."""
+    model = job.vae.first_stage_model
+    layout = split_layout(model)
+    cls = type(model)
+    key = (f"split/{layout.family}/{cls.__module__}.{cls.__qualname__}/{code_fingerprint(model)}"
+           f"/{str(job.dtype).removeprefix('torch.')}/{job.device.type}")
+    z = torch.randn((1, job.channels, *CHECK_LATENT_HW), generator=torch.Generator().manual_seed(0))
+    z = z.to(job.device, job.dtype)
+    halo = math.ceil(suffix_reach(layout, model, job.channels, job.dtype, job.device)[2].total - 1e-9)
+
+    def tiled() -> torch.Tensor:
+        out = decode_split(layout, z, CHECK_SPLIT_TILE, halo)
+        return out if job.core else _process(out).movedim(1, -1)
+
+    def reference() -> torch.Tensor:
+        return model.decode(z).float() if job.core else job.vae.decode(z).float()
+
+    configs = [(f"suffix tiles of {CHECK_SPLIT_TILE} px", tiled)]
+    return checked(key, store, model, reference, configs, job.dtype, prepare, first_use)
+
+
+def _process(x: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's ``VAE.process_output`` (for VAEs that skip ``VAE.__init__``, as ExtraModels' EXVAE)."""
+    return torch.clamp((x + 1.0) / 2.0, min=0.0, max=1.0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,6 +290,28 @@ class _Run:
         images = job.vae.process_output(img) if job.core else img
         self.write(b, images.movedim(1, -1))
 
+    def split_item(self, b: int, p: Plan, cb: ProgressFn, models: ImageModels) -> None:
+        job = self.job
+        self._pass()
+        sp = models.split
+        assert sp is not None
+        img = decode_split(
+            sp.layout,
+            self.latent(b, b + 1),
+            tile_px(p, sp),
+            sp.halo,
+            out_device=job.out_device,
+            progress=cb,
+            should_stop=self.driver.check_stop,
+            fault_hook=self._tile_hook(),
+            oom_exceptions=self.oom,
+            on_oom=self._tile_oom,
+        )
+        process = getattr(job.vae, "process_output", None) if job.core else None
+        images = (process or _process)(img)
+        del img
+        self.write(b, images.movedim(1, -1))
+
     def _tile_oom(self) -> None:
         self.oom_events.append("out of memory inside a tile: tile halved, decode resumed")
         if self.env.on_oom is not None:
@@ -283,6 +343,8 @@ def _execute(run: _Run, plan: Plan, models: ImageModels, budget: int) -> Plan:
         elif p.path == "exact":
             assert models.exact is not None
             run.exact_item(start, p.config, cb, models.exact.attention_bytes)
+        elif p.path == "split":
+            run.split_item(start, p, cb, models)
         else:
             run.generic_item(start, p, cb)
 
@@ -367,14 +429,20 @@ def decode_image(
 
 
 def _self_check(job: ImageJob, env: DecodeEnv, first: FirstUse) -> tuple[ImageJob, Verdict | None]:
-    """The exact walker must have reproduced this host's decode once (:func:`check_exact`); when it did not,
-    the job has no exact path (its reason says why)."""
-    if job.exact_reason is not None:
-        return job, None
-    verdict = check_exact(job, env.checks, env.norm_params, lambda: load_weights(job.vae, env, 0), first)
-    if not verdict.ok:
-        job = dataclasses.replace(job, exact_reason=f"the exact tiled walker's {verdict.describe()}")
-    return job, verdict
+    """The exact walker (:func:`check_exact`) or the split path (:func:`check_split`) must have reproduced this
+    host's decode once; when it did not, the job has no such path (its reason says why)."""
+    load = lambda: load_weights(job.vae, env, 0)  # noqa: E731
+    if job.exact_reason is None:
+        verdict = check_exact(job, env.checks, env.norm_params, load, first)
+        if not verdict.ok:
+            job = dataclasses.replace(job, exact_reason=f"the exact tiled walker's {verdict.describe()}")
+        return job, verdict
+    if job.split_reason is None:
+        verdict = check_split(job, env.checks, load, first)
+        if not verdict.ok:
+            job = dataclasses.replace(job, split_reason=f"the split path's {verdict.describe()}")
+        return job, verdict
+    return job, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -394,11 +462,17 @@ def _report(job: ImageJob, plan: Plan, models: ImageModels, budget: Any, offload
     elif plan.path == "exact":
         path = ("exact: layer-synchronous tiles, shared GroupNorm statistics, mid block on the whole latent "
                 "(equal to the untiled decode up to float rounding)")
+    elif plan.path == "split":
+        path = (f"exact: global prefix once, local suffix in tiles with a halo of its reach ({plan.reason}; "
+                "equal to the untiled decode up to float rounding)")
     else:
-        path = f"approximate: generic tiles with halo and crop (not exact because: {job.exact_reason})"
+        failed = (job.split_reason or "").startswith("the split path's")
+        why = f"{job.exact_reason}; {job.split_reason}" if failed else job.exact_reason
+        path = f"approximate: generic tiles with halo and crop (not exact because: {why})"
     r.add("path", path)
     if verdict is not None and verdict.ok:
-        r.add("check", f"exact tiled walker: {verdict.describe()}")
+        which = "split path" if plan.path == "split" or job.exact_reason is not None else "exact tiled walker"
+        r.add("check", f"{which}: {verdict.describe()}")
     r.add("budget", budget.describe())
     r.add("offload", offload_text)
     plan_text = plan.description
@@ -439,7 +513,7 @@ def _summary(job: ImageJob, plan: Plan, budget: Any, seconds: float, m: Any, run
         shape += f" x {b} images"
     oom = len(run.oom_events)
     return summary_line(
-        "exact" if plan.path in ("untiled", "exact") else "approximate",
+        "exact" if plan.path in ("untiled", "exact", "split") else "approximate",
         shape,
         peak_verdict(m.peak, m.method, int(budget.available), plan.planned),
         "planned over budget (user tile)" if plan.over_budget and (m.peak or 0) <= budget.available else "",

@@ -344,6 +344,8 @@ class _ExactRun:
             z = pqc(z)
         mid = self.dec.mid
         h = self.dec.conv_in(z)
+        if self.layout.in_repeats:
+            h = h + z.repeat_interleave(self.layout.in_repeats, 1)
         del z
         h = mid.block_1(h)
         h = mid.attn_1(h)

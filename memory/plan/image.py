@@ -21,8 +21,10 @@ from ..measure.reach import ReachReport, default_halo, traced_reach
 from ..measure.sizing import MetaSizer
 from ..vae.families import identify, model_name, structure_digest
 from ..vae.kl_layout import unsupported_reason
+from ..vae.split_layout import split_layout
 from . import exact as pe
 from .grid import ImpossibleBudgetError, plan_tiling
+from .split import SplitPlanner, plan_split, split_planner
 from .types import Plan
 
 log = logging.getLogger("vramfit.memory.plan.image")
@@ -58,6 +60,9 @@ class ImageJob:
     """The user's tile side in output px (0: auto, untiled when it fits)."""
     halo: int = -1
     """The user's context per tile of the approximate path in latent px (-1: the decoder's reach)."""
+    split_reason: str | None = "not checked"
+    """None when the decoder is a global prefix and a local suffix (:mod:`..vae.split_layout`) and the exact
+    walker does not apply, else why not."""
 
 
 def spatial_ratio(vae: Any, channels: int) -> int:
@@ -88,6 +93,7 @@ def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device 
     reason = unsupported_reason(vae.first_stage_model)
     if reason is None and not core:
         reason = f"{type(vae).__name__} overrides VAE.decode (its own post-processing is kept)"
+    split_reason = "the exact walker applies" if reason is None else split_layout(vae.first_stage_model).reason
     ratio = spatial_ratio(vae, channels)
     family = identify(vae) or model_name(vae)
     dtype = getattr(vae, "vae_dtype", torch.float32)
@@ -107,6 +113,7 @@ def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device 
         subject=subject(vae, family=family, spatial_ratio=ratio, channels=channels, device=device, dtype=dtype),
         tile_size=int(tile_size),
         halo=int(halo),
+        split_reason=split_reason,
     )
 
 
@@ -292,7 +299,9 @@ class ImageModels:
     feather: int = 0
     """Latent px of cross-fade inside the halo (decoders with global ops)."""
     reach: str = ""
-    """The traced reach and the halo taken from it, for the report (approximate path)."""
+    """The traced reach and the halo taken from it, for the report (approximate and split paths)."""
+    split: SplitPlanner | None = None
+    """The exact split path's planner (None: the decoder has none)."""
 
 
 def image_models(job: ImageJob, env: Any, full: CostModel, budget: int, first_use: Any = None) -> ImageModels:
@@ -302,6 +311,9 @@ def image_models(job: ImageJob, env: Any, full: CostModel, budget: int, first_us
     if job.exact_reason is None:
         attention = max(ATTENTION_MIN, budget // 4)
         return ImageModels(full, ExactPlanner(job, env, float(full.overhead), attention, first_use))
+    if job.split_reason is None:
+        sp = split_planner(job, split_layout(job.vae.first_stage_model), env, first_use)
+        return ImageModels(full, None, reach=sp.describe_reach(), split=sp)
     traced, global_ops = reach(job)
     halo = default_halo(traced) if job.halo < 0 else int(job.halo)
     text = f"{traced.describe()}; halo {halo} latent px{' (auto)' if job.halo < 0 else ''}"
@@ -310,7 +322,8 @@ def image_models(job: ImageJob, env: Any, full: CostModel, budget: int, first_us
 
 def plan(job: ImageJob, budget: int, models: ImageModels) -> Plan:
     """The fastest plan of ``job`` within ``budget`` bytes: the VAE's own decode when it fits (and no tile is
-    set), else exact tiles (decoders the exact executor supports), else approximate tiles."""
+    set), else exact tiles (decoders the exact walker supports), else exact split tiles (a global prefix and a
+    local suffix), else approximate tiles."""
     tile = int(job.tile_size) or None
     if tile is None:
         found = plan_untiled(job, models.full, budget)
@@ -318,6 +331,8 @@ def plan(job: ImageJob, budget: int, models: ImageModels) -> Plan:
             return found
     if models.exact is not None:
         return plan_exact(models.exact, budget, tile)
+    if models.split is not None:
+        return plan_split(job, models.split, budget, tile, buffer_bytes(job) + item_image_bytes(job))
     return plan_generic(job, models.full, budget, tile, models.halo, models.feather)
 
 
@@ -326,8 +341,16 @@ def fallback(job: ImageJob, p: Plan, models: ImageModels, budget: int) -> Plan:
 
     untiled -> exact tiles smaller than the image (half the planned bytes), or generic tiles;
     exact -> recompute -> host store (accelerators) -> host store + recompute -> half the tile;
-    generic -> half the budget and the tile."""
+    split -> half the budget and the tile; generic -> half the budget and the tile."""
     planner, full = models.exact, models.full
+    if models.split is not None and p.path in ("untiled", "split"):
+        extra = buffer_bytes(job) + item_image_bytes(job)
+        smaller = min(budget, p.planned // 2)
+        tile = max(job.ratio, p.config.tile_h * job.ratio // 2) if p.path == "split" else None
+        try:
+            return plan_split(job, models.split, smaller, tile, extra)
+        except ImpossibleBudgetError:
+            return plan_split(job, models.split, smaller, job.ratio, extra)
     if p.path == "untiled":
         smaller = min(budget, p.planned // 2)
         if planner is not None:

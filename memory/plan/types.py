@@ -8,8 +8,8 @@ from typing import Any
 
 __all__ = ["IMAGE_PATHS", "VIDEO_PATHS", "Chunking", "Plan"]
 
-IMAGE_PATHS = ("untiled", "exact", "generic")
-"""The VAE's own decode; the exact tiled executor; approximate tiles with a halo."""
+IMAGE_PATHS = ("untiled", "exact", "split", "generic")
+"""The VAE's own decode; the exact tiled walker; exact prefix/suffix tiles; approximate tiles with a halo."""
 VIDEO_PATHS = ("wan", "host", "blend")
 """The chunked Wan executor; the host's own decode per batch item; overlapping chunks cross-faded."""
 

@@ -1,4 +1,5 @@
-"""Layout of a GroupNorm KL decoder (SD1.x/SD2/SDXL, SD3/Flux, Flux 2) for the exact tiled executor.
+"""Layout of a GroupNorm KL decoder (SD1.x/SD2/SDXL, SD3/Flux, Flux 2, Hunyuan Image 2.1) for the exact tiled
+executor.
 
 The decoder is walked once per model object (:func:`kl_layout`, cached): the structure check, the up path
 cut into *segments* at every GroupNorm, and the pure-integer geometry that the executor
@@ -91,6 +92,31 @@ def _resnet_reason(blk: Any, where: str) -> str | None:
     return None
 
 
+def _is_pixel_shuffle_up(m: Any) -> bool:
+    """Hunyuan Image 2.1's upsample (``comfy.ldm.hunyuan_video.vae.PixelUnshuffle2D``): a 3x3 conv to 4x the
+    output channels at the low resolution, then depth-to-space 2x, plus the channel-repeated input."""
+    return type(m).__name__ == "PixelUnshuffle2D" and _is_conv2d(getattr(m, "conv", None), 3) \
+        and isinstance(getattr(m, "scale", None), int)
+
+
+def stage_order(dec: Any) -> list[tuple[int, bool]]:
+    """``(level, upsample after its blocks)`` in the decoder's forward order: the SD KL ``Decoder`` runs
+    ``up`` from the deepest level, upsampling after every level but 0; Hunyuan Image 2.1's runs ``up`` in list
+    order, upsampling where a level has one (its decoder has ``block_out_channels``, no
+    ``num_resolutions``)."""
+    n = len(dec.up)
+    if getattr(dec, "num_resolutions", None) is None and getattr(dec, "block_out_channels", None) is not None:
+        return [(i, getattr(dec.up[i], "upsample", None) is not None) for i in range(n)]
+    return [(i, i > 0) for i in reversed(range(n))]
+
+
+def in_shortcut_repeats(dec: Any) -> int:
+    """Channel repeats of the latent added to ``conv_in``'s output (Hunyuan Image 2.1's decoder); 0: none."""
+    if getattr(dec, "num_resolutions", None) is not None or getattr(dec, "block_out_channels", None) is None:
+        return 0
+    return int(dec.block_out_channels[0]) // int(dec.z_channels)
+
+
 def _structure_reason(model: Any) -> str | None:
     bn = getattr(model, "bn", None)
     if bn is not None and not isinstance(bn, torch.nn.BatchNorm2d):
@@ -118,7 +144,10 @@ def _structure_reason(model: Any) -> str | None:
         return "decoder.up is not a list"
     if levels == 0:
         return "decoder.up is empty"
-    for i in range(levels):
+    repeats = in_shortcut_repeats(dec)
+    if repeats and int(dec.conv_in.out_channels) != repeats * int(dec.z_channels):
+        return "conv_in's latent shortcut does not match its channels"
+    for i, has_upsample in stage_order(dec):
         level = up[i]
         blocks = getattr(level, "block", None)
         if blocks is None or len(blocks) == 0:
@@ -129,10 +158,12 @@ def _structure_reason(model: Any) -> str | None:
             reason = _resnet_reason(blocks[j], f"up[{i}].block[{j}]")
             if reason:
                 return reason
-        if i > 0:
+        if has_upsample:
             upsample = getattr(level, "upsample", None)
             if upsample is None:
                 return f"up[{i}] has no upsample"
+            if _is_pixel_shuffle_up(upsample):
+                continue
             sf = getattr(upsample, "scale_factor", None)
             if isinstance(sf, (tuple, list)):
                 if len(sf) != 2 or any(float(s) != 2.0 for s in sf):
@@ -228,7 +259,7 @@ def _build_segments(dec: Any, recompute: bool) -> tuple[list[SegmentInfo], dict[
         segs.append(SegmentInfo(name, kind, inputs, output, stored, cin, cout, up, scale, halo, residual,
                                 inplace_of, residual_halo, shortcut_output, module))
 
-    for i in reversed(range(len(dec.up))):
+    for i, has_upsample in stage_order(dec):
         blocks = dec.up[i].block
         for j in range(len(blocks)):
             blk = blocks[j]
@@ -259,12 +290,16 @@ def _build_segments(dec: Any, recompute: bool) -> tuple[list[SegmentInfo], dict[
                 add(f"{prefix}.conv2", "conv2", (h_name, s_name), y_name, True, cout, cout, 1, prefix,
                     residual=cout, inplace_of=s_name)
             cur = y_name
-        if i > 0:
+        if has_upsample:
             upsample = dec.up[i].upsample
             c = int(blocks[len(blocks) - 1].conv2.out_channels)
             scale *= 2
-            halo = 1 if getattr(upsample, "with_conv", False) else 0
-            add(f"up.{i}.upsample", "upsample", (cur,), f"u{i}", True, c, c, halo, f"up.{i}.upsample", up=2)
+            if _is_pixel_shuffle_up(upsample):
+                # Its 3x3 conv runs at the low resolution: 1 low-res px of context = 2 output px.
+                halo, c_out = 2, int(upsample.conv.out_channels) // 4
+            else:
+                halo, c_out = (1 if getattr(upsample, "with_conv", False) else 0), c
+            add(f"up.{i}.upsample", "upsample", (cur,), f"u{i}", True, c, c_out, halo, f"up.{i}.upsample", up=2)
             cur = f"u{i}"
     if not getattr(dec, "give_pre_end", False):
         consumer[cur] = "norm_out"
@@ -393,8 +428,11 @@ class KlLayout:
     recompute: bool = False
     pre_scale: int = 1
     """Mid-block resolution / latent resolution (2 for Flux-2 style latent batch-norm + pixel shuffle)."""
+    in_repeats: int = 0
+    """Channel repeats of the latent added to ``conv_in``'s output (:func:`in_shortcut_repeats`); 0: none."""
     mid_channels: int = 0
     levels: int = 0
+    """Resolutions of the up path (upsamples + 1)."""
     tanh_out: bool = False
     segments: tuple[SegmentInfo, ...] = ()
     consumer: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -547,8 +585,9 @@ def _walk(model: Any, recompute: bool) -> KlLayout:
         reason=None,
         recompute=recompute,
         pre_scale=2 if isinstance(getattr(model, "bn", None), torch.nn.BatchNorm2d) else 1,
+        in_repeats=in_shortcut_repeats(dec),
         mid_channels=int(dec.conv_in.out_channels),
-        levels=len(dec.up),
+        levels=1 + sum(s.kind == "upsample" for s in segs),
         tanh_out=bool(getattr(dec, "tanh_out", False)),
         segments=tuple(segs),
         consumer=consumer,

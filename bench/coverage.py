@@ -1,0 +1,141 @@
+"""Coverage bench: the exact tiled decode of each newly covered image family vs the host's decodes, one run.
+
+For each fixture kind (default: Hunyuan Image 2.1 ``hunyuan_image``, Sana's DC-AE ``dcae_sana``) and image
+size, in one process, CPU float32:
+
+1. the host's untiled decode (core ``VAEDecode``; for DC-AE, loaded as ComfyUI_ExtraModels does, its own
+   ``VAE.decode``): the reference;
+2. core ``VAEDecodeTiled`` with its defaults (tile 512, overlap 64; DC-AE: not a ComfyUI VAE, core's tiled
+   decode cannot run it, the row says so);
+3. Tiled VAE Decode with ``tile_size`` = half the image side (2x2 tiles at least), warmed first so the row
+   times the decode, not the first-use check.
+
+Per row: wall seconds, the live-tensor peak (``PeakTracker`` dispatch: the same measure for all rows), PSNR
+vs the reference, and ratios vs the reference (time, peak). Nothing is asserted; figures go to
+docs/BENCHMARKS.md::
+
+    .cache/venv/bin/python bench/coverage.py [--kinds hunyuan_image dcae_sana] [--sizes 512] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import math
+import pathlib
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+log = logging.getLogger("vramfit.bench.coverage")
+log.setLevel(logging.INFO)
+MiB = 2**20
+KINDS = ("hunyuan_image", "dcae_sana")
+
+
+def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = (a.double() - b.double()).pow(2).mean().item()
+    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def _load(nodes: Any, kind: str) -> Any:
+    from scripts.fixtures import make_models
+    from scripts.host import HostConfig
+
+    path = make_models(HostConfig.load().models_dir / "vae", seed=0, kinds=[kind])[kind]
+    if kind == "dcae_sana":
+        from scripts.sana_vae import load_dcae
+
+        return load_dcae(str(path), torch.float32)
+    return nodes.VAELoader().load_vae(path.name)[0]
+
+
+def _measure(tracker_mod: Any, fn: Callable[[], torch.Tensor]) -> dict[str, Any]:
+    w0 = time.perf_counter()
+    with torch.inference_mode(), tracker_mod.PeakTracker("cpu", method="dispatch") as t:
+        out = fn()
+    return {"out": out, "wall": time.perf_counter() - w0, "peak": t.peak_bytes}
+
+
+def bench(nodes: Any, mod: Any, tracker_mod: Any, kind: str, px: int) -> list[dict[str, Any]]:
+    from scripts.fixtures import FIXTURES, structured_latent
+    from scripts.host import core_decode_tiled
+
+    spec = FIXTURES[kind]
+    vae = _load(nodes, kind)
+    side = px // spec.spatial_ratio
+    z = structured_latent((1, spec.latent_channels, side, side), seed=5)
+    comfy_vae = kind != "dcae_sana"
+    rows = []
+    ref = _measure(tracker_mod, (lambda: nodes.VAEDecode().decode(vae, {"samples": z})[0]) if comfy_vae
+                   else (lambda: vae.decode(z)))
+    rows.append({"kind": kind, "px": px, "decode": "host untiled (VAEDecode)", **ref, "psnr": math.inf})
+    if comfy_vae:
+        t = _measure(tracker_mod, lambda: core_decode_tiled(nodes, vae, {"samples": z}, 512, 64, 64, 8))
+        rows.append({"kind": kind, "px": px, "decode": "core VAEDecodeTiled 512/64", **t,
+                     "psnr": _psnr(t["out"], ref["out"])})
+    else:
+        rows.append({"kind": kind, "px": px, "decode": "core VAEDecodeTiled 512/64",
+                     "skipped": "not a ComfyUI VAE (ExtraModels' EXVAE): core's tiled decode cannot run it"})
+    tile = px // 2
+    mod.decode(vae, {"samples": z[..., : min(side, 4), : min(side, 4)]}, tile_size=tile)  # first use, untimed
+    w0 = time.perf_counter()
+    r = mod.decode(vae, {"samples": z}, tile_size=tile)
+    wall = time.perf_counter() - w0
+    rows.append({"kind": kind, "px": px, "decode": f"Tiled VAE Decode, tile {tile} ({r.plan.path})",
+                 "out": r.images, "wall": wall, "peak": r.measured_peak or 0,
+                 "psnr": _psnr(r.images, ref["out"]), "summary": r.report.summary})
+    log.info("%s %d: %s", kind, px, r.report.text())
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    out = ["| family | size | decode | wall s | tensor peak MiB | PSNR vs untiled | time vs untiled | "
+           "peak vs untiled |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "skipped" in r:
+            out.append(f"| {r['kind']} | {r['px']}² | {r['decode']} | {r['skipped']} | | | | |")
+            continue
+        ref = next(x for x in rows
+                   if x["kind"] == r["kind"] and x["px"] == r["px"] and x["decode"].startswith("host"))
+        ps = "ref" if r is ref else ("bit-equal" if math.isinf(r["psnr"]) else f"{r['psnr']:.1f} dB")
+        out.append(f"| {r['kind']} | {r['px']}² | {r['decode']} | {r['wall']:.1f} | {r['peak'] / MiB:,.0f} | "
+                   f"{ps} | {r['wall'] / ref['wall']:.2f}x | {r['peak'] / max(1, ref['peak']):.2f}x |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--sizes", type=int, nargs="+", default=[512])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+    from scripts.host import load_comfy_in_process
+
+    torch.set_num_threads(args.threads)
+    nodes = load_comfy_in_process()
+    mod = sys.modules[nodes.NODE_CLASS_MAPPINGS["VRAMFit_TiledVAEDecode"].__module__]
+    tracker_mod = importlib.import_module(mod.__name__.rsplit(".nodes.", 1)[0] + ".memory.measure.tracker")
+    t0 = time.perf_counter()
+    rows = [r for kind in args.kinds for px in args.sizes for r in bench(nodes, mod, tracker_mod, kind, px)]
+    try:
+        load = " ".join(pathlib.Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        load = "?"
+    log.info("\n%s\n\nfixture VAEs (random weights, real architectures), float32, CPU, torch %s, %d threads, "
+             "%s, load average %s, bench %.0f s", table(rows), torch.__version__, args.threads,
+             platform.platform(), load, time.perf_counter() - t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Decoders that are a global prefix and a local suffix, described once per family.
+
+A decoder whose every operation after some point is local (convolutions, upsampling, per-pixel norms) decodes
+exactly in tiles: run the *prefix* once on the whole latent (it works at low resolution, where the global
+operations are: attention, statistic norms), then the *suffix* tile by tile with a halo of its traced reach
+(:mod:`..executors.split`). The pack's only per-family code is a :class:`Description`: which decoders it
+matches and the decoder's forward written as named stages. The split point is found here, from the stages'
+modules: the suffix is the longest tail of stages without a global module (:func:`is_global`); the planner
+traces the suffix's reach and the first-use self-check proves the result equal to the host's decode.
+
+Adding a family: one :class:`Description` in :data:`DESCRIPTIONS` (DC-AE's is ~35 lines) plus its fixture and
+tests (docs/ARCHITECTURE.md). Duck-typed: no ComfyUI or diffusers import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["DESCRIPTIONS", "Description", "SplitLayout", "Stage", "is_global", "split_layout"]
+
+Fn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One step of a decoder's forward: ``run(x)`` and the modules it calls (for the split point)."""
+
+    name: str
+    run: Fn
+    modules: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Description:
+    """A decoder family for the split path."""
+
+    name: str
+    reason: Callable[[Any], str | None]
+    """Why ``first_stage_model`` is not of this family (None: it is)."""
+    stages: Callable[[Any], list[Stage]]
+    """``first_stage_model.decode`` as stages, in order (their composition must equal it: the self-check
+    proves it on the running host)."""
+
+
+_NORMS_OVER_SPACE = (torch.nn.GroupNorm, torch.nn.LayerNorm, torch.nn.InstanceNorm2d, torch.nn.InstanceNorm3d)
+
+
+def is_global(m: Any) -> bool:
+    """A module whose output at one pixel may depend on every pixel: attention (by class name, as
+    :func:`..measure.reach.traced_reach`) or a norm with statistics that may span space (GroupNorm, LayerNorm,
+    InstanceNorm; per-pixel RMS norms are local)."""
+    name = type(m).__name__.lower()
+    return "attn" in name or "attention" in name or isinstance(m, _NORMS_OVER_SPACE)
+
+
+def _has_global(stage: Stage) -> bool:
+    for top in stage.modules:
+        mods = top.modules() if isinstance(top, torch.nn.Module) else ()
+        if any(is_global(m) for m in mods):
+            return True
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitLayout:
+    """One decoder cut into prefix and suffix; ``reason``: why there is no split path (then nothing else)."""
+
+    reason: str | None
+    family: str = ""
+    stages: tuple[Stage, ...] = ()
+    split: int = 0
+    """Index of the first suffix stage."""
+
+    def require(self) -> SplitLayout:
+        if self.reason is not None:
+            raise ValueError(f"no prefix/suffix split for this decoder: {self.reason}")
+        return self
+
+    def prefix(self, z: torch.Tensor) -> torch.Tensor:
+        """The global part, on the whole latent."""
+        return _compose(self.stages[: self.split], z)
+
+    def suffix(self, x: torch.Tensor) -> torch.Tensor:
+        """The local part: any tile of the prefix's output (with a halo of its reach)."""
+        return _compose(self.stages[self.split :], x)
+
+    def describe(self) -> str:
+        pre = ", ".join(s.name for s in self.stages[: self.split]) or "nothing"
+        return f"{self.family}: prefix {pre} on the whole latent; suffix {self.stages[self.split].name} .. " \
+               f"{self.stages[-1].name} in tiles"
+
+
+def _compose(stages: Sequence[Stage], x: torch.Tensor) -> torch.Tensor:
+    for s in stages:
+        x = s.run(x)
+    return x
+
+
+# --------------------------------------------------------------------------------------------------
+# Descriptions
+
+
+def _dcae_reason(model: Any) -> str | None:
+    dec = getattr(model, "decoder", None)
+    if dec is None or type(dec).__module__.rsplit(".", 1)[-1] != "autoencoder_dc":
+        return "not a DC-AE decoder (diffusers autoencoder_dc)"
+    for name in ("conv_in", "up_blocks", "norm_out", "conv_act", "conv_out"):
+        if getattr(dec, name, None) is None:
+            return f"DC-AE decoder has no {name}"
+    if getattr(model, "use_tiling", False):
+        return "the VAE's own tiled decode is enabled (its decode is not the decoder's forward)"
+    return None
+
+
+def _dcae_stages(model: Any) -> list[Stage]:
+    """diffusers ``autoencoder_dc.Decoder.forward`` (0.32-0.36): ``conv_in`` plus the channel-repeat
+    shortcut, the up blocks from the deepest, then RMSNorm over channels, activation and ``conv_out``."""
+    dec = model.decoder
+
+    def conv_in(z: torch.Tensor) -> torch.Tensor:
+        h = dec.conv_in(z)
+        if getattr(dec, "in_shortcut", False):
+            h = h + z.repeat_interleave(dec.in_shortcut_repeats, dim=1)
+        return h
+
+    def out(x: torch.Tensor) -> torch.Tensor:
+        x = dec.norm_out(x.movedim(1, -1)).movedim(-1, 1)
+        return dec.conv_out(dec.conv_act(x))
+
+    n = len(dec.up_blocks)
+    return ([Stage("conv_in", conv_in, (dec.conv_in,))]
+            + [Stage(f"up_blocks.{i}", dec.up_blocks[i], (dec.up_blocks[i],)) for i in reversed(range(n))]
+            + [Stage("out", out, (dec.norm_out, dec.conv_act, dec.conv_out))])
+
+
+DESCRIPTIONS: tuple[Description, ...] = (
+    Description("dc-ae", _dcae_reason, _dcae_stages),
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# The layout
+
+
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _walk(model: Any) -> SplitLayout:
+    reasons = []
+    for d in DESCRIPTIONS:
+        why = d.reason(model)
+        if why is not None:
+            reasons.append(why)
+            continue
+        stages = tuple(d.stages(model))
+        split = len(stages)
+        while split > 0 and not _has_global(stages[split - 1]):
+            split -= 1
+        if split >= len(stages):
+            return SplitLayout(f"{d.name}: its last stage has a global operation", d.name)
+        return SplitLayout(None, d.name, stages, split)
+    return SplitLayout("; ".join(reasons) or "no description")
+
+
+def split_layout(model: Any) -> SplitLayout:
+    """The split of ``model`` (a ``first_stage_model``), walked once per model object."""
+    try:
+        found = _LAYOUTS.get(model)
+    except TypeError:  # not weak-referenceable
+        return _walk(model)
+    if found is None:
+        found = _LAYOUTS[model] = _walk(model)
+    return found
