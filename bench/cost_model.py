@@ -17,9 +17,9 @@ For each family (fixture VAEs with the real ComfyUI architectures, loaded throug
 whose memory depends on the host (``Family.host_keyed``, Wan) keeps one set of models per host variant
 (``calibration.host_variant``: run the bench on each host).
 
-The fixtures of no known family (``UNKNOWN_KINDS``: FLUX.2's ``AutoencoderKL`` with the latent BatchNorm,
-Sana's DC-AE as ``scripts/sana_vae.py`` loads it) are benched the same way under the key their first decode
-looks up (``calibration.vae_key``: the model class and a digest of its structure) and written to
+The fixtures of no known family (``UNKNOWN_KINDS``: FLUX.2's ``AutoencoderKL`` with the latent BatchNorm, Hunyuan
+Image 2.1's ``AutoencodingEngine``, Sana's DC-AE as ``scripts/sana_vae.py`` loads it) are benched the same way
+under the key their first decode looks up (``calibration.vae_key``: the model class and a digest of its structure) and written to
 ``memory/cost/data/<kind>.json``, so their first decode calibrates nothing either; a decoder with an exact
 split path (``memory/vae/split_layout.py``: DC-AE) also gets its suffix's models (executor ``split``, meta
 sizing).
@@ -47,7 +47,7 @@ log = logging.getLogger("vramfit.bench.cost_model")
 log.setLevel(logging.INFO)
 
 KIND_OF_FAMILY = {"kl": "kl_f8", "wan21": "wan21", "wan22": "wan22", "hunyuan_video": "hunyuan_video"}
-UNKNOWN_KINDS = ("flux2", "dcae_sana")
+UNKNOWN_KINDS = ("flux2", "hunyuan_image", "dcae_sana")
 """Fixture kinds of no known family: benched under their structure keys (``<kind>.json``)."""
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -61,6 +61,7 @@ REAL_SIZES: dict[str, list[tuple[int, int, int, int]]] = {
     # multiples of 32 px (DC-AE) and 16 px (FLUX.2)
     "flux2": [(96, 96, 0, 1), (96, 96, 0, 2), (160, 224, 0, 1), (192, 192, 0, 1), (288, 288, 0, 1)],
     "dcae_sana": [(96, 96, 0, 1), (96, 96, 0, 2), (160, 224, 0, 1), (192, 192, 0, 1), (288, 288, 0, 1)],
+    "hunyuan_image": [(96, 96, 0, 1), (96, 96, 0, 2), (160, 224, 0, 1), (192, 192, 0, 1), (288, 288, 0, 1)],
 }
 
 

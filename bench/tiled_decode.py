@@ -21,7 +21,8 @@ test suite checks correctness; the numbers go to docs/BENCHMARKS.md).
 fixtures (float32 on CPU, store / recompute; meta sizing, ~10-30 s each), one file per structure in
 ``memory/cost/data/exact/``: ``kl_cpu.json`` (SD/SDXL ``AutoencoderKL``), ``flux_cpu.json`` (FLUX.1's
 ``AutoencodingEngine``: same decoder, its own key) and ``flux2_cpu.json`` (FLUX.2: the latent BatchNorm makes
-its own structure signature), then exits. ``--kinds`` writes a subset.
+its own structure signature), ``hunyuan_image_cpu.json`` (Hunyuan Image 2.1), then exits. ``--kinds`` writes a
+subset.
 """
 
 from __future__ import annotations
@@ -209,7 +210,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-DEFAULT_FILES = {"kl_f8": "kl_cpu.json", "flux": "flux_cpu.json", "flux2": "flux2_cpu.json"}
+DEFAULT_FILES = {"kl_f8": "kl_cpu.json", "flux": "flux_cpu.json", "flux2": "flux2_cpu.json",
+                 "hunyuan_image": "hunyuan_image_cpu.json"}
 """Fixture kind -> its shipped exact cost-model file (one KL decoder structure each)."""
 
 

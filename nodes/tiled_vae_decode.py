@@ -109,9 +109,10 @@ class TiledVAEDecode(io.ComfyNode):
             display_name=DISPLAY_NAME,
             category=_comfy.CATEGORY,
             description=(
-                "Decodes an image latent within a memory budget. GroupNorm KL VAEs (SD1.x/SD2/SDXL/SD3/Flux) "
-                "decode exactly (same image as VAE Decode, no seams) in tiles sized from free memory; other "
-                "VAEs use single-pass tiles with a halo from the decoder's reach (approximate)."
+                "Decodes an image latent within a memory budget. GroupNorm KL VAEs (SD1.x/SD2/SDXL/SD3, "
+                "FLUX.1/FLUX.2, Hunyuan Image 2.1) and Sana's DC-AE decode exactly (same image as VAE Decode, "
+                "no seams, proven once per host by a self-check) in tiles sized from free memory; other VAEs use "
+                "single-pass tiles with a halo from the decoder's reach (approximate, said in the report)."
             ),
             inputs=[
                 io.Latent.Input("samples", tooltip="The image latent to decode (4-D; video latents: use the "
@@ -123,7 +124,7 @@ class TiledVAEDecode(io.ComfyNode):
                 io.Int.Input("halo", default=-1, min=-1, max=256, step=1,
                              tooltip="Approximate path only: latent pixels of context around each tile. -1 = "
                              "auto, the decoder's convolutional reach computed from its modules. The exact "
-                             "path needs no halo setting."),
+                             "paths need no halo setting (they ignore it)."),
                 *_decode_node.budget_inputs(),
             ],
             outputs=[

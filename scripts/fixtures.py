@@ -14,6 +14,12 @@ builds the same ``first_stage_model`` it would for the real releases:
                      BatchNorm over the 2x2-patchified latent: 128 channels, 16x spatial), keyed as BFL's
                      file (``encoder.quant_conv``, ``decoder.post_quant_conv``, ``bn.running_mean`` /
                      ``bn.running_var``), bfloat16.
+* ``mochi``          Genmo Mochi ``comfy.ldm.genmo.vae.model.VideoVAE`` (12 channels, 8x spatial, 6x temporal:
+                     T latent frames decode to 6*T-5), keyed ``encoder.*`` / ``decoder.*`` (both halves in one
+                     file, as ComfyUI's ``VideoVAE`` state dict), bfloat16.
+* ``cogvideox``      CogVideoX ``comfy.ldm.cogvideo.vae.AutoencoderKLCogVideoX`` (16 channels, 8x spatial, 4x
+                     temporal), bfloat16. ComfyUI 0.33.0+ only: on an older host (0.3.75) the kind is
+                     unavailable (:func:`available`); ``make_models`` skips it by default.
 * ``dcae_sana``      Sana's DC-AE (``dc-ae-f32c32-sana-1.0``: 32 channels, 32x spatial), diffusers'
                      ``AutoencoderDC``, bfloat16; not a ComfyUI model: ComfyUI_ExtraModels' ``ExtraVAELoader``
                      loads it into its own ``VAE`` subclass, which ``scripts/sana_vae.py`` mirrors.
@@ -59,8 +65,19 @@ log = logging.getLogger("vramfit.fixtures")
 GENERATOR_VERSION = "vramfit-fixtures/2"
 """Stored in each file's metadata; bump it when the weights a seed produces change."""
 
-KINDS = ("kl_f8", "wan21", "wan22", "hunyuan_video", "flux", "flux2", "hunyuan_image", "dcae_sana")
-COMFY_KINDS = KINDS[:-1]
+KINDS = (
+    "kl_f8",
+    "wan21",
+    "wan22",
+    "hunyuan_video",
+    "flux",
+    "flux2",
+    "hunyuan_image",
+    "mochi",
+    "cogvideox",
+    "dcae_sana",
+)
+COMFY_KINDS = tuple(k for k in KINDS if k != "dcae_sana")
 """The kinds ComfyUI's own ``VAELoader`` loads (``dcae_sana`` loads through ``scripts/sana_vae.py``)."""
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -132,7 +149,7 @@ class FixtureSpec:
     """2 = image latents (B,C,H,W); 3 = video latents (B,C,T,H,W)."""
     spatial_ratio: int
     temporal_ratio: int
-    """1 for image VAEs; 4 for the video VAEs (T latent frames decode to 4*T-3 frames)."""
+    """1 for image VAEs; r for the video VAEs: T latent frames decode to r*T-(r-1) frames (4; Mochi 6)."""
     model_class: str
     """Class name of ``vae.first_stage_model`` that ComfyUI builds on load."""
     module: str
@@ -144,6 +161,10 @@ class FixtureSpec:
     example_output: tuple[int, ...]
     """``VAE.decode`` output shape for ``example_latent``: (B,H,W,3) or (B,T,H,W,3)."""
     description: str = ""
+    min_comfyui: str | None = None
+    """First ComfyUI release with ``module``; None: every supported host. A kind with a version is
+    optional: available only where ``module`` imports (:func:`available`), skipped by ``make_models``'
+    default kinds elsewhere."""
 
     def config(self) -> dict:
         """Constructor kwargs of ``model_class``, identical to what ``comfy.sd.VAE`` uses."""
@@ -176,6 +197,11 @@ class FixtureSpec:
                 "encoder_config": {"target": f"{module}.Encoder", "params": dd},
                 "decoder_config": {"target": f"{module}.Decoder", "params": dd},
             }
+        if self.kind == "mochi":
+            return {}  # comfy/sd.py: VideoVAE(), its constructor holds the one configuration
+        if self.kind == "cogvideox":
+            # comfy/sd.py (0.33.0): latent_channels from encoder.conv_out.conv.weight.shape[0] // 2, no more
+            return {"latent_channels": 16}
         if self.kind == "dcae_sana":
             return dict(DCAE_SANA_CONFIG)
         raise KeyError(self.kind)
@@ -304,6 +330,35 @@ FIXTURES: dict[str, FixtureSpec] = {
         example_output=(1, 64, 64, 3),
         description="Hunyuan Image 2.1 VAE (z 64, 32x; pixel-shuffle up/down sampling, GroupNorm, mid attention)",
     ),
+    "mochi": _spec(
+        "mochi",
+        torch.bfloat16,
+        latent_channels=12,
+        latent_dim=3,
+        spatial_ratio=8,
+        temporal_ratio=6,
+        model_class="VideoVAE",
+        module="comfy.ldm.genmo.vae.model",
+        params=459_748_611,
+        example_latent=(1, 12, 3, 4, 4),
+        example_output=(1, 13, 32, 32, 3),
+        description="Genmo Mochi VAE (z 12, 8x, 6x temporal; causal PConv3d, depth-to-space-time upsampling)",
+    ),
+    "cogvideox": _spec(
+        "cogvideox",
+        torch.bfloat16,
+        latent_channels=16,
+        latent_dim=3,
+        spatial_ratio=8,
+        temporal_ratio=4,
+        model_class="AutoencoderKLCogVideoX",
+        module="comfy.ldm.cogvideo.vae",
+        params=215_583_907,
+        example_latent=(1, 16, 3, 4, 4),
+        example_output=(1, 9, 32, 32, 3),
+        description="CogVideoX VAE (z 16, 8x, 4x temporal; causal conv, spatially conditioned norms)",
+        min_comfyui="0.33.0",
+    ),
     "dcae_sana": _spec(
         "dcae_sana",
         torch.bfloat16,
@@ -354,6 +409,25 @@ def _import_comfy_module(name: str):
             log.info("no GPU visible to torch: importing ComfyUI in --cpu mode")
             cli_args.args.cpu = True
     return importlib.import_module(name)
+
+
+def available(kind: str) -> bool:
+    """Whether the running host has ``kind``'s module (always, for a kind without ``min_comfyui``).
+
+    Imports the module (ComfyUI must be importable). Only a missing ``module`` or package of it makes a
+    kind unavailable; any other import error propagates.
+    """
+    spec = FIXTURES[kind]
+    if spec.min_comfyui is None:
+        return True
+    try:
+        _import_comfy_module(spec.module)
+    except ModuleNotFoundError as e:
+        missing = e.name or ""
+        if missing.startswith("comfy.") and f"{spec.module}.".startswith(f"{missing}."):
+            return False
+        raise
+    return True
 
 
 def build_model(kind: str, device: str | torch.device = "meta") -> torch.nn.Module:
@@ -418,10 +492,15 @@ def _emphasise_current_frame(module: torch.nn.Module) -> None:
     0). Trained video VAEs (often inflated from 2-D weights) are dominated by the current frame. The
     taps are scaled by sqrt(kt * share), which keeps the kernel's total variance (the torch init
     scale) and keeps temporal mixing (caches still matter) while each frame drives its own outputs.
-    Both ComfyUI video VAEs here pad time causally, so the last tap is the current frame.
+    The ComfyUI video VAEs here pad time causally in front (Wan's and CogVideoX's ``CausalConv3d``,
+    Mochi's ``PConv3d``, HunyuanVideo's), so the last tap is the current frame. A convolution that pads
+    time symmetrically (a ``PConv3d`` with ``causal=False``, a ``Conv3d`` with temporal ``padding``) is
+    centred on the current frame and left as initialised (none of the kinds here has one).
     """
     kt = module.weight.shape[2]
     if kt == 1 or module.stride[0] != 1:
+        return
+    if getattr(module, "causal", True) is False or isinstance(module.padding, str) or module.padding[0] != 0:
         return
     scale = torch.tensor([math.sqrt(kt * s) for s in _temporal_shares(kt)], dtype=module.weight.dtype)
     with torch.no_grad():
@@ -533,12 +612,26 @@ def make_models(
 
     Deterministic by ``seed``. A file whose metadata already names the same kind, seed and generator
     version is kept (only its header is read) unless ``force``. Files are written atomically.
+
+    ``kinds`` None: every kind the running host has (:func:`available`; the others are logged and left
+    out of the result). An explicitly requested kind the host lacks raises ``RuntimeError``.
     """
     vae_dir = pathlib.Path(vae_dir)
-    kinds = KINDS if kinds is None else tuple(kinds)
+    explicit = kinds is not None
+    kinds = tuple(kinds) if explicit else KINDS
     unknown = [k for k in kinds if k not in FIXTURES]
     if unknown:
         raise ValueError(f"unknown fixture kinds {unknown}; known: {KINDS}")
+    missing = [k for k in kinds if not available(k)]
+    if missing and explicit:
+        raise RuntimeError(
+            "this ComfyUI host lacks the modules of fixture kinds "
+            + ", ".join(f"{k} ({FIXTURES[k].module}, ComfyUI >= {FIXTURES[k].min_comfyui})" for k in missing)
+        )
+    for kind in missing:
+        spec = FIXTURES[kind]
+        log.info("%s: skipped, this host has no %s (ComfyUI >= %s)", kind, spec.module, spec.min_comfyui)
+    kinds = tuple(k for k in kinds if k not in missing)
     seed = int(seed)
     out: dict[str, pathlib.Path] = {}
     for kind in kinds:
@@ -714,9 +807,9 @@ def main(argv: list[str] | None = None) -> int:
         "--kinds",
         nargs="+",
         choices=KINDS,
-        default=list(KINDS),
+        default=None,
         metavar="KIND",
-        help=f"subset of {', '.join(KINDS)} (default: all)",
+        help=f"subset of {', '.join(KINDS)} (default: all the host has)",
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if the files are current")
     args = parser.parse_args(argv)

@@ -234,7 +234,8 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
     if job.wan or plan.planned:
         avail = budget.available
         pct = plan.planned / avail if avail else math.inf
-        why = "user setting" if job.wan else f"chunks of {c.k} latent frames"
+        why = "user setting" if job.wan else (
+            "the host's whole decode: no chunking applies" if plan.path == "host" else f"chunks of {c.k} latent frames")
         over = f" - OVER BUDGET ({why})" if plan.over_budget else ""
         r.add("predicted", f"peak {fmt_bytes(plan.planned)} ({pct:.0%} of budget, meta sizing){over}; "
                            f"planned in {fmt_seconds(plan_seconds)} (offload and self-check included)")

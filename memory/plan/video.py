@@ -17,7 +17,7 @@ from ..executors import wan as vc
 from ..measure.sizing import MetaSizer
 from ..report import fmt_bytes
 from ..store import Store
-from ..tiles import spans
+from ..tiles import overlap_chunks, spans
 from ..vae.wan_layout import WanLayout, cache_protocol
 from .grid import ImpossibleBudgetError
 from .types import Chunking, Plan
@@ -412,10 +412,42 @@ def blend_chunk_peak(job: VideoJob, k: int, peaks: PeakStore) -> int:
     return peak
 
 
+_CHUNK_FRAMES: dict[tuple[str, int, int, int], int] = {}
+
+
+def chunk_frames(job: VideoJob, length: int) -> int:
+    """Frames the host's decode gives for ``length`` latent frames (meta-sized once per decoder and size)."""
+    _, c, _, h, w = (int(v) for v in job.z.shape)
+    key = (model_key(job), int(length), h, w)
+    if key not in _CHUNK_FRAMES:
+        with torch.inference_mode(), MetaSizer([job.vae.first_stage_model], job.dtype, job.device):
+            out = blend_fn(job)(torch.empty((1, c, int(length), h, w), dtype=job.dtype, device=job.device))
+            _CHUNK_FRAMES[key] = int(out.shape[2])
+            del out
+    return _CHUNK_FRAMES[key]
+
+
+def off_formula(job: VideoJob, k: int) -> str | None:
+    """Why chunks of ``k`` latent frames cannot be placed by the VAE's frame formula (``upscale_ratio``), or
+    None: every chunk length of the plan must decode to the formula's frame count (CogVideoX's decoder gives
+    ``4 l`` frames for an even ``l``, not ``4 l - 3``)."""
+    t = int(job.z.shape[2])
+    frames_of, _, _ = blend_ratios(job.vae)
+    for length in sorted({b - a for a, b in overlap_chunks(t, k, 1)}):
+        want = int(round(frames_of(length))) if callable(frames_of) else int(round(frames_of * length))
+        got = chunk_frames(job, length)
+        if got != want:
+            return (f"a chunk of {length} latent frames decodes to {got} frames, not the {want} of the VAE's frame "
+                    "formula")
+    return None
+
+
 def plan_blend(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Plan:
     """The largest chunk (at most :data:`BLEND_MAX_K`, or the user's ``k``) whose meta-sized peak plus the
     output buffer fits ``budget``; the smallest, marked over budget, when none does. When meta sizing
-    fails: the largest chunk, not predicted (``planned`` 0)."""
+    fails: the largest chunk, not predicted (``planned`` 0). Chunk sizes whose chunks do not decode to the
+    VAE's frame formula (:func:`off_formula`) are skipped; when none is left, the host's own decode (exact),
+    flagged when over budget."""
     b, _, t, h, w = (int(v) for v in job.z.shape)
     frames, r = output_geometry(job)
     out_b = out_bytes(job, frames, h * r, w * r)
@@ -424,6 +456,13 @@ def plan_blend(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
     reason = "overlapping temporal chunks decoded independently and cross-faded (not a causal Wan VAE)"
     plan = None
     try:
+        why = {k: off_formula(job, k) for k in ks}
+        if all(why.values()):
+            planned = out_b + host_decode_peak(job, peaks)
+            return Plan("host", Chunking(max(1, t - 1)), "the host's own decode (first_stage_model.decode, as VAE "
+                        "Decode), one batch item at a time", planned, over_budget=planned > budget,
+                        reason=f"overlap-blend chunks do not apply ({why[ks[0]]})")
+        ks = [k for k in ks if not why[k]]
         for k in ks:
             plan = Plan("blend", Chunking(k), f"k = {k} latent frames/chunk, overlap 1",
                         out_b + max(blend_chunk_peak(job, k, peaks), post), exact=False, reason=reason)

@@ -3,7 +3,7 @@
 Tiled VAE Decode's first decode of a VAE structure needs the untiled decode's cost model
 (``memory/cost/data/*.json``) and, for KL decoders, the exact executor's (``memory/cost/data/exact/*.json``).
 A structure without shipped models is calibrated by meta sizing at first use (measured on a busy 2-core CPU,
-0.3.75: FLUX.1's exact models 12 s, FLUX.2's 33.5 s). Here the node's cost-model stores are fresh, pointed
+0.3.75: FLUX.1's exact models 12 s, FLUX.2's 33.5 s; Hunyuan Image 2.1's 7 s). Here the node's cost-model stores are fresh, pointed
 at an empty folder (only the shipped defaults behind them), and each first decode under a budget that forces
 tiles must calibrate nothing: no calibrations in the result or the report, nothing learned or written. Sana's
 DC-AE (loaded as ComfyUI_ExtraModels does, exact split tiles) needs the untiled model and its suffix's
@@ -25,13 +25,13 @@ log = logging.getLogger("vramfit.tests.first_use_shipped")
 
 NODE_ID = "VRAMFit_TiledVAEDecode"
 OUT_PX = 128
-BUDGET_MB = {"kl_f8": 48, "flux": 48, "flux2": 48, "dcae_sana": 0}
+BUDGET_MB = {"kl_f8": 48, "flux": 48, "flux2": 48, "hunyuan_image": 48, "dcae_sana": 0}
 """Below the untiled decode of a 128x128 image (float32, CPU), above exact tiles. The DC-AE's tiles are set by
 the user (``TILE``); its budget is the free memory."""
 TILE = {"dcae_sana": 32}
 OUT = {"dcae_sana": 64}
 """The DC-AE's image: 2x2 suffix tiles of 4x4 px at 1/8 resolution."""
-PATH = {"kl_f8": "exact", "flux": "exact", "flux2": "exact", "dcae_sana": "split"}
+PATH = {"kl_f8": "exact", "flux": "exact", "flux2": "exact", "hunyuan_image": "exact", "dcae_sana": "split"}
 
 
 @pytest.fixture(scope="module")

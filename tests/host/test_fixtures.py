@@ -3,7 +3,9 @@ are structured (scripts/fixtures.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import math
 import os
 import pathlib
 import subprocess
@@ -39,6 +41,8 @@ class _Records(logging.Handler):
 def loaded(request, comfy, fixture_vaes):
     """(spec, VAE, log messages of the load) via ComfyUI's own VAELoader; one kind in memory at a time."""
     spec = FIXTURES[request.param]
+    if not fixtures.available(spec.kind):
+        pytest.skip(f"{spec.kind}: this host has no {spec.module} (added in ComfyUI {spec.min_comfyui})")
     root = logging.getLogger()
     handler = _Records()
     old_level = root.level
@@ -55,8 +59,16 @@ def loaded(request, comfy, fixture_vaes):
 
 def _decode(vae, latent: torch.Tensor) -> tuple[torch.Tensor, float]:
     t0 = time.perf_counter()
-    out = vae.decode(latent)
+    with torch.inference_mode():
+        out = vae.decode(latent)
     return out, time.perf_counter() - t0
+
+
+def _decode_node(comfy, vae, latent: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's ``VAEDecode`` node (video frames flattened into the batch: (B*T,H,W,3))."""
+    with torch.inference_mode():
+        (images,) = comfy.VAEDecode().decode(vae, {"samples": latent})
+    return images
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -93,6 +105,15 @@ def test_loader_detects_the_real_architecture(loaded, fixture_vaes):
         assert "decoder.upsamples.0.upsamples.0.residual.2.weight" in keys
     if spec.kind == "hunyuan_video":
         assert fsm.decoder.conv_in.conv.weight.shape[1] == 16
+    if spec.kind == "mochi":  # comfy/sd.py's genmo mochi branch, both halves prefixed (no prefix rewrite)
+        assert "decoder.blocks.2.blocks.3.stack.5.weight" in keys
+        assert "encoder.layers.4.layers.1.attn_block.attn.qkv.weight" in keys
+        assert not any(k.startswith(("blocks.", "layers.")) for k in keys)
+        assert fsm.decoder.blocks[0][0].weight.shape[1] == 12
+        assert fsm.encoder.output_proj.weight.shape[0] == 24
+    if spec.kind == "cogvideox":  # comfy/sd.py 0.33.0 "CogVideoX VAE"; latent channels from encoder.conv_out
+        assert {"decoder.conv_in.conv.weight", "decoder.mid_block.resnets.0.norm1.norm_layer.weight"} <= keys
+        assert fsm.encoder.conv_out.conv.weight.shape[0] == 32 and fsm.latent_channels == 16
     if spec.kind == "flux":  # FLUX's ae.safetensors: no quant convs, so ComfyUI builds an AutoencodingEngine
         assert not any("quant_conv" in k for k in keys)
         assert fsm.decoder.conv_in.weight.shape[1] == 16
@@ -107,7 +128,7 @@ def test_loader_detects_the_real_architecture(loaded, fixture_vaes):
 
 
 @host
-def test_decode_shape_and_statistics(loaded):
+def test_decode_shape_and_statistics(loaded, comfy):
     spec, vae, _ = loaded
     latent = structured_latent(spec.example_latent, seed=1)
     out, seconds = _decode(vae, latent)
@@ -129,16 +150,20 @@ def test_decode_shape_and_statistics(loaded):
         changed[:, :, -1] = other[:, :, -1]
     else:
         changed = other
-    out2, _ = _decode(vae, changed)
+    # the second decode goes through ComfyUI's VAEDecode node: the frames flattened into the batch
+    images = _decode_node(comfy, vae, changed)
+    assert tuple(images.shape) == (math.prod(spec.example_output[:-3]), *spec.example_output[-3:])
+    out2 = images.reshape(spec.example_output)
     diff = (out2 - out).abs()
     if spec.latent_dim == 2:
         assert diff.mean().item() > 0.03
         return
-    frames_of_last = spec.temporal_ratio  # the last latent frame decodes to the last 4 frames
+    frames_of_last = spec.temporal_ratio  # the last latent frame decodes to the last 4 (Mochi 6) frames
     last = diff[:, -frames_of_last:].mean().item()
     assert last > 0.03, f"the last latent frame barely changes its own frames ({last:.4f})"
-    if spec.model_class == "WanVAE":
-        # Wan's decoder is causal: earlier frames must not change at all.
+    if spec.model_class in ("WanVAE", "VideoVAE"):
+        # Wan's and Mochi's decoders are causal (Mochi: per-frame GroupNorm, no attention in the decoder):
+        # earlier frames must not change at all.
         assert diff[:, :-frames_of_last].max().item() == 0.0
     # frames move: consecutive frames differ
     frame_diff = (out[:, 1:] - out[:, :-1]).abs().mean(dim=(0, 2, 3, 4))
@@ -195,6 +220,38 @@ def test_make_models_is_deterministic_idempotent_and_atomic(fixture_vaes, tmp_pa
 
     with pytest.raises(ValueError, match="unknown fixture kinds"):
         make_models(tmp_path / "a", kinds=["sd3"])
+
+
+@host
+def test_optional_kinds_follow_the_host(fixture_vaes, tmp_path, comfy, monkeypatch, caplog):
+    """cogvideox exists from ComfyUI 0.33.0: the default kinds skip it on an older host (0.3.75), an explicit
+    request there raises; every other kind is on every host."""
+    import folder_paths
+
+    has_cogvideo = importlib.util.find_spec("comfy.ldm.cogvideo") is not None
+    assert fixtures.available("cogvideox") == has_cogvideo
+    assert ("cogvideox" in fixture_vaes) == has_cogvideo
+    assert [k for k in KINDS if FIXTURES[k].min_comfyui is not None] == ["cogvideox"]
+    assert all(fixtures.available(k) and k in fixture_vaes for k in KINDS if k != "cogvideox")
+    if not has_cogvideo:
+        expected = r"cogvideox \(comfy\.ldm\.cogvideo\.vae, ComfyUI >= 0\.33\.0\)"
+        with pytest.raises(RuntimeError, match=expected):
+            make_models(tmp_path / "explicit", kinds=["kl_f8", "cogvideox"])
+        assert not (tmp_path / "explicit").exists()  # checked before anything is written
+
+    # The default kinds on a host without the module (simulated where it exists): logged and left out.
+    vae_dir = tmp_path / "default"
+    vae_dir.mkdir()
+    host_file = pathlib.Path(folder_paths.get_full_path_or_raise("vae", fixture_vaes["kl_f8"]))
+    (vae_dir / host_file.name).write_bytes(host_file.read_bytes())  # current: only its header is read
+    monkeypatch.setattr(fixtures, "KINDS", ("kl_f8", "cogvideox"))
+    monkeypatch.setattr(fixtures, "available", lambda kind: kind != "cogvideox")
+    with caplog.at_level(logging.INFO, logger="vramfit.fixtures"):
+        assert make_models(vae_dir) == {"kl_f8": vae_dir / host_file.name}
+    assert any(m.startswith("cogvideox: skipped") for m in caplog.messages), caplog.messages
+    with pytest.raises(RuntimeError, match="cogvideox"):
+        make_models(vae_dir, kinds=["cogvideox"])
+    assert sorted(p.name for p in vae_dir.iterdir()) == [host_file.name]
 
 
 @host
@@ -294,7 +351,12 @@ def test_specs_are_consistent():
         if spec.latent_dim == 3:
             expected = [spatial[0] * spec.temporal_ratio - (spec.temporal_ratio - 1), *expected]
         assert spec.example_output == (b, *expected, 3)
+    assert COMFY_KINDS == tuple(k for k in KINDS if k != "dcae_sana") and "cogvideox" in COMFY_KINDS
     assert FIXTURES["kl_f8"].dtype == torch.float16
+    assert FIXTURES["mochi"].dtype == FIXTURES["cogvideox"].dtype == torch.bfloat16
+    assert FIXTURES["mochi"].example_output[1] == 6 * FIXTURES["mochi"].example_latent[2] - 5
+    assert FIXTURES["cogvideox"].min_comfyui == "0.33.0"
+    assert all(FIXTURES[k].min_comfyui is None for k in KINDS if k != "cogvideox")
     assert FIXTURES["wan21"].dtype == FIXTURES["wan22"].dtype == FIXTURES["flux2"].dtype == torch.bfloat16
     flux2 = FIXTURES["flux2"]
     assert (flux2.latent_channels, flux2.spatial_ratio) == (128, 16)
