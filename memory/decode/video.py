@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..executors.blend import decode_overlap_blend
+from ..executors.carry import decode_carried
 from ..executors.wan import decode_wan_chunked
 from ..plan import plan
 from ..plan.types import Plan
@@ -28,6 +29,7 @@ from ..report import (
     peak_verdict,
     summary_line,
 )
+from ..vae.carry_layout import carry_layout
 from ..vae.families import identify, model_name
 from ..vae.wan_layout import cache_protocol, is_wan_vae, wan_layout
 from .env import DecodeEnv, load_weights, measured, prepare
@@ -46,10 +48,13 @@ def make_job(vae: Any, z: torch.Tensor, out_device: torch.device | str, *, frame
     """A validated video latent ``z`` (5-D), its VAE (duck-typed ``comfy.sd.VAE``) and the user's settings:
     ``frames_per_chunk`` (latent frames) and ``tile_size`` (output px; Wan only), 0 = auto."""
     model = vae.first_stage_model
+    wan = is_wan_vae(model)
+    carry = None if wan else carry_layout(model)
     return VideoJob(
         vae=vae,
         z=z,
-        layout=wan_layout(model) if is_wan_vae(model) else None,
+        layout=wan_layout(model) if wan else None,
+        carry=carry if carry is not None and carry.reason is None else None,
         family=identify(vae) or model_name(vae),
         dtype=getattr(vae, "vae_dtype", torch.float32),
         device=torch.device(vae.device),
@@ -93,6 +98,33 @@ def check_chunked(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
         ("k = 2, whole frames", run(2, None)),
     ]
     return checked(key, store, model, lambda: model.decode(z), configs, job.dtype, prepare, first_use)
+
+
+def check_carried(job: VideoJob, store: CheckStore, prepare: Callable[[], None] | None = None,
+                  first_use: FirstUse | None = None) -> Verdict:
+    """Self-check of the carried-context executor for this decoder on this host: a tiny random latent
+    (:data:`CHECK_LATENT`) decoded by ``first_stage_model.decode`` and in chunks of 1 and of 2 latent frames."""
+    model = job.vae.first_stage_model
+    key = f"carry/{job.carry.family}/{model_key(job)}"
+    c = int(job.z.shape[1])
+    z = torch.randn((1, c, *CHECK_LATENT), generator=torch.Generator().manual_seed(0)).to(job.device, job.dtype)
+
+    def run(k: int) -> Callable[[], torch.Tensor]:
+        def go() -> torch.Tensor:
+            n = output_frames(job, CHECK_LATENT[0])
+            r = int(blend_ratios(job.vae)[2])
+            out = torch.empty((1, 3, n, CHECK_LATENT[1] * r, CHECK_LATENT[2] * r), dtype=torch.float32)
+            return decode_carried(model, job.carry, z, k, out=out, dtype=job.dtype, compute_device=job.device)
+        return go
+
+    configs = [("k = 1 (three chunks)", run(1)), ("k = 2", run(2))]
+    return checked(key, store, model, lambda: model.decode(z).float(), configs, job.dtype, prepare, first_use)
+
+
+def output_frames(job: VideoJob, t: int) -> int:
+    """Frames of ``t`` latent frames by the VAE's frame formula."""
+    frames_of = blend_ratios(job.vae)[0]
+    return int(round(frames_of(t))) if callable(frames_of) else int(round(frames_of * t))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -168,6 +200,9 @@ def decode_video(
         verdict = check_chunked(job, env.checks, lambda: load_weights(vae, env, 0), first)
         job = dataclasses.replace(job, verdict=verdict)
     else:
+        if job.carry is not None:
+            job = dataclasses.replace(job, verdict=check_carried(job, env.checks, lambda: load_weights(vae, env, 0),
+                                                                 first))
         frames_of, index_formula, _ = blend_ratios(vae)
     oh, ow = h * r, w * r
     p = plan(job, int(budget.available), env.peaks)
@@ -190,6 +225,11 @@ def decode_video(
                 rollback=c.rollback, progress=bar, should_stop=env.should_stop,
                 fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
                 oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
+        elif p.path == "carry":
+            decode_carried(
+                model, job.carry, z, c.k, out=view, dtype=job.dtype, compute_device=job.device, progress=bar,
+                should_stop=env.should_stop, fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
+                oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
         else:  # accumulated in the output buffer itself (the plan counts one output)
             decode_overlap_blend(
                 blend_fn(job), z, c.k, 1, upscale_ratio=frames_of, index_formula=index_formula, out=view,
@@ -211,6 +251,8 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
         r.add("path", "exact: causal caches carried across chunks (same frames as VAE Decode)")
     elif job.wan:
         r.add("path", f"APPROXIMATE: the chunked executor does not reproduce this host's decoder ({plan.reason})")
+    elif plan.path == "carry":
+        r.add("path", f"exact: {plan.reason}")
     else:
         r.add("path", f"APPROXIMATE: {plan.reason}")
     if job.wan:
@@ -218,6 +260,8 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
         how = "carried by the host's blocks" if not proto.restores else "restored by the executor"
         r.add("check", f"cache protocol {proto.name} (history {how}); "
                        f"{plan.reason if plan.path != 'host' else 'chunked executor not used'}")
+    if getattr(job, "carry", None) is not None and job.verdict is not None:
+        r.add("check", f"carried chunks: {job.verdict.describe()}")
     r.add("budget", budget.describe())
     r.add("offload", offload_text)
     r.add("plan", plan.description)
@@ -257,7 +301,7 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
         shape = f"{n} tile-chunks" if plan.path == "wan" and plan.config.tile is not None else f"{n} chunks"
     b = int(job.z.shape[0])
     r.summary = summary_line(
-        "exact" if plan.path == "host" or (job.wan and plan.exact) else "approximate",
+        "exact" if plan.path in ("host", "carry") or (job.wan and plan.exact) else "approximate",
         shape + (f" x {b} videos" if b > 1 else ""),
         peak_verdict(measured, method, int(budget.available), plan.planned or None),
         "planned over budget" if plan.over_budget and not (measured or 0) > budget.available else "",

@@ -10,8 +10,9 @@ __all__ = ["IMAGE_PATHS", "VIDEO_PATHS", "Chunking", "Plan"]
 
 IMAGE_PATHS = ("untiled", "exact", "split", "generic")
 """The VAE's own decode; the exact tiled walker; exact prefix/suffix tiles; approximate tiles with a halo."""
-VIDEO_PATHS = ("wan", "host", "blend")
-"""The chunked Wan executor; the host's own decode per batch item; overlapping chunks cross-faded."""
+VIDEO_PATHS = ("wan", "carry", "host", "blend")
+"""The chunked Wan executor; carried-context chunks (causal decoders without a host cache); the host's own
+decode per batch item; overlapping chunks cross-faded."""
 
 
 @dataclasses.dataclass

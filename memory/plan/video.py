@@ -18,6 +18,7 @@ from ..measure.sizing import MetaSizer
 from ..report import fmt_bytes
 from ..store import Store
 from ..tiles import overlap_chunks, spans
+from ..vae.carry_layout import CarryLayout
 from ..vae.wan_layout import WanLayout, cache_protocol
 from .grid import ImpossibleBudgetError
 from .types import Chunking, Plan
@@ -79,6 +80,8 @@ class VideoJob:
     """The user's tile side in output px (0: auto; Wan only)."""
     verdict: Any = None
     """The chunked executor's self-check on this host (a :class:`.self_check.Verdict`; None: not checked)."""
+    carry: CarryLayout | None = None
+    """A causal decoder without a host cache (:mod:`..vae.carry_layout`): exact carried-context chunks."""
 
     @property
     def wan(self) -> bool:
@@ -412,6 +415,61 @@ def blend_chunk_peak(job: VideoJob, k: int, peaks: PeakStore) -> int:
     return peak
 
 
+CARRY_MAX_K = 8
+"""Largest chunk the auto plan of the carried-context path considers (latent frames)."""
+
+
+def carry_chunk_peak(job: VideoJob, k: int, peaks: PeakStore) -> int:
+    """Meta-sized peak bytes of the carried-context executor on frame 0 and one chunk of ``k`` latent frames
+    (the chunk's frames included), persisted in ``peaks``."""
+    from ..executors.carry import decode_carried
+
+    b, c, t, h, w = (int(v) for v in job.z.shape)
+    kk = max(1, min(int(k), t - 1))
+    key = f"{model_key(job)}/{c}x{kk}x{h}x{w}/carry"
+    peak = peaks.get(key)
+    if peak is None:
+        frames_of, _, r = blend_ratios(job.vae)
+        n = int(round(frames_of(1 + kk))) if callable(frames_of) else int(round(frames_of * (1 + kk)))
+        model = job.vae.first_stage_model
+        with torch.inference_mode(), MetaSizer([model], job.dtype, job.device) as sizer:
+            z = torch.empty((1, c, 1 + kk, h, w), dtype=job.dtype, device=job.device)
+            out = torch.empty((1, 3, n, h * r, w * r), dtype=torch.float32, device=job.device)
+            decode_carried(model, job.carry, z, kk, out=out, dtype=job.dtype, compute_device=job.device)
+            del out, z
+        peak = int(sizer.peak_bytes)
+        peaks.put(key, peak, write=False)
+    return peak
+
+
+def plan_carry(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Plan | None:
+    """Carried-context chunks (exact): the largest ``k`` (at most :data:`CARRY_MAX_K`, or the user's) whose
+    meta-sized peak plus the output buffer fits ``budget``; the smallest, flagged, when none does. None when
+    the executor cannot be meta-sized (logged: the caller blends)."""
+    b, _, t, h, w = (int(v) for v in job.z.shape)
+    frames, r = output_geometry(job)
+    out_b = out_bytes(job, frames, h * r, w * r)
+    post = 2 * b * 3 * h * w * r * r * 4
+    ks = [max(1, k_user)] if k_user else list(range(max(1, min(t - 1, CARRY_MAX_K)), 0, -1))
+    reason = (f"carried-context chunks: each causal convolution reads the previous chunk's last frames "
+              f"({job.carry.family}; equal to the host's decode up to float rounding)")
+    found = None
+    try:
+        for k in ks:
+            found = Plan("carry", Chunking(k), f"k = {k} latent frames/chunk (frame 0 alone), whole frames",
+                         out_b + max(carry_chunk_peak(job, k, peaks), post), reason=reason)
+            if found.planned <= budget:
+                return found
+    except Exception as e:  # noqa: BLE001 - an op without a fake kernel: not planned this way
+        log.warning("meta sizing of carried chunks of %s failed (%s: %s)", job.family, type(e).__name__, e)
+        return None
+    finally:
+        peaks.flush()
+    assert found is not None
+    found.over_budget = True
+    return found
+
+
 _CHUNK_FRAMES: dict[tuple[str, int, int, int], int] = {}
 
 
@@ -501,6 +559,8 @@ def plan(job: VideoJob, budget: int, peaks: PeakStore | None = None) -> Plan:
     k_user, verdict = int(job.frames_per_chunk), job.verdict
     if not job.wan:
         found = None if k_user else _host_if_sized(job, budget, peaks, "it fits the budget")
+        if found is None and job.carry is not None and (verdict is None or verdict.ok):
+            found = plan_carry(job, budget, k_user, peaks)
         return found if found is not None else plan_blend(job, budget, k_user, peaks)
     tile_user = None
     if job.tile_size:
