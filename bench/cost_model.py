@@ -17,9 +17,10 @@ For each family (fixture VAEs with the real ComfyUI architectures, loaded throug
 whose memory depends on the host (``Family.host_keyed``, Wan) keeps one set of models per host variant
 (``calibration.host_variant``: run the bench on each host).
 
-The fixtures of no known family (``UNKNOWN_KINDS``: FLUX.2's ``AutoencoderKL`` with the latent BatchNorm, Hunyuan
-Image 2.1's ``AutoencodingEngine``, Sana's DC-AE as ``scripts/sana_vae.py`` loads it) are benched the same way
-under the key their first decode looks up (``calibration.vae_key``: the model class and a digest of its structure) and written to
+The fixtures of no known family (``UNKNOWN_KINDS``: FLUX.2's ``AutoencoderKL`` with the latent BatchNorm,
+Hunyuan Image 2.1's ``AutoencodingEngine``, Sana's DC-AE as ``scripts/sana_vae.py`` loads it) are benched the
+same way under the key their first decode looks up (``calibration.vae_key``: the model class and a digest of
+its structure) and written to
 ``memory/cost/data/<kind>.json``, so their first decode calibrates nothing either; a decoder with an exact
 split path (``memory/vae/split_layout.py``: DC-AE) also gets its suffix's models (executor ``split``, meta
 sizing).

@@ -10,11 +10,17 @@ size, in one process, CPU float32:
 3. Tiled VAE Decode with ``tile_size`` = half the image side (2x2 tiles at least), warmed first so the row
    times the decode, not the first-use check.
 
+``--video``: Mochi's VAE (the carried-context executor) on a ``--frames``-latent-frame clip of ``--video-px``:
+the host's ``VAEDecode``, core ``VAEDecodeTiled`` with its defaults (tile 512 / overlap 64, temporal 64 / 8)
+and with temporal chunks of 24 frames (overlap 8), and Temporal-Chunk Video Decode with ``frames_per_chunk``
+2 (exact carried chunks).
+
 Per row: wall seconds, the live-tensor peak (``PeakTracker`` dispatch: the same measure for all rows), PSNR
 vs the reference, and ratios vs the reference (time, peak). Nothing is asserted; figures go to
 docs/BENCHMARKS.md::
 
     .cache/venv/bin/python bench/coverage.py [--kinds hunyuan_image dcae_sana] [--sizes 512] [--threads 2]
+                                             [--video [--frames 8] [--video-px 128]]
 """
 
 from __future__ import annotations
@@ -75,23 +81,48 @@ def bench(nodes: Any, mod: Any, tracker_mod: Any, kind: str, px: int) -> list[di
     rows = []
     ref = _measure(tracker_mod, (lambda: nodes.VAEDecode().decode(vae, {"samples": z})[0]) if comfy_vae
                    else (lambda: vae.decode(z)))
-    rows.append({"kind": kind, "px": px, "decode": "host untiled (VAEDecode)", **ref, "psnr": math.inf})
+    rows.append({"kind": kind, "px": f"{px}²", "decode": "host untiled (VAEDecode)", **ref, "psnr": math.inf})
     if comfy_vae:
         t = _measure(tracker_mod, lambda: core_decode_tiled(nodes, vae, {"samples": z}, 512, 64, 64, 8))
-        rows.append({"kind": kind, "px": px, "decode": "core VAEDecodeTiled 512/64", **t,
+        rows.append({"kind": kind, "px": f"{px}²", "decode": "core VAEDecodeTiled 512/64", **t,
                      "psnr": _psnr(t["out"], ref["out"])})
     else:
-        rows.append({"kind": kind, "px": px, "decode": "core VAEDecodeTiled 512/64",
+        rows.append({"kind": kind, "px": f"{px}²", "decode": "core VAEDecodeTiled 512/64",
                      "skipped": "not a ComfyUI VAE (ExtraModels' EXVAE): core's tiled decode cannot run it"})
     tile = px // 2
     mod.decode(vae, {"samples": z[..., : min(side, 4), : min(side, 4)]}, tile_size=tile)  # first use, untimed
     w0 = time.perf_counter()
     r = mod.decode(vae, {"samples": z}, tile_size=tile)
     wall = time.perf_counter() - w0
-    rows.append({"kind": kind, "px": px, "decode": f"Tiled VAE Decode, tile {tile} ({r.plan.path})",
+    rows.append({"kind": kind, "px": f"{px}²", "decode": f"Tiled VAE Decode, tile {tile} ({r.plan.path})",
                  "out": r.images, "wall": wall, "peak": r.measured_peak or 0,
                  "psnr": _psnr(r.images, ref["out"]), "summary": r.report.summary})
     log.info("%s %d: %s", kind, px, r.report.text())
+    return rows
+
+
+def bench_video(nodes: Any, tracker_mod: Any, frames: int, px: int) -> list[dict[str, Any]]:
+    """Mochi: the host's decode, core's tiled decode (defaults; 24-frame temporal chunks) and exact chunks."""
+    from scripts.fixtures import structured_latent
+    from scripts.host import core_decode_tiled
+
+    video = sys.modules[nodes.NODE_CLASS_MAPPINGS["VRAMFit_TemporalChunkVideoDecode"].__module__]
+    vae = _load(nodes, "mochi")
+    z = structured_latent((1, 12, frames, px // 8, px // 8), seed=5)
+    kind, size = "mochi", f"{px}x{px}x{frames}"
+    ref = _measure(tracker_mod, lambda: nodes.VAEDecode().decode(vae, {"samples": z})[0])
+    rows = [{"kind": kind, "px": size, "decode": "host untiled (VAEDecode)", **ref, "psnr": math.inf}]
+    for args, label in (((512, 64, 64, 8), "core VAEDecodeTiled 512/64, 64/8 frames"),
+                        ((512, 64, 24, 8), "core VAEDecodeTiled 512/64, 24/8 frames")):
+        t = _measure(tracker_mod, lambda args=args: core_decode_tiled(nodes, vae, {"samples": z}, *args))
+        rows.append({"kind": kind, "px": size, "decode": label, **t, "psnr": _psnr(t["out"], ref["out"])})
+    video.decode(vae, {"samples": z[:, :, :3]}, frames_per_chunk=2)  # first use (self-check), untimed
+    w0 = time.perf_counter()
+    r = video.decode(vae, {"samples": z}, frames_per_chunk=2)
+    rows.append({"kind": kind, "px": size, "decode": f"Temporal-Chunk Video Decode, k 2 ({r.plan.path}, "
+                 f"{r.stats.get('chunks')} chunks)", "out": r.images, "wall": time.perf_counter() - w0,
+                 "peak": r.measured_peak or 0, "psnr": _psnr(r.images, ref["out"])})
+    log.info("mochi: %s", r.report.text())
     return rows
 
 
@@ -100,12 +131,12 @@ def table(rows: list[dict[str, Any]]) -> str:
            "peak vs untiled |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
-            out.append(f"| {r['kind']} | {r['px']}² | {r['decode']} | {r['skipped']} | | | | |")
+            out.append(f"| {r['kind']} | {r['px']} | {r['decode']} | {r['skipped']} | | | | |")
             continue
         ref = next(x for x in rows
                    if x["kind"] == r["kind"] and x["px"] == r["px"] and x["decode"].startswith("host"))
         ps = "ref" if r is ref else ("bit-equal" if math.isinf(r["psnr"]) else f"{r['psnr']:.1f} dB")
-        out.append(f"| {r['kind']} | {r['px']}² | {r['decode']} | {r['wall']:.1f} | {r['peak'] / MiB:,.0f} | "
+        out.append(f"| {r['kind']} | {r['px']} | {r['decode']} | {r['wall']:.1f} | {r['peak'] / MiB:,.0f} | "
                    f"{ps} | {r['wall'] / ref['wall']:.2f}x | {r['peak'] / max(1, ref['peak']):.2f}x |")
     return "\n".join(out)
 
@@ -115,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--sizes", type=int, nargs="+", default=[512])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--video", action="store_true", help="bench Mochi's carried chunks instead")
+    parser.add_argument("--frames", type=int, default=8, help="--video: latent frames")
+    parser.add_argument("--video-px", type=int, default=128, help="--video: frame side in px")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     if str(ROOT) not in sys.path:
@@ -126,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     mod = sys.modules[nodes.NODE_CLASS_MAPPINGS["VRAMFit_TiledVAEDecode"].__module__]
     tracker_mod = importlib.import_module(mod.__name__.rsplit(".nodes.", 1)[0] + ".memory.measure.tracker")
     t0 = time.perf_counter()
-    rows = [r for kind in args.kinds for px in args.sizes for r in bench(nodes, mod, tracker_mod, kind, px)]
+    if args.video:
+        rows = bench_video(nodes, tracker_mod, args.frames, args.video_px)
+    else:
+        rows = [r for kind in args.kinds for px in args.sizes
+                for r in bench(nodes, mod, tracker_mod, kind, px)]
     try:
         load = " ".join(pathlib.Path("/proc/loadavg").read_text().split()[:3])
     except OSError:

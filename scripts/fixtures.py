@@ -116,7 +116,7 @@ DCAE_SANA_CONFIG = {
     "decoder_act_fns": "silu",
     "scaling_factor": 0.41407,
 }
-# Hunyuan Image 2.1's VAE (comfy/sd.py: a 64-channel 2-D ``decoder.conv_in``), ComfyUI 0.3.75 and 0.33.0 alike.
+# Hunyuan Image 2.1's VAE (comfy/sd.py: a 64-channel 2-D ``decoder.conv_in``), same on 0.3.75 and 0.33.0.
 _HUNYUAN_IMAGE_DDCONFIG = {
     "block_out_channels": [128, 256, 512, 512, 1024, 1024],
     "in_channels": 3,
@@ -328,7 +328,7 @@ FIXTURES: dict[str, FixtureSpec] = {
         params=405_575_491,
         example_latent=(1, 64, 2, 2),
         example_output=(1, 64, 64, 3),
-        description="Hunyuan Image 2.1 VAE (z 64, 32x; pixel-shuffle up/down sampling, GroupNorm, mid attention)",
+        description="Hunyuan Image 2.1 VAE (z 64, 32x; pixel-shuffle resampling, GroupNorm, mid attention)",
     ),
     "mochi": _spec(
         "mochi",

@@ -429,8 +429,8 @@ def decode_image(
 
 
 def _self_check(job: ImageJob, env: DecodeEnv, first: FirstUse) -> tuple[ImageJob, Verdict | None]:
-    """The exact walker (:func:`check_exact`) or the split path (:func:`check_split`) must have reproduced this
-    host's decode once; when it did not, the job has no such path (its reason says why)."""
+    """The exact walker (:func:`check_exact`) or the split path (:func:`check_split`) must have reproduced
+    this host's decode once; when it did not, the job has no such path (its reason says why)."""
     load = lambda: load_weights(job.vae, env, 0)  # noqa: E731
     if job.exact_reason is None:
         verdict = check_exact(job, env.checks, env.norm_params, load, first)

@@ -103,11 +103,13 @@ def check_chunked(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
 def check_carried(job: VideoJob, store: CheckStore, prepare: Callable[[], None] | None = None,
                   first_use: FirstUse | None = None) -> Verdict:
     """Self-check of the carried-context executor for this decoder on this host: a tiny random latent
-    (:data:`CHECK_LATENT`) decoded by ``first_stage_model.decode`` and in chunks of 1 and of 2 latent frames."""
+    (:data:`CHECK_LATENT`) decoded by ``first_stage_model.decode`` and in chunks of 1 and of 2 latent
+    frames."""
     model = job.vae.first_stage_model
     key = f"carry/{job.carry.family}/{model_key(job)}"
     c = int(job.z.shape[1])
-    z = torch.randn((1, c, *CHECK_LATENT), generator=torch.Generator().manual_seed(0)).to(job.device, job.dtype)
+    z = torch.randn((1, c, *CHECK_LATENT), generator=torch.Generator().manual_seed(0))
+    z = z.to(job.device, job.dtype)
 
     def run(k: int) -> Callable[[], torch.Tensor]:
         def go() -> torch.Tensor:
@@ -201,8 +203,8 @@ def decode_video(
         job = dataclasses.replace(job, verdict=verdict)
     else:
         if job.carry is not None:
-            job = dataclasses.replace(job, verdict=check_carried(job, env.checks, lambda: load_weights(vae, env, 0),
-                                                                 first))
+            verdict = check_carried(job, env.checks, lambda: load_weights(vae, env, 0), first)
+            job = dataclasses.replace(job, verdict=verdict)
         frames_of, index_formula, _ = blend_ratios(vae)
     oh, ow = h * r, w * r
     p = plan(job, int(budget.available), env.peaks)
@@ -228,7 +230,8 @@ def decode_video(
         elif p.path == "carry":
             decode_carried(
                 model, job.carry, z, c.k, out=view, dtype=job.dtype, compute_device=job.device, progress=bar,
-                should_stop=env.should_stop, fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
+                should_stop=env.should_stop,
+                fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
                 oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
         else:  # accumulated in the output buffer itself (the plan counts one output)
             decode_overlap_blend(
@@ -278,8 +281,9 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
     if job.wan or plan.planned:
         avail = budget.available
         pct = plan.planned / avail if avail else math.inf
-        why = "user setting" if job.wan else (
-            "the host's whole decode: no chunking applies" if plan.path == "host" else f"chunks of {c.k} latent frames")
+        why = "user setting" if job.wan else f"chunks of {c.k} latent frames"
+        if plan.path == "host" and not job.wan:
+            why = "the host's whole decode: no chunking applies"
         over = f" - OVER BUDGET ({why})" if plan.over_budget else ""
         r.add("predicted", f"peak {fmt_bytes(plan.planned)} ({pct:.0%} of budget, meta sizing){over}; "
                            f"planned in {fmt_seconds(plan_seconds)} (offload and self-check included)")

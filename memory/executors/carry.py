@@ -98,8 +98,8 @@ def decode_carried(
             frames = driver.run(attempt, can_recover=lambda e: run["stop"] - run["pos"] > 1, recover=recover)
             n = int(frames.shape[2])
             if n == 0 or frame + n > out.shape[2]:
-                raise RuntimeError(f"chunk [{run['pos']}, {run['stop']}) decoded to {n} frames at frame {frame}; "
-                                   f"the output has {out.shape[2]}")
+                raise RuntimeError(f"chunk [{run['pos']}, {run['stop']}) decoded to {n} frames at frame "
+                                   f"{frame}; the output has {out.shape[2]}")
             out[b : b + 1, :, frame : frame + n].copy_(frames)
             del frames
             frame += n
@@ -111,11 +111,12 @@ def decode_carried(
         if frame != out.shape[2]:
             raise RuntimeError(f"carried chunks gave {frame} frames; the output has {out.shape[2]}")
     if stats is not None:
-        stats.update(exact=True, chunks=run["chunks"], units=run["chunks"], frames_per_chunk=run["k"], tile=None,
-                     shrinks=run["shrinks"])
+        stats.update(exact=True, chunks=run["chunks"], units=run["chunks"], frames_per_chunk=run["k"],
+                     tile=None, shrinks=run["shrinks"])
     return out
 
 
 def _copy(states: dict) -> dict:
-    """A snapshot of the carried context (each module's dict copied; its tensors are replaced, never changed)."""
+    """A snapshot of the carried context (each module's dict copied; its tensors are replaced, never
+    changed)."""
     return {key: dict(v) if isinstance(v, dict) else v for key, v in states.items()}

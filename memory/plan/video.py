@@ -495,8 +495,8 @@ def off_formula(job: VideoJob, k: int) -> str | None:
         want = int(round(frames_of(length))) if callable(frames_of) else int(round(frames_of * length))
         got = chunk_frames(job, length)
         if got != want:
-            return (f"a chunk of {length} latent frames decodes to {got} frames, not the {want} of the VAE's frame "
-                    "formula")
+            return (f"a chunk of {length} latent frames decodes to {got} frames, not the {want} of the VAE's "
+                    "frame formula")
     return None
 
 
@@ -517,8 +517,8 @@ def plan_blend(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
         why = {k: off_formula(job, k) for k in ks}
         if all(why.values()):
             planned = out_b + host_decode_peak(job, peaks)
-            return Plan("host", Chunking(max(1, t - 1)), "the host's own decode (first_stage_model.decode, as VAE "
-                        "Decode), one batch item at a time", planned, over_budget=planned > budget,
+            return Plan("host", Chunking(max(1, t - 1)), "the host's own decode (first_stage_model.decode, as "
+                        "VAE Decode), one batch item at a time", planned, over_budget=planned > budget,
                         reason=f"overlap-blend chunks do not apply ({why[ks[0]]})")
         ks = [k for k in ks if not why[k]]
         for k in ks:

@@ -56,7 +56,8 @@ def _mochi_reason(model: Any) -> str | None:
 
 
 def _pconv_forward(m: Any, x: torch.Tensor, state: dict) -> torch.Tensor:
-    """``PConv3d.forward`` with the previous chunk's last ``kt - 1`` input frames instead of the start padding."""
+    """``PConv3d.forward`` with the previous chunk's last ``kt - 1`` input frames instead of the start
+    padding."""
     ctx = int(m.kernel_size[0]) - 1
     prev = state.get("prev")
     if ctx == 0:

@@ -299,7 +299,8 @@ def _build_segments(dec: Any, recompute: bool) -> tuple[list[SegmentInfo], dict[
                 halo, c_out = 2, int(upsample.conv.out_channels) // 4
             else:
                 halo, c_out = (1 if getattr(upsample, "with_conv", False) else 0), c
-            add(f"up.{i}.upsample", "upsample", (cur,), f"u{i}", True, c, c_out, halo, f"up.{i}.upsample", up=2)
+            add(f"up.{i}.upsample", "upsample", (cur,), f"u{i}", True, c, c_out, halo, f"up.{i}.upsample",
+                up=2)
             cur = f"u{i}"
     if not getattr(dec, "give_pre_end", False):
         consumer[cur] = "norm_out"

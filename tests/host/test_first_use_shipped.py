@@ -3,9 +3,9 @@
 Tiled VAE Decode's first decode of a VAE structure needs the untiled decode's cost model
 (``memory/cost/data/*.json``) and, for KL decoders, the exact executor's (``memory/cost/data/exact/*.json``).
 A structure without shipped models is calibrated by meta sizing at first use (measured on a busy 2-core CPU,
-0.3.75: FLUX.1's exact models 12 s, FLUX.2's 33.5 s; Hunyuan Image 2.1's 7 s). Here the node's cost-model stores are fresh, pointed
-at an empty folder (only the shipped defaults behind them), and each first decode under a budget that forces
-tiles must calibrate nothing: no calibrations in the result or the report, nothing learned or written. Sana's
+0.3.75: FLUX.1's exact models 12 s, FLUX.2's 33.5 s; Hunyuan Image 2.1's 7 s). Here the node's cost-model
+stores are fresh, pointed at an empty folder (only the shipped defaults behind them), and each first decode
+under a budget that forces tiles must calibrate nothing: no calibrations in the result or the report, nothing learned or written. Sana's
 DC-AE (loaded as ComfyUI_ExtraModels does, exact split tiles) needs the untiled model and its suffix's
 (``bench/cost_model.py --families dcae_sana --write``).
 """

@@ -1,0 +1,228 @@
+"""The split and carried-context executors on toy decoders with the described families' shapes (no ComfyUI).
+
+* split (``vae/split_layout.py``, ``executors/split.py``): a DC-AE-shaped decoder whose deepest stages hold a
+  global operation: the split falls after them, suffix tiles with a halo of the traced reach equal the whole
+  decode, a halo below the reach does not, and an OOM inside a tile resumes to the same result.
+* carry (``vae/carry_layout.py``, ``executors/carry.py``): a Mochi-shaped causal decoder (replicate-padded
+  causal convs, a temporal depth-to-space that drops the clip's first frames): chunks of 1 + k latent frames
+  equal the whole decode for every k, also after an OOM inside a chunk.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from vramfit.memory.executors.carry import decode_carried
+from vramfit.memory.executors.split import decode_split
+from vramfit.memory.measure.reach import traced_reach
+from vramfit.memory.vae.carry_layout import carry_layout
+from vramfit.memory.vae.split_layout import split_layout
+
+# ------------------------------------------------------------------------------------------- split
+
+
+class ToyAttention(torch.nn.Module):
+    """Global: every pixel gets the mean over the whole map."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + x.mean(dim=(2, 3), keepdim=True)
+
+
+class RMSNorm(torch.nn.Module):
+    """Per pixel over channels (applied channel-last, as diffusers' DC-AE does)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+
+class Up(torch.nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.interpolate(x, scale_factor=2, mode="nearest"))
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.conv_in = torch.nn.Conv2d(4, c, 3, padding=1)
+        self.in_shortcut, self.in_shortcut_repeats = True, c // 4
+        local = [torch.nn.Sequential(Up(c), torch.nn.Conv2d(c, c, 3, padding=1), torch.nn.SiLU()) for _ in range(2)]
+        deep = [torch.nn.Sequential(Up(c), ToyAttention(), torch.nn.Conv2d(c, c, 3, padding=1)),
+                torch.nn.Sequential(ToyAttention(), torch.nn.Conv2d(c, c, 1))]
+        self.up_blocks = torch.nn.ModuleList(local + deep)  # run from the last (deepest) to the first
+        self.norm_out, self.conv_act = RMSNorm(), torch.nn.ReLU()
+        self.conv_out = torch.nn.Conv2d(c, 3, 3, padding=1)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        x = self.conv_in(z) + z.repeat_interleave(self.in_shortcut_repeats, dim=1)
+        for blk in reversed(self.up_blocks):
+            x = blk(x)
+        return self.conv_out(self.conv_act(self.norm_out(x.movedim(1, -1)).movedim(-1, 1)))
+
+
+Decoder.__module__ = "toy.autoencoder_dc"  # the DC-AE description matches diffusers' module by name
+
+
+class ToyDCAE(torch.nn.Module):
+    use_tiling = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = Decoder()
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.decoder(z)
+
+
+@pytest.fixture(scope="module")
+def dcae() -> ToyDCAE:
+    torch.manual_seed(0)
+    return ToyDCAE().eval()
+
+
+def test_split_falls_after_the_global_stages(dcae):
+    lay = split_layout(dcae)
+    assert lay.reason is None, lay.reason
+    assert [s.name for s in lay.stages[: lay.split]] == ["conv_in", "up_blocks.3", "up_blocks.2"]
+
+
+def test_split_tiles_with_the_reach_as_halo_are_exact_and_less_are_not(dcae):
+    lay = split_layout(dcae)
+    z = torch.randn(1, 4, 6, 8)
+    with torch.no_grad():
+        ref = dcae.decode(z)
+        x = lay.prefix(z)
+        reach = traced_reach(dcae, lambda: lay.suffix(x), tuple(x.shape[-2:])).total
+    halo = math.ceil(reach)
+    assert halo >= 2
+    out = decode_split(lay, z, 5, halo)
+    assert (out - ref).abs().max().item() <= 1e-5
+    short = decode_split(lay, z, 5, halo - 2)
+    assert (short - ref).abs().max().item() > 1e-3  # the test can fail: a short halo is visible
+
+
+def test_split_resumes_after_oom_in_a_tile(dcae):
+    lay = split_layout(dcae)
+    z = torch.randn(1, 4, 6, 8)
+    with torch.no_grad():
+        ref = dcae.decode(z)
+    fired = []
+
+    def hook(step: int) -> None:
+        if step == 2 and not fired:
+            fired.append(step)
+            raise torch.OutOfMemoryError("injected")
+
+    out = decode_split(lay, z, 8, 6, fault_hook=hook, min_tile=2)
+    assert fired == [2]
+    assert (out - ref).abs().max().item() <= 1e-5
+
+
+def test_a_decoder_without_a_description_has_no_split():
+    assert split_layout(torch.nn.Conv2d(4, 3, 3)).reason is not None
+
+
+# ------------------------------------------------------------------------------------------- carry
+
+
+class PConv3d(torch.nn.Conv3d):
+    """Causal in time (replicate front padding of ``kt - 1`` frames), as Mochi's."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__(cin, cout, 3, padding=(0, 1, 1), padding_mode="replicate")
+        self.causal = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.pad(x, (0, 0, 0, 0, self.kernel_size[0] - 1, 0), mode="replicate")
+        return super().forward(x)
+
+
+class DepthToSpaceTime(torch.nn.Module):
+    def __init__(self, st: int, s: int) -> None:
+        super().__init__()
+        self.temporal_expansion, self.spatial_expansion = st, s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        st, s = self.temporal_expansion, self.spatial_expansion
+        b, c, t, h, w = x.shape
+        y = x.reshape(b, c // (st * s * s), st, s, s, t, h, w).permute(0, 1, 5, 2, 6, 3, 7, 4)
+        y = y.reshape(b, c // (st * s * s), t * st, h * s, w * s)
+        return y[:, :, st - 1 :]
+
+
+class CausalDecoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(
+            PConv3d(3, 8), torch.nn.SiLU(), PConv3d(8, 8 * 3 * 4), DepthToSpaceTime(3, 2), PConv3d(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+CausalDecoder.__module__ = "toy.genmo.vae.model"  # the Mochi description matches ComfyUI's module by name
+
+
+class ToyMochi(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = CausalDecoder()
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.decoder(z)
+
+
+@pytest.fixture(scope="module")
+def mochi() -> ToyMochi:
+    torch.manual_seed(1)
+    return ToyMochi().eval()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 6])
+def test_carried_chunks_equal_the_whole_decode(mochi, k):
+    lay = carry_layout(mochi)
+    assert lay.reason is None and len(lay.forwards) == 4
+    z = torch.randn(1, 3, 6, 3, 4)
+    with torch.no_grad():
+        ref = mochi.decode(z)
+    out = torch.empty_like(ref)
+    stats: dict = {}
+    decode_carried(mochi, lay, z, k, out=out, dtype=torch.float32, compute_device="cpu", stats=stats)
+    assert stats["chunks"] == 1 + math.ceil(5 / k)
+    assert (out - ref).abs().max().item() <= 1e-5
+    assert not any("forward" in vars(m) for m in mochi.modules())  # the modules' own forwards are back
+
+
+def test_chunks_without_the_carried_context_differ(mochi):
+    """What the executor adds: each chunk decoded on its own (restarting the causal padding) is not exact."""
+    z = torch.randn(1, 3, 6, 3, 4)
+    with torch.no_grad():
+        ref = mochi.decode(z)
+        parts = [mochi.decode(z[:, :, :1]), mochi.decode(z[:, :, 1:3])[:, :, 2:]]
+    n = parts[0].shape[2] + parts[1].shape[2]
+    assert (torch.cat(parts, dim=2) - ref[:, :, :n]).abs().max().item() > 1e-3
+
+
+def test_carried_chunks_resume_after_oom(mochi):
+    lay = carry_layout(mochi)
+    z = torch.randn(1, 3, 7, 3, 4)
+    with torch.no_grad():
+        ref = mochi.decode(z)
+    fired = []
+
+    def hook(step: int) -> None:
+        if step == 2 and not fired:
+            fired.append(step)
+            raise torch.OutOfMemoryError("injected")
+
+    out, stats = torch.empty_like(ref), {}
+    decode_carried(mochi, lay, z, 4, out=out, dtype=torch.float32, compute_device="cpu", fault_hook=hook,
+                   stats=stats)
+    assert fired == [2] and stats["shrinks"] == 1 and stats["frames_per_chunk"] == 2
+    assert (out - ref).abs().max().item() <= 1e-5
