@@ -41,6 +41,7 @@ from ..cost import exact as dp
 from ..executors import generic as tg
 from ..executors import kl_exact as te
 from ..executors.split import decode_split
+from ..measure.reach import default_halo
 from ..oom import OomEvent, OomResume, oom_types
 from ..plan import plan
 from ..plan.exact import ExactChoice
@@ -125,7 +126,7 @@ def check_split(job: ImageJob, store: CheckStore, prepare: Callable[[], None] | 
            f"/{str(job.dtype).removeprefix('torch.')}/{job.device.type}")
     z = torch.randn((1, job.channels, *CHECK_LATENT_HW), generator=torch.Generator().manual_seed(0))
     z = z.to(job.device, job.dtype)
-    halo = math.ceil(suffix_reach(layout, model, job.channels, job.dtype, job.device)[2].total - 1e-9)
+    halo = default_halo(suffix_reach(layout, model, job.channels, job.dtype, job.device)[2])
 
     def tiled() -> torch.Tensor:
         out = decode_split(layout, z, CHECK_SPLIT_TILE, halo)

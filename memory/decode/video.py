@@ -19,7 +19,15 @@ from ..executors.carry import decode_carried
 from ..executors.wan import decode_wan_chunked
 from ..plan import plan
 from ..plan.types import Plan
-from ..plan.video import REPORT_NODE, VideoJob, blend_fn, blend_ratios, model_key, output_geometry
+from ..plan.video import (
+    REPORT_NODE,
+    VideoJob,
+    blend_fn,
+    blend_ratios,
+    model_key,
+    output_frames,
+    output_geometry,
+)
 from ..report import (
     Report,
     flag_measured_overrun,
@@ -121,12 +129,6 @@ def check_carried(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
 
     configs = [("k = 1 (three chunks)", run(1)), ("k = 2", run(2))]
     return checked(key, store, model, lambda: model.decode(z).float(), configs, job.dtype, prepare, first_use)
-
-
-def output_frames(job: VideoJob, t: int) -> int:
-    """Frames of ``t`` latent frames by the VAE's frame formula."""
-    frames_of = blend_ratios(job.vae)[0]
-    return int(round(frames_of(t))) if callable(frames_of) else int(round(frames_of * t))
 
 
 # --------------------------------------------------------------------------------------------------

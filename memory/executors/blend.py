@@ -16,7 +16,7 @@ from ..tiles import overlap_chunks
 
 log = logging.getLogger("vramfit.memory.executors.blend")
 
-__all__ = ["decode_overlap_blend", "stop_driver"]
+__all__ = ["decode_overlap_blend", "frame_fn", "stop_driver"]
 
 ProgressFn = Callable[[int, int], None]
 
@@ -34,7 +34,8 @@ def stop_driver(
     return OomResume(oom, should_stop=stop, on_oom=on_oom)
 
 
-def _frame_fn(f: Callable[[int], Any] | int | float) -> Callable[[int], int]:
+def frame_fn(f: Callable[[int], Any] | int | float) -> Callable[[int], int]:
+    """Frames of ``l`` latent frames by a ComfyUI frame formula (a callable or a ratio), as an int."""
     if callable(f):
         return lambda a: int(round(f(a)))
     return lambda a: int(round(f * a))
@@ -80,8 +81,8 @@ def decode_overlap_blend(
     """
     if z.ndim != 5:
         raise ValueError(f"expected a (B, C, T, h, w) latent, got shape {tuple(z.shape)}")
-    up = _frame_fn(upscale_ratio)
-    pos_fn = _frame_fn(index_formula if index_formula is not None else upscale_ratio)
+    up = frame_fn(upscale_ratio)
+    pos_fn = frame_fn(index_formula if index_formula is not None else upscale_ratio)
     driver = stop_driver(oom_types(oom_exceptions), should_stop, on_oom)
     T = int(z.shape[2])
     k = max(2, int(frames_per_chunk))  # a chunk must reach past the overlap

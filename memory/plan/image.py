@@ -93,8 +93,8 @@ def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device 
     reason = unsupported_reason(vae.first_stage_model)
     if reason is None and not core:
         reason = f"{type(vae).__name__} overrides VAE.decode (its own post-processing is kept)"
-    split_reason = split_layout(vae.first_stage_model).reason if reason is not None else None
-    split_reason = "the exact walker applies" if reason is None else split_reason
+    model = vae.first_stage_model
+    split_reason = "the exact walker applies" if reason is None else split_layout(model).reason
     ratio = spatial_ratio(vae, channels)
     family = identify(vae) or model_name(vae)
     dtype = getattr(vae, "vae_dtype", torch.float32)

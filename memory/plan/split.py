@@ -17,7 +17,7 @@ import torch
 from ..cost.calibration import cost_model_for
 from ..cost.phases import CostModel
 from ..geometry import Geometry, VaeGeometry
-from ..measure.reach import ReachReport, traced_reach
+from ..measure.reach import ReachReport, default_halo, traced_reach
 from ..measure.sizing import MetaSizer
 from ..report import fmt_bytes
 from ..vae.families import structure_digest
@@ -53,7 +53,7 @@ class SplitPlanner:
     @property
     def halo(self) -> int:
         """Prefix px of context per tile: the suffix's reach, rounded up."""
-        return int(math.ceil(self.reach.total - 1e-9))
+        return default_halo(self.reach)
 
     @property
     def halo_latent(self) -> int:

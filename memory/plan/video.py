@@ -14,6 +14,8 @@ import torch
 
 from ..cost.phases import dtype_name
 from ..executors import wan as vc
+from ..executors.blend import frame_fn
+from ..executors.carry import decode_carried
 from ..measure.sizing import MetaSizer
 from ..report import fmt_bytes
 from ..store import Store
@@ -385,8 +387,12 @@ def output_geometry(job: VideoJob) -> tuple[int, int]:
     t = int(job.z.shape[2])
     if job.wan:
         return job.layout.out_frames(t), job.layout.spatial_ratio
-    frames_of, _, r = blend_ratios(job.vae)
-    return (int(round(frames_of(t))) if callable(frames_of) else int(round(frames_of * t))), r
+    return output_frames(job, t), blend_ratios(job.vae)[2]
+
+
+def output_frames(job: VideoJob, t: int) -> int:
+    """Frames of ``t`` latent frames by a non-Wan VAE's frame formula (``upscale_ratio``)."""
+    return frame_fn(blend_ratios(job.vae)[0])(t)
 
 
 def blend_fn(job: VideoJob) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -422,15 +428,12 @@ CARRY_MAX_K = 8
 def carry_chunk_peak(job: VideoJob, k: int, peaks: PeakStore) -> int:
     """Meta-sized peak bytes of the carried-context executor on frame 0 and one chunk of ``k`` latent frames
     (the chunk's frames included), persisted in ``peaks``."""
-    from ..executors.carry import decode_carried
-
     b, c, t, h, w = (int(v) for v in job.z.shape)
     kk = max(1, min(int(k), t - 1))
     key = f"{model_key(job)}/{c}x{kk}x{h}x{w}/carry"
     peak = peaks.get(key)
     if peak is None:
-        frames_of, _, r = blend_ratios(job.vae)
-        n = int(round(frames_of(1 + kk))) if callable(frames_of) else int(round(frames_of * (1 + kk)))
+        n, r = output_frames(job, 1 + kk), blend_ratios(job.vae)[2]
         model = job.vae.first_stage_model
         with torch.inference_mode(), MetaSizer([model], job.dtype, job.device) as sizer:
             z = torch.empty((1, c, 1 + kk, h, w), dtype=job.dtype, device=job.device)
@@ -490,9 +493,8 @@ def off_formula(job: VideoJob, k: int) -> str | None:
     None: every chunk length of the plan must decode to the formula's frame count (CogVideoX's decoder gives
     ``4 l`` frames for an even ``l``, not ``4 l - 3``)."""
     t = int(job.z.shape[2])
-    frames_of, _, _ = blend_ratios(job.vae)
     for length in sorted({b - a for a, b in overlap_chunks(t, k, 1)}):
-        want = int(round(frames_of(length))) if callable(frames_of) else int(round(frames_of * length))
+        want = output_frames(job, length)
         got = chunk_frames(job, length)
         if got != want:
             return (f"a chunk of {length} latent frames decodes to {got} frames, not the {want} of the VAE's "

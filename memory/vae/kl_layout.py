@@ -99,20 +99,25 @@ def _is_pixel_shuffle_up(m: Any) -> bool:
         and isinstance(getattr(m, "scale", None), int)
 
 
+def _hunyuan_image(dec: Any) -> bool:
+    """Hunyuan Image 2.1's decoder (``block_out_channels``, no ``num_resolutions``), not the SD KL one."""
+    return getattr(dec, "num_resolutions", None) is None and \
+        getattr(dec, "block_out_channels", None) is not None
+
+
 def stage_order(dec: Any) -> list[tuple[int, bool]]:
     """``(level, upsample after its blocks)`` in the decoder's forward order: the SD KL ``Decoder`` runs
     ``up`` from the deepest level, upsampling after every level but 0; Hunyuan Image 2.1's runs ``up`` in list
-    order, upsampling where a level has one (its decoder has ``block_out_channels``, no
-    ``num_resolutions``)."""
+    order, upsampling where a level has one."""
     n = len(dec.up)
-    if getattr(dec, "num_resolutions", None) is None and getattr(dec, "block_out_channels", None) is not None:
+    if _hunyuan_image(dec):
         return [(i, getattr(dec.up[i], "upsample", None) is not None) for i in range(n)]
     return [(i, i > 0) for i in reversed(range(n))]
 
 
 def in_shortcut_repeats(dec: Any) -> int:
     """Channel repeats of the latent added to ``conv_in``'s output (Hunyuan Image 2.1's decoder); 0: none."""
-    if getattr(dec, "num_resolutions", None) is not None or getattr(dec, "block_out_channels", None) is None:
+    if not _hunyuan_image(dec):
         return 0
     return int(dec.block_out_channels[0]) // int(dec.z_channels)
 

@@ -21,6 +21,18 @@ from vramfit.memory.measure.reach import traced_reach
 from vramfit.memory.vae.carry_layout import carry_layout
 from vramfit.memory.vae.split_layout import split_layout
 
+
+def _oom_at(step: int, fired: list[int]):
+    """A fault hook that raises one out-of-memory error at ``step`` (recorded in ``fired``)."""
+
+    def hook(k: int) -> None:
+        if k == step and not fired:
+            fired.append(k)
+            raise torch.OutOfMemoryError("injected")
+
+    return hook
+
+
 # ------------------------------------------------------------------------------------------- split
 
 
@@ -112,14 +124,8 @@ def test_split_resumes_after_oom_in_a_tile(dcae):
     z = torch.randn(1, 4, 6, 8)
     with torch.no_grad():
         ref = dcae.decode(z)
-    fired = []
-
-    def hook(step: int) -> None:
-        if step == 2 and not fired:
-            fired.append(step)
-            raise torch.OutOfMemoryError("injected")
-
-    out = decode_split(lay, z, 8, 6, fault_hook=hook, min_tile=2)
+    fired: list[int] = []
+    out = decode_split(lay, z, 8, 6, fault_hook=_oom_at(2, fired), min_tile=2)
     assert fired == [2]
     assert (out - ref).abs().max().item() <= 1e-5
 
@@ -214,15 +220,9 @@ def test_carried_chunks_resume_after_oom(mochi):
     z = torch.randn(1, 3, 7, 3, 4)
     with torch.no_grad():
         ref = mochi.decode(z)
-    fired = []
-
-    def hook(step: int) -> None:
-        if step == 2 and not fired:
-            fired.append(step)
-            raise torch.OutOfMemoryError("injected")
-
+    fired: list[int] = []
     out, stats = torch.empty_like(ref), {}
-    decode_carried(mochi, lay, z, 4, out=out, dtype=torch.float32, compute_device="cpu", fault_hook=hook,
-                   stats=stats)
+    decode_carried(mochi, lay, z, 4, out=out, dtype=torch.float32, compute_device="cpu",
+                   fault_hook=_oom_at(2, fired), stats=stats)
     assert fired == [2] and stats["shrinks"] == 1 and stats["frames_per_chunk"] == 2
     assert (out - ref).abs().max().item() <= 1e-5
