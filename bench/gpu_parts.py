@@ -233,14 +233,15 @@ class Host:
 # Parts
 
 
-def part_image(host: Host, rows: Rows, size: str) -> None:
-    """KL VAE at 2048²-8192²: core VAEDecode, core VAEDecodeTiled (512/64), VRAM Fit auto and budgeted."""
+def part_image(host: Host, rows: Rows, size: str, sizes: list[int] | None = None) -> None:
+    """KL VAE at 2048²-8192² (or ``sizes``): core VAEDecode, core VAEDecodeTiled (512/64), VRAM Fit auto and
+    budgeted."""
     from scripts.fixtures import structured_latent
 
     vae = host.vae("kl_f8")
     # first use: the self-check and any cost-model calibration run here, not inside a measured row
     host.tiled.decode(vae, {"samples": structured_latent((1, 4, 16, 16), seed=0)}, tile_size=64)
-    for px in IMAGE_SIZES[size]:
+    for px in sizes or IMAGE_SIZES[size]:
         z = structured_latent((1, 4, px // 8, px // 8), seed=px)
         common = {"case": f"KL {px}x{px}", "dtype": str(vae.vae_dtype).removeprefix("torch.")}
         with log_watch("retrying with tiled") as fallback:
@@ -376,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=pathlib.Path, required=True)
     ap.add_argument("--small", action="store_true", help="tiny sizes (the CPU dry run)")
     ap.add_argument("--models", default="wan21,wan22", help="video part: which VAEs")
+    ap.add_argument("--sizes", default="",
+                    help="image part: comma-separated sides in px (default: the size's)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
     size = "small" if args.small else "full"
@@ -384,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("part %s (%s) on ComfyUI %s, %s, dynamic VRAM: %s", args.part, size, host.cfg.version,
              host.device, host.host_mod.DYNAMIC_VRAM_STATUS)
     if args.part == "image":
-        part_image(host, rows, size)
+        part_image(host, rows, size, [int(v) for v in args.sizes.split(",") if v])
     elif args.part == "video":
         part_video(host, rows, size, args.models.split(","))
     else:

@@ -101,7 +101,7 @@ def run_worker(part: str, version: str, comfy: pathlib.Path, mode: str, args: ar
         out = tmp.with_suffix(".json")
         out.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "bench.gpu_parts", part, "--json", str(out), *(["--small"] if args.small else []),
-               "--models", args.models]
+               "--models", args.models, "--sizes", args.sizes]
     logf.write(f"\n===== {part} | ComfyUI {version} | {args.device} | dynamic VRAM {mode} | {' '.join(cmd)}\n")
     logf.flush()
     t0 = time.perf_counter()
@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                     "one the kit lacks is an error)")
     ap.add_argument("--modes", help="comma-separated dynamic VRAM modes: on,off (default: both where present)")
     ap.add_argument("--models", default="wan21,wan22", help="video part: VAEs to run")
+    ap.add_argument("--sizes", default="",
+                    help="image part: comma-separated sides in px (default 2048,4096,8192; 8192 alone "
+                    "needs its own call: core's own decode there ran over 98 s on an H200)")
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds for the whole part (default 540)")
     args = ap.parse_args(argv)
     args.device = "cpu" if args.cpu else "cuda"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite: one part per call on a lent GPU device (see docs/BENCHMARKS.md "GPU suite").
 #
-#   bash bench/gpu_suite.sh PART [--hosts 0.3.75,0.33.0] [--modes on,off] [--models wan21] [--deadline S]
+#   bash bench/gpu_suite.sh PART [--hosts 0.3.75,0.33.0] [--modes on,off] [--models wan21] [--sizes 8192]
+#       [--deadline S]
 #   (--hosts: default every host of the kit, which lacks 0.33.0 when scripts/gpu_kit.sh had no source for it;
 #   naming a host the kit lacks is an error)
 #   bash bench/gpu_suite.sh PART --cpu --small      # the dry run (CPU, tiny sizes; the default tests run it)

@@ -13,6 +13,7 @@ from typing import Any
 from comfy_api.v0_0_2 import io, ui
 
 from ..memory.cost.exact import ExactCostStore
+from ..memory.cost.observed import ObservedStore
 from ..memory.cost.phases import CostModelStore
 from ..memory.decode import self_check
 from ..memory.decode.env import DecodeEnv
@@ -48,6 +49,7 @@ def comfy_env(node_id: str | None, fault_hook: Callable[[str, int], None] | None
         cost_models=_store("cost_models.json", CostModelStore, "cost-model"),
         exact_cost_models=_store("exact_cost_models.json", ExactCostStore, "exact cost-model"),
         peaks=_store("video_peaks.json", PeakStore, "video peak"),
+        observed=_store("observed_peaks.json", ObservedStore, "observed peak ratio"),
         checks=_checks(),
         attention=bounded_vae_attention,
         norm_params=group_norm_params,

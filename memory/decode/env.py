@@ -13,6 +13,7 @@ import torch
 
 from ..budget import Budget, compute_budget
 from ..cost.exact import ExactCostStore
+from ..cost.observed import ObservedStore
 from ..cost.phases import CostModelStore
 from ..measure.tracker import decode_tracker
 from ..oom import default_oom_exceptions
@@ -56,6 +57,8 @@ class DecodeEnv:
     cost_models: CostModelStore = dataclasses.field(default_factory=lambda: CostModelStore(None))
     exact_cost_models: ExactCostStore = dataclasses.field(default_factory=lambda: ExactCostStore(None))
     peaks: PeakStore = dataclasses.field(default_factory=PeakStore)
+    observed: ObservedStore = dataclasses.field(default_factory=ObservedStore)
+    """Measured over predicted peaks per path (:mod:`..cost.observed`; the nodes' persist)."""
     checks: CheckStore = dataclasses.field(default_factory=memory_store)
     """Self-check verdicts (:mod:`.self_check`; the nodes' persist under ComfyUI's user folder)."""
     attention: Callable[[Any, int], contextlib.AbstractContextManager[Any]] = _no_attention_bound
@@ -114,6 +117,8 @@ class Measured:
     method: str
     """What was measured (tensors, RSS, ``max_memory_allocated``), for the report."""
     peak: int | None = None
+    kind: str = ""
+    """The tracker's method (``cuda``, ``dispatch``, ``rss``; "": not measured)."""
 
 
 @contextlib.contextmanager
@@ -121,7 +126,7 @@ def measured(env: DecodeEnv, device: torch.device) -> Iterator[Measured]:
     """The execution window: no autograd graph (ComfyUI runs nodes under inference mode, direct callers
     may not), peak memory measured as the device allows."""
     method, tracker = decode_tracker(device, env.measure_cpu_tensors)
-    m = Measured(method)
+    m = Measured(method, kind=tracker.method if tracker is not None else "")
     with torch.no_grad(), tracker if tracker is not None else contextlib.nullcontext():
         yield m
     if tracker is not None:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ..cost import exact as dp
+from ..cost.observed import observed_key, ratio_text
 from ..executors import generic as tg
 from ..executors import kl_exact as te
 from ..executors.split import decode_split
@@ -401,13 +402,18 @@ def decode_image(
     first = FirstUse(env.phase)
     job, verdict = _self_check(job, env, first)
     full = full_cost_model(job, env, lambda: load_weights(job.vae, env, 0), first)
+
+    def ratio(path: str) -> float:
+        return env.observed.ratio(observed_key(path, job.subject.key_name, job.dtype, job.device))
+
     # Offload upstream models for the fastest plan's need (what ComfyUI's own decode would need).
-    prep = prepare(job.vae, env, lambda: ideal_bytes(job, full), budget_mb, unload_others)
+    prep = prepare(job.vae, env, lambda: int(ideal_bytes(job, full) * ratio("untiled")), budget_mb,
+                   unload_others)
     budget = prep.budget
     avail = int(budget.available)
     models = image_models(job, env, full, avail, first)
     try:
-        p = plan(job, avail, models)
+        p = plan(job, avail, models, ratio)
     except ImpossibleBudgetError as e:
         raise ImpossibleBudgetError(f"{e} (budget: {budget.describe()})", budget=e.budget, minimum=e.minimum,
                                     smallest=e.smallest) from e
@@ -422,6 +428,9 @@ def decode_image(
         p = _execute(run, p, models, avail)
     assert run.out is not None
     seconds = time.perf_counter() - t0
+    if not run.oom_events:
+        key = observed_key(p.path, job.subject.key_name, job.dtype, job.device)
+        env.observed.note(key, m.peak, int(p.planned / p.ratio), m.kind)
 
     calibrated = models.exact.calibrated if models.exact is not None else []
     report = _report(job, p, models, budget, prep.offload, seconds, plan_seconds, m, run, first, verdict)
@@ -486,7 +495,7 @@ def _report(job: ImageJob, plan: Plan, models: ImageModels, budget: Any, offload
     over = " - OVER BUDGET (user tile)" if plan.over_budget else ""
     where = f", at {plan.config.peak.segment}" if plan.path == "exact" else ""
     r.add("predicted", f"peak {fmt_bytes(plan.planned)} ({pct:.0%} of budget){over}; tensor-level "
-                       f"{fmt_bytes(plan.tracked)}{where}")
+                       f"{fmt_bytes(plan.tracked)}{where}{ratio_text(plan.ratio)}")
     r.add("measured", measured_text(m.peak, m.method))
     flag_measured_overrun(r, m.peak, m.method, int(budget.available), log)
     r.add("time", f"{fmt_seconds(seconds)} decoding ({run.passes} pass{'es' if run.passes != 1 else ''}), "

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..cost.observed import observed_key, ratio_text
 from ..executors.blend import decode_overlap_blend
 from ..executors.carry import decode_carried
 from ..executors.wan import decode_wan_chunked
@@ -194,8 +195,12 @@ def decode_video(
 
     t0 = time.perf_counter() if t_start is None else t_start  # planning time, offload included
     first = FirstUse(env.phase)
+    def ratio(path: str) -> float:
+        return env.observed.ratio(observed_key(path, job.family, job.dtype, job.device))
+
     # Offload for the fastest plan's peak (sized once, kept for the plan below); 0: not predicted.
-    prep = prepare(vae, env, lambda: plan(job, 1 << 62, env.peaks).planned or None, budget_mb, unload_others)
+    prep = prepare(vae, env, lambda: plan(job, 1 << 62, env.peaks, ratio).planned or None, budget_mb,
+                   unload_others)
     budget = prep.budget
 
     stats: dict = {}
@@ -209,7 +214,7 @@ def decode_video(
             job = dataclasses.replace(job, verdict=verdict)
         frames_of, index_formula, _ = blend_ratios(vae)
     oh, ow = h * r, w * r
-    p = plan(job, int(budget.available), env.peaks)
+    p = plan(job, int(budget.available), env.peaks, ratio)
     c = p.config
     plan_seconds = time.perf_counter() - t0
     load_weights(vae, env, p.planned)
@@ -242,6 +247,9 @@ def decode_video(
                 stats=stats)
         _post(vae, view)
     seconds = time.perf_counter() - t1
+    if not (stats.get("shrinks") or stats.get("restarts")):  # a finished plan, not re-planned smaller
+        env.observed.note(observed_key(p.path, job.family, job.dtype, job.device), m.peak,
+                          int(p.planned / p.ratio), m.kind)
     report = _report(job, p, budget, prep.offload, stats, seconds, plan_seconds, m.peak, m.method, first)
     return VideoDecodeResult(buf, report, p, budget, seconds, m.peak, m.method, stats, plan_seconds)
 
@@ -288,7 +296,8 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
             why = "the host's whole decode: no chunking applies"
         over = f" - OVER BUDGET ({why})" if plan.over_budget else ""
         r.add("predicted", f"peak {fmt_bytes(plan.planned)} ({pct:.0%} of budget, meta sizing){over}; "
-                           f"planned in {fmt_seconds(plan_seconds)} (offload and self-check included)")
+                           f"planned in {fmt_seconds(plan_seconds)} (offload and self-check included)"
+                           f"{ratio_text(plan.ratio)}")
     else:
         r.add("predicted", "not predicted (meta sizing of the decoder failed; see the log)")
     r.add("measured", measured_text(measured, method))

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .image import ImageJob
@@ -15,11 +16,13 @@ from .video import plan as plan_video
 __all__ = ["Plan", "plan"]
 
 
-def plan(job: ImageJob | VideoJob, budget: int, models: Any) -> Plan:
+def plan(job: ImageJob | VideoJob, budget: int, models: Any,
+         ratio: Callable[[str], float] | None = None) -> Plan:
     """The fastest plan of ``job`` whose predicted peak fits ``budget`` bytes (the user's settings are the
     job's). ``models``: what the prediction comes from: an :class:`.image.ImageModels` for an image job, the
     :class:`.video.PeakStore` of sized peaks for a video job. Raises :class:`.grid.ImpossibleBudgetError`
-    when nothing fits and the user set nothing; with a user setting, the smallest plan, ``over_budget``."""
+    when nothing fits and the user set nothing; with a user setting, the smallest plan, ``over_budget``.
+    ``ratio(path)``: the measured over predicted peak learned for a path on this machine (default 1)."""
     if isinstance(job, VideoJob):
-        return plan_video(job, budget, models)
-    return plan_image(job, budget, models)
+        return plan_video(job, budget, models, ratio)
+    return plan_image(job, budget, models, ratio)

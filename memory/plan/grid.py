@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from ..geometry import Geometry, VaeGeometry
 from ..report import fmt_bytes
@@ -41,6 +41,22 @@ class ImpossibleBudgetError(ValueError):
         self.budget = budget
         self.minimum = minimum
         self.smallest = smallest
+
+
+def scaled(plan_fn: Callable[[int], Any], budget: int, ratio: float) -> Any:
+    """``plan_fn(budget / ratio)`` with its ``planned`` bytes scaled back by ``ratio``: the measured over
+    predicted peak learned on this machine for that path (:mod:`..cost.observed`; 1: the plan as is).
+    ``plan_fn`` returns a :class:`.types.Plan` or None; its impossible budget is told in the user's bytes."""
+    if ratio <= 1.0:
+        return plan_fn(budget)
+    try:
+        p = plan_fn(int(budget / ratio))
+    except ImpossibleBudgetError as e:
+        raise ImpossibleBudgetError(
+            f"{e} (this path's measured peaks on this device ran {ratio:.2f}x its predictions, so it was "
+            f"planned for {fmt_bytes(int(budget / ratio))} of {fmt_bytes(budget)})", budget,
+            int(e.minimum * ratio), e.smallest) from e
+    return None if p is None else dataclasses.replace(p, planned=int(p.planned * ratio), ratio=ratio)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ from ..vae.families import identify, model_name, structure_digest
 from ..vae.kl_layout import unsupported_reason
 from ..vae.split_layout import split_layout
 from . import exact as pe
-from .grid import ImpossibleBudgetError, plan_tiling
+from .grid import ImpossibleBudgetError, plan_tiling, scaled
 from .split import SplitPlanner, plan_split, split_planner
 from .types import Plan
 
@@ -321,20 +321,26 @@ def image_models(job: ImageJob, env: Any, full: CostModel, budget: int, first_us
     return ImageModels(full, None, halo, halo // 2 if global_ops else 0, text)
 
 
-def plan(job: ImageJob, budget: int, models: ImageModels) -> Plan:
+def plan(job: ImageJob, budget: int, models: ImageModels,
+         ratio: Callable[[str], float] | None = None) -> Plan:
     """The fastest plan of ``job`` within ``budget`` bytes: the VAE's own decode when it fits (and no tile is
     set), else exact tiles (decoders the exact walker supports), else exact split tiles (a global prefix and a
-    local suffix), else approximate tiles."""
+    local suffix), else approximate tiles. ``ratio(path)``: the measured over predicted peak learned for a
+    path on this machine (:mod:`..cost.observed`; default 1)."""
+    r = ratio or (lambda path: 1.0)
     tile = int(job.tile_size) or None
     if tile is None:
-        found = plan_untiled(job, models.full, budget)
+        found = scaled(lambda b: plan_untiled(job, models.full, b), budget, r("untiled"))
         if found is not None:
             return found
     if models.exact is not None:
-        return plan_exact(models.exact, budget, tile)
+        exact = models.exact
+        return scaled(lambda b: plan_exact(exact, b, tile), budget, r("exact"))
     if models.split is not None:
-        return plan_split(job, models.split, budget, tile, buffer_bytes(job) + item_image_bytes(job))
-    return plan_generic(job, models.full, budget, tile, models.halo, models.feather)
+        split, extra = models.split, buffer_bytes(job) + item_image_bytes(job)
+        return scaled(lambda b: plan_split(job, split, b, tile, extra), budget, r("split"))
+    return scaled(lambda b: plan_generic(job, models.full, b, tile, models.halo, models.feather), budget,
+                  r("generic"))
 
 
 def fallback(job: ImageJob, p: Plan, models: ImageModels, budget: int) -> Plan:

@@ -44,6 +44,9 @@ class Plan:
     """Progress units of one batch item (image paths: the executor's steps)."""
     stats: dict = dataclasses.field(default_factory=dict)
     """Planning statistics (video: candidates ``sized`` now, ``bounded`` by the lower bound)."""
+    ratio: float = 1.0
+    """Measured over predicted peak learned on this machine for this path (``planned`` includes it;
+    :mod:`..cost.observed`)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from ..store import Store
 from ..tiles import overlap_chunks, spans
 from ..vae.carry_layout import CarryLayout
 from ..vae.wan_layout import WanLayout, cache_protocol
-from .grid import ImpossibleBudgetError
+from .grid import ImpossibleBudgetError, scaled
 from .types import Chunking, Plan
 
 log = logging.getLogger("vramfit.memory.plan.video")
@@ -35,8 +35,11 @@ REPORT_NODE = "Temporal-Chunk Video Decode"
 MAX_AUTO_K = 8
 """Largest chunk the auto plan considers (latent frames)."""
 CALL_OVERHEAD = {"cuda": 0.3, "cpu": 0.0}
-"""Relative cost of one executor call vs one latent frame of work, for the speed order of candidates
-(GPU: fewer, larger calls pay; CPU: measured k = 1 fastest, see docs/VIDEO_DECODE.md)."""
+"""Relative cost of one executor call vs one latent frame of work, for the speed order of tile candidates
+(GPU: fewer, larger calls assumed to pay, not yet measured for tiles; CPU: measured k = 1 fastest, see
+docs/VIDEO_DECODE.md). Whole frames take 0 on every device: on an H200 (2026-11-26, Wan 2.1 bf16, 480p and
+720p x 81 frames) whole frames at k = 8 took 1.22x / 1.00x the time of ComfyUI's own decode (one latent
+frame per call) and 6.3x its memory (docs/BENCHMARKS.md "GPU results")."""
 IMPOSSIBLE_SIZINGS = 4
 """Candidates sized (beyond those the plan sized) for the message when no plan fits."""
 BLEND_MAX_K = 4
@@ -239,7 +242,7 @@ def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None) ->
     _, _, t, h, w = (int(v) for v in job.z.shape)
     rest = max(1, t - 1)
     ks = [min(k_user, rest)] if k_user else list(range(1, min(rest, MAX_AUTO_K) + 1))
-    c = CALL_OVERHEAD.get(job.device.type, 0.3)
+    c_tiles = CALL_OVERHEAD.get(job.device.type, 0.3)
     hosts = (False, True) if job.device.type != "cpu" else (False,)
     cands = []
     for tile, grid in _grids(h, w, tile_user):
@@ -247,6 +250,7 @@ def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None) ->
             area = area_factor(h, w, tile, lay.split_info(split).halo)
             for host in (False,) if tile is None else hosts:
                 for k in ks:
+                    c = 0.0 if tile is None else c_tiles
                     speed = area * (1 + c / k) * (1 + 1e-3 * k) * (1.02 if host else 1.0)
                     for rollback in (True, False):
                         store = None if tile is None else ("host" if host else "device")
@@ -552,28 +556,38 @@ def _host_if_sized(job: VideoJob, budget: int, peaks: PeakStore, reason: str) ->
 # The entry
 
 
-def plan(job: VideoJob, budget: int, peaks: PeakStore | None = None) -> Plan:
+def plan(job: VideoJob, budget: int, peaks: PeakStore | None = None,
+         ratio: Callable[[str], float] | None = None) -> Plan:
     """The plan of ``job`` within ``budget`` bytes, its peaks sized on fake tensors (kept in ``peaks``). Wan:
     when the chunked executor failed its self-check (``job.verdict``) and the user set neither chunk nor tile,
     the host's own decode if it fits; else :func:`plan_wan`, exact as the verdict says (no verdict: exact by
-    construction). Other video VAEs: the host's own decode when it fits (exact), else :func:`plan_blend`."""
+    construction). Other video VAEs: the host's own decode when it fits (exact), else carried-context chunks
+    (:func:`plan_carry`, causal decoders that passed their check), else :func:`plan_blend`. ``ratio(path)``:
+    the measured over predicted peak learned for a path on this machine (:mod:`..cost.observed`): that path
+    plans against ``budget / ratio``."""
     peaks = PeakStore() if peaks is None else peaks
+    r = ratio or (lambda path: 1.0)
     k_user, verdict = int(job.frames_per_chunk), job.verdict
+    failed = verdict is not None and not verdict.ok
     if not job.wan:
-        found = None if k_user else _host_if_sized(job, budget, peaks, "it fits the budget")
-        if found is None and job.carry is not None and (verdict is None or verdict.ok):
-            found = plan_carry(job, budget, k_user, peaks)
-        return found if found is not None else plan_blend(job, budget, k_user, peaks)
+        why = "it fits the budget"
+        found = None if k_user else scaled(lambda b: _host_if_sized(job, b, peaks, why), budget, r("host"))
+        if found is None and job.carry is not None and not failed:
+            found = scaled(lambda b: plan_carry(job, b, k_user, peaks), budget, r("carry"))
+        if found is None:
+            found = scaled(lambda b: plan_blend(job, b, k_user, peaks), budget, r("blend"))
+        return found
     tile_user = None
     if job.tile_size:
         lt = max(1, int(job.tile_size) // job.layout.spatial_ratio)
         tile_user = (lt, lt)
-    if verdict is not None and not verdict.ok and not k_user and tile_user is None:
-        found = plan_host_decode(job, budget, peaks, f"the chunked executor's {verdict.describe()}")
+    if failed and not k_user and tile_user is None:
+        why = f"the chunked executor's {verdict.describe()}"
+        found = scaled(lambda b: plan_host_decode(job, b, peaks, why), budget, r("host"))
         if found is not None:
             return found
     stats: dict = {}
-    found = plan_wan(job, budget, k_user, tile_user, peaks, stats)
+    found = scaled(lambda b: plan_wan(job, b, k_user, tile_user, peaks, stats), budget, r("wan"))
     found.stats = stats
     if verdict is not None:
         found.exact, found.reason = verdict.ok, verdict.describe()

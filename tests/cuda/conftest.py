@@ -50,6 +50,18 @@ def suite_kl(comfy, host_config):
 
 
 @pytest.fixture(scope="session")
+def suite_kl_fp32(comfy, host_config, suite_kl):
+    """The same file loaded in float32 on the same device: the reference both bfloat16 decodes round from."""
+    import comfy.sd
+    import comfy.utils
+
+    from scripts.fixtures import make_models
+
+    path = make_models(host_config.models_dir / "vae", seed=0, kinds=["kl_f8"])["kl_f8"]
+    return comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(path)), dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
 def tiled(comfy):
     """This pack's Tiled VAE Decode node module, as ComfyUI imported it (hooks are set on it)."""
     mod = sys.modules[comfy.NODE_CLASS_MAPPINGS["VRAMFit_TiledVAEDecode"].__module__]

@@ -4,9 +4,11 @@ Each test records what it measured with ``record_property`` (the suite puts it i
 
 * the peak tracker against ``torch.cuda.max_memory_allocated`` (CPU: against known allocations);
 * the exact executor with its store on the device and in (pinned) host memory: the two equal each other
-  bit for bit, and ComfyUI's own decode on the same device and dtype within the dtype's float noise
-  (``bit_equal_core`` says whether they are also bit-equal: convolution algorithms may differ with the
-  tile shapes, see docs/BENCHMARKS.md);
+  bit for bit, and are as close to the float32 decode of the same weights as ComfyUI's own decode in the
+  same dtype is (at most twice its max abs error, or the dtype's noise floor). Equality with ComfyUI's own
+  decode is not the criterion below float32: on an H200 in bfloat16 the two differ by up to 0.21 at 1024^2
+  (random weights; convolution algorithms differ with the tile shapes), ``bit_equal_core`` and
+  ``max_abs_vs_core`` record it (docs/BENCHMARKS.md, GPU results);
 * an out-of-memory error injected inside tile k: the decode resumes from its finished tiles and equals an
   uninterrupted run within float noise;
 * Cancel in the middle of a decode, and 100 repeated decodes (5 in the dry run): memory back to its
@@ -89,7 +91,8 @@ def test_tracker_matches_allocator(device, pack_memory, record_property):
 
 
 @pytest.mark.parametrize("store", ["device", "host"])
-def test_exact_store_placement_matches_core(device, suite_kl, pack_memory, store, record_property):
+def test_exact_store_placement_matches_core(device, suite_kl, suite_kl_fp32, pack_memory, store,
+                                           record_property):
     te = pack_memory("executors.kl_exact")
     vae = suite_kl
     import comfy.model_management as mm
@@ -102,12 +105,22 @@ def test_exact_store_placement_matches_core(device, suite_kl, pack_memory, store
     host = torch.device("cpu")
     out = te.decode_exact(model, z, TILE, store_device=device if store == "device" else host,
                           compute_device=device, out_device=host, pin_memory=store == "host")
+    mm.load_models_gpu([suite_kl_fp32.patcher])
+    with torch.inference_mode():
+        truth = suite_kl_fp32.first_stage_model.decode(z.float()).float().cpu()
     diff = (out.float() - ref).abs().max().item()
+    err_core = (ref - truth).abs().max().item()
+    err_ours = (out.float() - truth).abs().max().item()
     tol = _tolerance(pack_memory, vae.vae_dtype)
     record_property("dtype", str(vae.vae_dtype))
     record_property("max_abs_vs_core", diff)
     record_property("bit_equal_core", bool(torch.equal(out.float(), ref)))
-    assert diff <= tol, f"store on {store}: {diff} > {tol}"
+    record_property("core_vs_fp32", err_core)
+    record_property("tiles_vs_fp32", err_ours)
+    bound = max(2 * err_core, _tolerance(pack_memory, torch.float32))
+    assert err_ours <= bound, f"store on {store}: {err_ours} from fp32 > {bound} (core: {err_core})"
+    if vae.vae_dtype == torch.float32:
+        assert diff <= tol, f"store on {store}: {diff} > {tol}"
     other = te.decode_exact(model, z, TILE, store_device=host if store == "device" else device,
                             compute_device=device, out_device=host, pin_memory=store != "host")
     assert torch.equal(out, other), "the store's placement changed the values"

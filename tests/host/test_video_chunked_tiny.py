@@ -451,6 +451,22 @@ def test_lower_bound_is_below_every_sized_peak(case21):
         assert 0 < low <= peak, (cd, low, peak)
 
 
+@pytest.mark.parametrize("device,tile_k", [("cpu", 1), ("cuda", 2)])
+def test_whole_frames_one_latent_frame_per_call_come_first(case21, device, tile_k):
+    """The speed order: whole frames at k = 1 first on every device (on an H200 larger whole-frame calls
+    took as long as the host's one-frame calls, at 6.3x its memory); tiles keep the CUDA call overhead
+    (larger k first there). Ordering only: nothing is allocated on ``device``."""
+    import dataclasses
+
+    from vramfit.memory.plan import video as pv
+
+    _, model, _, _ = case21
+    job = dataclasses.replace(_job(model, _z((1, 4, 3, 6, 6))), device=torch.device(device))
+    cands = pv.candidates(job, 0, None)
+    assert cands[0].tile is None and cands[0].k == 1
+    assert next(c for c in cands if c.tile is not None).k == tile_k
+
+
 def test_planner_persists_sized_peaks_and_a_new_key_resizes(case21, tmp_path, monkeypatch):
     """A second plan (a new store read from the file the first wrote) sizes nothing and gives the same plan;
     another executor version (the key) sizes again. The tight budget makes the planner tile."""

@@ -1,0 +1,74 @@
+"""Measured over predicted peak, per decode path, learned from the decodes this machine ran.
+
+The cost models count tensors (meta sizing, or CPU measurements shipped with the pack). On a GPU the allocator
+also holds what kernels ask for (cuDNN workspaces, layout copies), which no tensor count sees. The first GPU
+suite (H200, 2026-11-26, docs/BENCHMARKS.md) measured:
+
+* KL untiled decode: 1.70x its prediction (2048^2 and 4096^2, bfloat16);
+* Wan chunked decode: 1.1x to 1.35x;
+* the KL walker's tiles: 0.99x.
+
+So after a decode whose measured peak is a tensor or allocator count (not the process RSS), the ratio is kept,
+per path, family key, dtype and device type, as the largest seen (at most :data:`MAX_RATIO`). Later plans of
+that key plan against ``budget / ratio`` and report ``planned * ratio`` (:func:`..plan.grid.scaled`). A
+ratio only grows: one decode over its prediction is flagged in its report; the next ones plan for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..store import Store
+
+__all__ = ["LEARNS_FROM", "MAX_RATIO", "ObservedStore", "observed_key", "ratio_text"]
+
+MAX_RATIO = 4.0
+"""Largest ratio kept (a measurement disturbed by other work in the process cannot shrink plans further)."""
+MIN_PREDICTED = 16 << 20
+"""Predictions below 16 MiB teach nothing (the allocator's rounding and fixed costs dominate them)."""
+LEARNS_FROM = ("cuda", "dispatch")
+"""Tracker methods whose peak is comparable with a prediction (allocator / live tensor counts; not RSS)."""
+SLACK = 1.02
+"""A ratio within 2 % of 1 is noise, not kept."""
+
+
+def observed_key(path: str, family: str, dtype: torch.dtype | str, device: torch.device | str) -> str:
+    """``path/family/dtype/device type``: what one ratio holds for."""
+    dev = device.type if isinstance(device, torch.device) else torch.device(device).type
+    name = str(dtype).removeprefix("torch.")
+    return f"{path}/{family}/{name}/{dev}"
+
+
+class ObservedStore(Store[float]):
+    """Ratios by :func:`observed_key` (the nodes persist theirs under ComfyUI's user folder)."""
+
+    section = "observed"
+    what = "observed peak ratio"
+
+    def decode(self, value: Any) -> float:
+        return min(MAX_RATIO, max(1.0, float(value)))
+
+    def ratio(self, key: str) -> float:
+        """The ratio to plan ``key`` with (1.0: nothing learned)."""
+        found = self.get(key)
+        return 1.0 if found is None else found
+
+    def note(self, key: str, measured: int | None, predicted: int, method: str) -> float | None:
+        """Keep ``measured / predicted`` when it is larger than the ratio held (and than :data:`SLACK`), for a
+        peak measured as :data:`LEARNS_FROM` says; returns the ratio kept, else None."""
+        if measured is None or method not in LEARNS_FROM or predicted < MIN_PREDICTED:
+            return None
+        r = min(MAX_RATIO, measured / predicted)
+        if r <= SLACK or r <= self.ratio(key) * SLACK:
+            return None
+        self.put(key, r)
+        return r
+
+
+def ratio_text(ratio: float) -> str:
+    """The report's note of a ratio the plan was scaled by ("" for 1)."""
+    if ratio <= 1.0:
+        return ""
+    return f"; x{ratio:.2f}: this path's measured peaks on this device ran over its predictions by that much"
