@@ -14,6 +14,9 @@ def node_classes() -> list[type[io.ComfyNode]]:
     from .tiled_vae_decode import TiledVAEDecode
 
     classes.append(TiledVAEDecode)
+    from .tiled_vae_encode import TiledVAEEncode
+
+    classes.append(TiledVAEEncode)
     from .video_decode import TemporalChunkVideoDecode
 
     classes.append(TemporalChunkVideoDecode)

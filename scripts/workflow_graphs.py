@@ -247,15 +247,59 @@ def decode_8k() -> WorkflowDesc:
     return wf
 
 
+def img2img_4k_sdxl() -> WorkflowDesc:
+    wf = WorkflowDesc(
+        name="vramfit_img2img_4k_sdxl",
+        template="VRAM Fit 9 - SDXL 4K img2img",
+        title="4K img2img / upscale (4096×4096) with SDXL, exact tiled encode and decode",
+        summary=(
+            "An image upscaled to 4096×4096 and refined by SDXL (denoise 0.35). The Tiled VAE Encode encodes it "
+            "exactly within the free memory (the encoder's GroupNorm statistics shared across tiles, its mid "
+            "block on the whole latent: the same latent as VAE Encode, where core's tiled encode normalises each "
+            "tile alone and the sampler amplifies the difference); after sampling the Offload Manager unloads "
+            "the UNet and the text encoders, and the Tiled VAE Decode decodes exactly. At 4096² ComfyUI's own "
+            "VAE Encode needs ~55 GB by its own estimate (1767 bytes per pixel in bf16)."
+        ),
+        files=[
+            FileDecl("sd_xl_base_1.0.safetensors", "checkpoints", "https://huggingface.co/stabilityai/stable-diffusion-xl-base-1.0/resolve/main/sd_xl_base_1.0.safetensors"),
+            FileDecl("sdxl_vae.safetensors", "vae", "https://huggingface.co/stabilityai/sdxl-vae/resolve/main/sdxl_vae.safetensors"),
+            FileDecl("example.png", "input", None, "ships with ComfyUI (every install has it); load your own photo instead"),
+        ],  # fmt: skip
+        notes="FLUX.1 / FLUX.2: the same graph with their VAE; both encode exactly through the same walker.",
+    )
+    ckpt = wf.add("CheckpointLoaderSimple", ckpt_name="sd_xl_base_1.0.safetensors")
+    vae = wf.add("VAELoader", vae_name="sdxl_vae.safetensors")
+    photo = wf.add("LoadImage", image="example.png")
+    big = wf.add("ImageScale", image=photo.out(), upscale_method="lanczos", width=4096, height=4096, crop="center")
+    latent = wf.add("VRAMFit_TiledVAEEncode", pixels=big.out(), vae=vae.out(), tile_size=0, budget_mb=0,
+                    unload_others=True)
+    pos = wf.add(
+        "CLIPTextEncode", title="Positive prompt", clip=ckpt.out(1),
+        text="a highly detailed photograph, sharp focus, fine texture, natural light",
+    )  # fmt: skip
+    neg = wf.add("CLIPTextEncode", title="Negative prompt", clip=ckpt.out(1), text="blurry, low quality, watermark")
+    sampled = wf.add(
+        "KSampler", model=ckpt.out(0), positive=pos.out(), negative=neg.out(), latent_image=latent.out(),
+        seed=42, steps=20, cfg=6.0, sampler_name="dpmpp_2m", scheduler="karras", denoise=0.35,
+    )  # fmt: skip
+    offload = _offload(wf, sampled.out(), keep=vae.out())
+    images = _tiled_decode(wf, offload.out(), vae.out())
+    after = _monitor(wf, images.out(), "after decode")
+    wf.add("SaveImage", images=after.out(), filename_prefix="vramfit_img2img_4k")
+    return wf
+
+
 def demo_cpu() -> WorkflowDesc:
-    """The CPU demo: ComfyUI's own example image encoded, then decoded in tiles under a small budget."""
+    """The CPU demo: ComfyUI's own example image encoded in exact tiles, then decoded in tiles under a small
+    budget."""
     wf = WorkflowDesc(
         name="vramfit_demo_cpu",
         template="VRAM Fit 1 - Tiled demo (CPU)",
         title=f"VRAM Fit demo (CPU): Tiled VAE Decode under a {DEMO_BUDGET_MB} MiB budget",
         summary=(
             "ComfyUI's example image (`input/example.png`, in every install) scaled to 320×256 and encoded by the "
-            "random-weight SD/SDXL KL VAE, then VRAM Monitor → Offload Manager → Tiled VAE Decode → VRAM Monitor, "
+            "random-weight SD/SDXL KL VAE through the Tiled VAE Encode in 128-px tiles (exact: the same latent as "
+            "VAE Encode), then VRAM Monitor → Offload Manager → Tiled VAE Decode → VRAM Monitor, "
             f"the image and the memory timeline saved. The decode runs under a {DEMO_BUDGET_MB} MiB budget, less "
             "than the untiled decode needs, so its report shows the tiled plan on the exact path (the same image "
             "as VAE Decode, no seams). Runs on CPU in seconds; random weights decode to noise-like images."
@@ -269,7 +313,8 @@ def demo_cpu() -> WorkflowDesc:
     vae = wf.add("VAELoader", vae_name="vramfit_fixture_kl_f8.safetensors")
     photo = wf.add("LoadImage", image="example.png")
     scaled = wf.add("ImageScale", image=photo.out(), upscale_method="area", width=320, height=256, crop="center")
-    latent = wf.add("VAEEncode", pixels=scaled.out(), vae=vae.out())
+    latent = wf.add("VRAMFit_TiledVAEEncode", pixels=scaled.out(), vae=vae.out(), tile_size=128, budget_mb=0,
+                    unload_others=True)
     before = _monitor(wf, latent.out(), "before offload", plot=(512, 256))
     offload = _offload(wf, before.out(), keep=vae.out())
     images = wf.add(
@@ -347,6 +392,7 @@ def all_workflows() -> list[WorkflowDesc]:
         sana_2048_batch2(),
         wan21_t2v("480p"),
         wan21_t2v("720p"),
+        img2img_4k_sdxl(),
     ]
 
 

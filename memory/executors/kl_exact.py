@@ -1,10 +1,12 @@
-"""Exact, single-pass tiled decode of GroupNorm KL decoders (layer-synchronous tiling).
+"""Exact, single-pass tiled decode (and encode) of GroupNorm KL VAEs (layer-synchronous tiling).
 
-The mid block runs once per item on the whole latent; the up path runs segment by segment (cut at every
-GroupNorm, :mod:`..vae.kl_layout`), tile by tile, from full-size activations kept in row bands. Every
+Decode: the mid block runs once per item on the whole latent; the up path runs segment by segment (cut at
+every GroupNorm, :mod:`..vae.kl_layout`), tile by tile, from full-size activations kept in row bands. Every
 GroupNorm uses the global statistics merged from the previous segment's tile cores, so the result equals
-the untiled decode up to float rounding. An OOM inside a tile halves the tile and resumes (finished tiles
-are kept). Design: docs/TILED_DECODE.md. Duck-typed: no ComfyUI import.
+the untiled decode up to float rounding. Encode is the same walk the other way: ``conv_in`` and the down path
+in segments and tiles, then the whole tail (mid block, output convolution, the host's own regularizer) once
+per item on the latent-resolution map. An OOM inside a tile halves the tile and resumes (finished tiles are
+kept). Design: docs/TILED_DECODE.md, docs/ENCODE.md. Duck-typed: no ComfyUI import.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ EXECUTOR_VERSION = "v1"
 Bump it when a change alters what the executor holds at its peak, then re-ship ``memory/cost/data/exact``
 (``bench/tiled_decode.py --write-defaults``); edits that do not (comments, error handling) keep the key."""
 
-__all__ = ["EXECUTOR_VERSION", "MIN_TILE", "NormParamsFn", "ProgressFn", "decode_exact"]
+__all__ = ["EXECUTOR_VERSION", "MIN_TILE", "NormParamsFn", "ProgressFn", "decode_exact", "encode_exact"]
 
 ProgressFn = Callable[[int, int], None]
 NormParamsFn = Callable[[Any, torch.Tensor], "tuple[torch.Tensor | None, torch.Tensor | None]"]
@@ -126,13 +128,15 @@ class _Bands:
     image)."""
 
     def __init__(self, run: _ExactRun, c: int, h: int, w: int, rows: list[tuple[int, int]],
-                 device: torch.device, whole: bool) -> None:
+                 device: torch.device, whole: bool, base: torch.Tensor | None = None) -> None:
         self.run = run
         self.c, self.h, self.w = c, h, w
         self.rows = rows
         self.starts = [r[0] for r in rows]
-        self.device = device
-        self.base = run._alloc((run.batch, c, h, w), device) if whole else None
+        self.device = device if base is None else base.device
+        if base is None and whole:
+            base = run._alloc((run.batch, c, h, w), device)
+        self.base = base
         self.bands: list[list[torch.Tensor | None]] = [[None] * len(rows) for _ in range(run.batch)]
 
     def ensure(self, b: int, y0: int, y1: int) -> None:
@@ -236,6 +240,13 @@ class _ExactRun:
         self.pin = bool(pin_memory)
         self.dtype = z.dtype
         self.batch = int(z.shape[0])
+        self.encode = layout.direction == "encode"
+        if self.encode:  # z: the pixels, the source of ``in``; the latent: the tail's map / pre_scale
+            down = 2 ** (layout.levels - 1) * layout.pre_scale
+            self.latent_hw = (int(z.shape[2]) // down, int(z.shape[3]) // down)
+        else:
+            self.latent_hw = (int(z.shape[2]), int(z.shape[3]))
+        self.out: torch.Tensor | None = None
         self.stat_device = compute_device if compute_device.type not in ("mps",) else torch.device("cpu")
 
         self.last_use = self.layout.last_use
@@ -245,7 +256,11 @@ class _ExactRun:
         self.affine_cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.mid_name = "mid"
         self.mid_done = 0
+        """Items done in the whole part (decode: the mid block; encode: the tail)."""
         self.mid_finished = False
+        if self.encode:
+            c, h, w = (int(v) for v in z.shape[1:])
+            self.stores["x"] = _Bands(self, c, h, w, [(0, h)], compute_device, True, base=z)
         self.seg_index = 0
         self.pending: collections.deque[Rect] | None = None
         self.step = 0
@@ -262,16 +277,15 @@ class _ExactRun:
 
     def _out_hw(self, seg: _Seg) -> tuple[int, int]:
         _, h, w = self._shape(seg.info.inputs[0])
-        return h * seg.info.scale, w * seg.info.scale
+        return h * seg.info.scale // seg.info.stride, w * seg.info.scale // seg.info.stride
 
     def _remaining_units(self) -> int:
         units = self.batch - self.mid_done
         if self.pending is not None:
             units += len(self.pending)
-        latent_hw = (int(self.z.shape[2]), int(self.z.shape[3]))
         start = self.seg_index + (1 if self.pending is not None else 0)
         for s in self.segs[start:]:
-            units += self.batch * tile_count(*self.layout.segment_hw(s.info, latent_hw), self.tile)
+            units += self.batch * tile_count(*self.layout.segment_hw(s.info, self.latent_hw), self.tile)
         return units
 
     def _report(self) -> None:
@@ -375,6 +389,27 @@ class _ExactRun:
             self._report()
         self._sync()
         self.stats[self.mid_name] = self.acc.pop(self.mid_name).finalize()
+        self.mid_finished = True
+
+    def _tail_phase(self) -> None:
+        """Encode: per item, the down path's output (one latent-resolution map) through the mid block and the
+        output convolution, then the host's own rest of ``encode`` (:func:`_encode_tail`)."""
+        if self.mid_finished:
+            return
+        last = self.segs[-1].info.output
+        store = self.stores[last]
+        while self.mid_done < self.batch:
+            self._check_stop()
+            b = self.mid_done
+            z = _encode_tail(self.model, self.dec, store.read(b, 0, store.h, 0, store.w, self.compute))
+            if self.out is None:
+                self.out = torch.empty((self.batch, *z.shape[1:]), dtype=z.dtype, device=self.out_device)
+            self.out[b : b + 1].copy_(z)
+            del z
+            self.mid_done += 1
+            self.done_units += 1
+            self._report()
+        self.stores.pop(last, None)
         self.mid_finished = True
 
     # -- segments --------------------------------------------------------------------------------
@@ -518,6 +553,18 @@ class _ExactRun:
             t = blk.dropout(t) if getattr(blk, "dropout", None) is not None else t
             t = self._crop(blk.conv2(t), y0, x0, r)
             return t + self._shortcut_core(blk, xn, r), None
+        if kind == "in":  # the encoder's conv_in, on the pixels (no norm before it)
+            (xn,) = info.inputs
+            y0, y1, x0, x1 = self._read_region(info, xn, r)
+            t = self._load(xn, r.b, y0, y1, x0, x1)
+            self._hook(step)
+            return self._crop(self.dec.conv_in(t), y0, x0, r), None
+        if kind == "downsample":  # its own forward: the zero row/column past the map's end, as the host pads
+            (xn,) = info.inputs
+            ly0, ly1, lx0, lx1 = self._read_region(info, xn, r)
+            t = self._load(xn, r.b, ly0, ly1, lx0, lx1)
+            self._hook(step)
+            return seg.module(t), None
         if kind == "upsample":
             (xn,) = info.inputs
             ly0, ly1, lx0, lx1 = self._read_region(info, xn, r)
@@ -578,15 +625,20 @@ class _ExactRun:
         return self._in_tile and max(th, tw) > self.min_tile
 
     def _attempt(self) -> None:
-        self._mid_phase()
-        self._segments_phase()
+        if self.encode:
+            self._segments_phase()
+            self._tail_phase()
+        else:
+            self._mid_phase()
+            self._segments_phase()
 
     def _resume(self, event: OomEvent) -> None:
         old = self.tile
         self._shrink()
         self._in_tile = False
         log.warning(
-            "exact tiled decode: out of memory (%s) at tile %s in %s; resuming with tile %s",
+            "exact tiled %s: out of memory (%s) at tile %s in %s; resuming with tile %s",
+            self.layout.direction,
             event.type_name,
             old,
             self.segs[self.seg_index].info.name if self.seg_index < len(self.segs) else "?",
@@ -598,8 +650,70 @@ class _ExactRun:
         self._report()
         self.driver.run(self._attempt, can_recover=lambda e: self._can_shrink(), recover=self._resume)
         self._sync()
+        if self.encode:
+            assert self.out is not None
+            return self.out
         last = self.segs[-1].info.output if self.segs else self.mid_name
         return self.stores.pop(last).tensor()
+
+
+class _Tail(torch.nn.Module):
+    """Stands in for ``model.encoder`` while the host's own ``encode`` runs on the down path's output: the
+    encoder's mid block, ``norm_out`` and ``conv_out`` (as ``Encoder.forward`` ends), after which the host's
+    ``encode`` does what it does after its encoder (``quant_conv``, the regularizer, FLUX.2's latent
+    batch-norm)."""
+
+    def __init__(self, enc: Any) -> None:
+        super().__init__()
+        self.__dict__["enc"] = enc  # not a registered child: the host's module tree is left as it is
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        enc = self.enc
+        h = enc.mid.block_1(h, None)
+        h = enc.mid.attn_1(h)
+        h = enc.mid.block_2(h, None)
+        return enc.conv_out(F.silu(enc.norm_out(h)))
+
+
+def _encode_tail(model: Any, enc: Any, h: torch.Tensor) -> torch.Tensor:
+    """``model.encode`` of one item whose encoder ran up to its mid block (``h``): the host's own code after
+    the encoder, with :class:`_Tail` in the encoder's place for the call."""
+    model.encoder = _Tail(enc)
+    try:
+        return model.encode(h)
+    finally:
+        model.encoder = enc
+
+
+def _run_exact(model: Any, x: torch.Tensor, tile: int | tuple[int, int] | None, direction: str,
+               store_device: torch.device | str | None, compute_device: torch.device | str | None,
+               out_device: torch.device | str | None, recompute: bool, progress: ProgressFn | None,
+               should_stop: Callable[[], None] | None, fault_hook: Callable[[int], None] | None,
+               oom_exceptions: tuple[type[BaseException], ...] | None, on_oom: Callable[[], None] | None,
+               min_tile: int, pin_memory: bool | None, norm_params: NormParamsFn | None) -> torch.Tensor:
+    """:func:`decode_exact` / :func:`encode_exact` (``direction``), the same walk."""
+    layout = kl_layout(model, recompute, direction).require()
+    bound = layout.bind(model)
+    what = "latent" if direction == "decode" else "image"
+    if x.ndim != 4:
+        raise ValueError(f"expected a (B, C, h, w) {what}, got shape {tuple(x.shape)}")
+    if direction == "encode":
+        down = 2 ** (layout.levels - 1) * layout.pre_scale
+        if x.shape[2] % down or x.shape[3] % down:
+            raise ValueError(f"exact tiled encode: the image's sides {tuple(x.shape[2:])} must be multiples "
+                             f"of {down} (VAE Encode crops them so)")
+    compute = torch.device(compute_device) if compute_device is not None else x.device
+    store = torch.device(store_device) if store_device is not None else compute
+    out = torch.device(out_device) if out_device is not None else store
+    run = _ExactRun(model, layout, bound, x, pair(tile), store, compute, out, recompute, progress,
+                    should_stop, fault_hook, oom_types(oom_exceptions), on_oom, min_tile, pin_memory,
+                    norm_params)
+    with torch.no_grad():
+        result = run.run()
+    if run.shrinks:
+        log.info("exact tiled %s finished with tile %s after %d OOM shrink(s)", direction, run.tile,
+                 run.shrinks)
+    return result
 
 
 def decode_exact(
@@ -639,34 +753,34 @@ def decode_exact(
     ``norm_params(norm, x) -> (weight, bias)``: GroupNorm affine parameters as float32 on ``x``'s
     device (default: the module's ``weight``/``bias``; pass ComfyUI's casting for patched weights).
     """
-    layout = kl_layout(model, recompute).require()
-    bound = layout.bind(model)
-    if z.ndim != 4:
-        raise ValueError(f"expected a (B, C, h, w) latent, got shape {tuple(z.shape)}")
-    compute = torch.device(compute_device) if compute_device is not None else z.device
-    store = torch.device(store_device) if store_device is not None else compute
-    out = torch.device(out_device) if out_device is not None else store
-    run = _ExactRun(
-        model,
-        layout,
-        bound,
-        z,
-        pair(tile),
-        store,
-        compute,
-        out,
-        recompute,
-        progress,
-        should_stop,
-        fault_hook,
-        oom_types(oom_exceptions),
-        on_oom,
-        min_tile,
-        pin_memory,
-        norm_params,
-    )
-    with torch.no_grad():
-        result = run.run()
-    if run.shrinks:
-        log.info("exact tiled decode finished with tile %s after %d OOM shrink(s)", run.tile, run.shrinks)
-    return result
+    return _run_exact(model, z, tile, "decode", store_device, compute_device, out_device, recompute, progress,
+                      should_stop, fault_hook, oom_exceptions, on_oom, min_tile, pin_memory, norm_params)
+
+
+def encode_exact(
+    model: Any,
+    x: torch.Tensor,
+    tile: int | tuple[int, int] | None,
+    *,
+    store_device: torch.device | str | None = None,
+    compute_device: torch.device | str | None = None,
+    out_device: torch.device | str | None = None,
+    recompute: bool = False,
+    progress: ProgressFn | None = None,
+    should_stop: Callable[[], None] | None = None,
+    fault_hook: Callable[[int], None] | None = None,
+    oom_exceptions: tuple[type[BaseException], ...] | None = None,
+    on_oom: Callable[[], None] | None = None,
+    min_tile: int = MIN_TILE,
+    pin_memory: bool | None = None,
+    norm_params: NormParamsFn | None = None,
+) -> torch.Tensor:
+    """Encode ``x`` exactly, tile by tile; returns what ``model.encode(x)`` returns (the host's regularizer:
+    the posterior mean for ComfyUI's KL VAEs). ``model``: a ``first_stage_model`` with an SD/FLUX ``Encoder``;
+    ``x``: (B, 3, H, W) processed pixels (``vae.process_input``, on [-1, 1]) in the dtype the encoder runs in,
+    sides multiples of the VAE's downscale ratio. ``conv_in`` and the down path run in segments and tiles
+    (``tile``: core px at each activation's own resolution) with shared GroupNorm statistics; the mid block,
+    the output convolution and the host's own rest of ``encode`` run once per item on the latent-resolution
+    map. The other keywords as :func:`decode_exact`; an OOM in the tail propagates (the caller re-plans)."""
+    return _run_exact(model, x, tile, "encode", store_device, compute_device, out_device, recompute, progress,
+                      should_stop, fault_hook, oom_exceptions, on_oom, min_tile, pin_memory, norm_params)

@@ -182,6 +182,53 @@ def _structure_reason(model: Any) -> str | None:
     return None
 
 
+def _is_down_conv(m: Any) -> bool:
+    """The encoder's downsampling conv: 3x3, stride 2, unpadded (its module pads (0, 1, 0, 1) itself)."""
+    return (isinstance(m, torch.nn.Conv2d) and tuple(m.kernel_size) == (3, 3) and tuple(m.stride) == (2, 2)
+            and tuple(m.padding) == (0, 0) and tuple(m.dilation) == (1, 1) and m.groups == 1)
+
+
+def _encoder_reason(model: Any) -> str | None:
+    """Why the exact executor cannot encode with ``model`` (a ``first_stage_model``), or None."""
+    bn = getattr(model, "bn", None)
+    if bn is not None and not isinstance(bn, torch.nn.BatchNorm2d):
+        return "latent batch-norm of an unknown kind"
+    enc = getattr(model, "encoder", None)
+    if enc is None or not callable(getattr(model, "encode", None)):
+        return "no encoder"
+    if getattr(enc, "num_resolutions", None) is None:
+        return "not the SD/FLUX KL Encoder (no num_resolutions)"
+    for name in ("conv_in", "down", "mid", "norm_out", "conv_out"):
+        if getattr(enc, name, None) is None:
+            return f"encoder has no {name}"
+    if not (_is_conv2d(enc.conv_in, 3) and _is_conv2d(enc.conv_out, 3)):
+        return "conv_in/conv_out are not 3x3 Conv2d (3-D or video encoder)"
+    if not _is_gn(enc.norm_out):
+        return "norm_out is not GroupNorm"
+    if any(getattr(enc.mid, name, None) is None for name in ("block_1", "attn_1", "block_2")):
+        return "mid has no block_1/attn_1/block_2"
+    if getattr(getattr(model, "regularization", None), "sample", False):
+        return "the regularizer samples the posterior (a random latent per call)"
+    levels = len(enc.down)
+    for i in range(levels):
+        level = enc.down[i]
+        blocks = getattr(level, "block", None)
+        if blocks is None or len(blocks) == 0:
+            return f"down[{i}] has no blocks"
+        if len(getattr(level, "attn", ())) > 0:
+            return f"down[{i}] has attention in the down path"
+        for j in range(len(blocks)):
+            reason = _resnet_reason(blocks[j], f"down[{i}].block[{j}]")
+            if reason:
+                return reason
+        if i != levels - 1:
+            down = getattr(level, "downsample", None)
+            conv = getattr(down, "conv", None)
+            if down is None or not getattr(down, "with_conv", False) or not _is_down_conv(conv):
+                return f"down[{i}].downsample is not a padded 3x3 stride-2 Conv2d"
+    return None
+
+
 def unsupported_reason(model: Any) -> str | None:
     """Why the exact executor cannot run ``model`` (a ``first_stage_model`` or a ``Decoder``), or None."""
     return kl_layout(model).reason
@@ -201,7 +248,8 @@ def supports_exact(model: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class SegmentInfo:
-    """One segment of the up path (kinds ``conv1``, ``conv2``, ``conv12``, ``upsample``, ``out``)."""
+    """One segment of the decoder's up path (kinds ``conv1``, ``conv2``, ``conv12``, ``upsample``, ``out``) or
+    of the encoder's down path (``in``, ``conv1``, ``conv2``, ``conv12``, ``downsample``)."""
 
     name: str
     kind: str
@@ -229,8 +277,12 @@ class SegmentInfo:
     cores under this name, so ``x`` dies with this segment; the block's ``conv2`` then adds ``conv2(...)``
     over it in place."""
     module: str = ""
-    """Path from the decoder to the module the segment calls (:func:`module_at`): its resnet block
-    (``up.i.block.j``) or upsample (``up.i.upsample``); ``""``: the decoder itself (``out``)."""
+    """Path from the decoder (encoder) to the module the segment calls (:func:`module_at`): its resnet block
+    (``up.i.block.j``), upsample (``up.i.upsample``) or downsample (``down.i.downsample``); ``""``: the
+    decoder itself (``out``) or the encoder itself (``in``)."""
+    stride: int = 1
+    """Input px per output px (2 for an encoder's ``downsample``: output ``[a, b)`` reads input rows
+    ``[2a, 2b + 1)``, the module's own asymmetric zero pad supplying the row past a map's last one)."""
 
 
 def module_at(dec: Any, path: str) -> Any:
@@ -250,68 +302,102 @@ def block_shortcut(blk: Any) -> tuple[Any, int]:
     return blk.nin_shortcut, 0
 
 
+class _Builder:
+    """Segments in execution order and the path of the GroupNorm consuming each activation, built by the
+    decoder's and the encoder's walks (:func:`_build_segments`, :func:`_build_encoder_segments`)."""
+
+    def __init__(self, cur: str, recompute: bool, level_scale: int) -> None:
+        self.segs: list[SegmentInfo] = []
+        self.consumer: dict[str, str] = {}
+        self.cur = cur
+        self.n = 0
+        self.scale = level_scale
+        self.recompute = recompute
+
+    def add(self, name: str, kind: str, inputs: tuple[str, ...], output: str, stored: bool, cin: int,
+            cout: int, halo: int, module: str, *, up: int = 1, residual: int = 0,
+            inplace_of: str | None = None, shortcut_output: str | None = None, residual_halo: int = 0,
+            stride: int = 1) -> None:
+        self.segs.append(SegmentInfo(name, kind, inputs, output, stored, cin, cout, up, self.scale, halo,
+                                     residual, inplace_of, residual_halo, shortcut_output, module, stride))
+
+    def block(self, blk: Any, prefix: str) -> None:
+        """The segments of one resnet block reading ``self.cur``; ``self.cur`` becomes its output."""
+        cur, n = self.cur, self.n
+        cin, cout = int(blk.conv1.in_channels), int(blk.conv2.out_channels)
+        self.consumer[cur] = f"{prefix}.norm1"
+        h_name, y_name = f"h{n}", f"a{n + 1}"
+        self.consumer[h_name] = f"{prefix}.norm2"
+        self.n += 1
+        sc, sc_halo = block_shortcut(blk)
+        if sc is None:
+            # Stores: x (overwritten by y in place) + h: two activations, no recomputation.
+            self.add(f"{prefix}.conv1", "conv1", (cur,), h_name, True, cin, cout, 1, prefix)
+            self.add(f"{prefix}.conv2", "conv2", (h_name, cur), y_name, True, cout, cout, 1, prefix,
+                     residual=cin, inplace_of=cur)
+        elif self.recompute:
+            # conv1 runs once for norm2's statistics only; conv12 recomputes it with a 2-px halo.
+            # Stores: x + y.
+            self.add(f"{prefix}.conv1", "conv1", (cur,), h_name, False, cin, cout, 1, prefix)
+            self.add(f"{prefix}.conv12", "conv12", (cur,), y_name, True, cin, cout, 2, prefix, residual=cin,
+                     residual_halo=sc_halo)
+        else:
+            # conv1 also writes s = shortcut(x) at its cores, so x dies with it (its rows are freed
+            # as conv1's tiles pass); conv2 writes y = s + conv2(...) over s. Stores: x -> h + s -> y.
+            s_name = f"s{n}"
+            self.add(f"{prefix}.conv1", "conv1", (cur,), h_name, True, cin, cout, 1, prefix, residual=cin,
+                     shortcut_output=s_name)
+            self.add(f"{prefix}.conv2", "conv2", (h_name, s_name), y_name, True, cout, cout, 1, prefix,
+                     residual=cout, inplace_of=s_name)
+        self.cur = y_name
+
+
 def _build_segments(dec: Any, recompute: bool) -> tuple[list[SegmentInfo], dict[str, str]]:
-    """Segments in execution order and the path of the GroupNorm consuming each activation."""
-    segs: list[SegmentInfo] = []
-    consumer: dict[str, str] = {}
-    cur = "mid"
-    n = 0
-    scale = 1
-
-    def add(name: str, kind: str, inputs: tuple[str, ...], output: str, stored: bool, cin: int, cout: int,
-            halo: int, module: str, *, up: int = 1, residual: int = 0, inplace_of: str | None = None,
-            shortcut_output: str | None = None, residual_halo: int = 0) -> None:
-        segs.append(SegmentInfo(name, kind, inputs, output, stored, cin, cout, up, scale, halo, residual,
-                                inplace_of, residual_halo, shortcut_output, module))
-
+    """The decoder's segments in execution order and the path of the GroupNorm consuming each activation."""
+    b = _Builder("mid", recompute, 1)
     for i, has_upsample in stage_order(dec):
         blocks = dec.up[i].block
         for j in range(len(blocks)):
-            blk = blocks[j]
-            cin, cout = int(blk.conv1.in_channels), int(blk.conv2.out_channels)
-            prefix = f"up.{i}.block.{j}"
-            consumer[cur] = f"{prefix}.norm1"
-            h_name, y_name = f"h{n}", f"a{n + 1}"
-            consumer[h_name] = f"{prefix}.norm2"
-            n += 1
-            sc, sc_halo = block_shortcut(blk)
-            if sc is None:
-                # Stores: x (overwritten by y in place) + h: two activations, no recomputation.
-                add(f"{prefix}.conv1", "conv1", (cur,), h_name, True, cin, cout, 1, prefix)
-                add(f"{prefix}.conv2", "conv2", (h_name, cur), y_name, True, cout, cout, 1, prefix,
-                    residual=cin, inplace_of=cur)
-            elif recompute:
-                # conv1 runs once for norm2's statistics only; conv12 recomputes it with a 2-px halo.
-                # Stores: x + y.
-                add(f"{prefix}.conv1", "conv1", (cur,), h_name, False, cin, cout, 1, prefix)
-                add(f"{prefix}.conv12", "conv12", (cur,), y_name, True, cin, cout, 2, prefix, residual=cin,
-                    residual_halo=sc_halo)
-            else:
-                # conv1 also writes s = shortcut(x) at its cores, so x dies with it (its rows are freed
-                # as conv1's tiles pass); conv2 writes y = s + conv2(...) over s. Stores: x -> h + s -> y.
-                s_name = f"s{n}"
-                add(f"{prefix}.conv1", "conv1", (cur,), h_name, True, cin, cout, 1, prefix, residual=cin,
-                    shortcut_output=s_name)
-                add(f"{prefix}.conv2", "conv2", (h_name, s_name), y_name, True, cout, cout, 1, prefix,
-                    residual=cout, inplace_of=s_name)
-            cur = y_name
+            b.block(blocks[j], f"up.{i}.block.{j}")
         if has_upsample:
             upsample = dec.up[i].upsample
             c = int(blocks[len(blocks) - 1].conv2.out_channels)
-            scale *= 2
+            b.scale *= 2
             if _is_pixel_shuffle_up(upsample):
                 # Its 3x3 conv runs at the low resolution: 1 low-res px of context = 2 output px.
                 halo, c_out = 2, int(upsample.conv.out_channels) // 4
             else:
                 halo, c_out = (1 if getattr(upsample, "with_conv", False) else 0), c
-            add(f"up.{i}.upsample", "upsample", (cur,), f"u{i}", True, c, c_out, halo, f"up.{i}.upsample",
-                up=2)
-            cur = f"u{i}"
+            b.add(f"up.{i}.upsample", "upsample", (b.cur,), f"u{i}", True, c, c_out, halo, f"up.{i}.upsample",
+                  up=2)
+            b.cur = f"u{i}"
     if not getattr(dec, "give_pre_end", False):
-        consumer[cur] = "norm_out"
+        b.consumer[b.cur] = "norm_out"
         c_in, c_out = int(dec.conv_out.in_channels), int(dec.conv_out.out_channels)
-        add("out", "out", (cur,), "image", True, c_in, c_out, 1, "")
-    return segs, consumer
+        b.add("out", "out", (b.cur,), "image", True, c_in, c_out, 1, "")
+    return b.segs, b.consumer
+
+
+def _build_encoder_segments(enc: Any, recompute: bool) -> tuple[list[SegmentInfo], dict[str, str]]:
+    """The encoder's segments (``conv_in`` and the down path; the mid block and the output convolution run
+    whole, in the tail) and the GroupNorm consuming each activation but the last (the tail's own)."""
+    levels = len(enc.down)
+    b = _Builder("x", recompute, 2 ** (levels - 1))
+    ch = int(enc.conv_in.out_channels)
+    b.add("in", "in", ("x",), "a0", True, int(enc.conv_in.in_channels), ch, 1, "")
+    b.cur = "a0"
+    for i in range(levels):
+        blocks = enc.down[i].block
+        for j in range(len(blocks)):
+            b.block(blocks[j], f"down.{i}.block.{j}")
+        if i != levels - 1:
+            c = int(blocks[len(blocks) - 1].conv2.out_channels)
+            b.scale //= 2
+            b.add(f"down.{i}.downsample", "downsample", (b.cur,), f"d{i}", True, c, c, 0,
+                  f"down.{i}.downsample", stride=2)
+            b.cur = f"d{i}"
+    b.consumer.pop(b.cur, None)
+    return b.segs, b.consumer
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,6 +411,8 @@ def read_span(info: SegmentInfo, name: str, a: int, b: int, n_in: int) -> tuple[
     halo = 0 if name == info.inplace_of else info.halo
     if info.kind == "upsample":
         return max(0, (a - halo) // 2), min(n_in, (b - 1 + halo) // 2 + 1)
+    if info.kind == "downsample":
+        return 2 * a, min(n_in, 2 * b + 1)
     return max(0, a - halo), min(n_in, b + halo)
 
 
@@ -368,7 +456,7 @@ def whole_output(info: SegmentInfo, k: int, n_segments: int) -> bool:
 def axis_extents(info: SegmentInfo, n_out: int, tile: int) -> list[tuple[int, int, int]]:
     """``(start, core length, input extent)`` of every tile along one axis of segment ``info``'s output
     (``n_out`` px); input extent: px of the segment's first input read (:func:`read_span`)."""
-    n_in = n_out // 2 if info.kind == "upsample" else n_out
+    n_in = n_out // 2 if info.kind == "upsample" else n_out * info.stride
     out = []
     for a, b in split_even(n_out, tile):
         lo, hi = read_span(info, info.inputs[0], a, b, n_in)
@@ -427,11 +515,14 @@ class _SimEntry:
 
 @dataclasses.dataclass(frozen=True)
 class KlLayout:
-    """One KL decoder as the exact executor runs it (one ``recompute`` variant); ``reason``: why it is
-    not supported (then nothing else is filled in)."""
+    """One KL decoder (or encoder) as the exact executor runs it (one ``recompute`` variant); ``reason``: why
+    it is not supported (then nothing else is filled in)."""
 
     reason: str | None
     recompute: bool = False
+    direction: str = "decode"
+    """``decode``: the whole part (mid block) first, then the segments; ``encode``: the segments, then the
+    whole tail (mid block, output convolution and the host's own regularizer) on the latent-resolution map."""
     pre_scale: int = 1
     """Mid-block resolution / latent resolution (2 for Flux-2 style latent batch-norm + pixel shuffle)."""
     in_repeats: int = 0
@@ -448,7 +539,7 @@ class KlLayout:
 
     def require(self) -> KlLayout:
         if self.reason is not None:
-            raise ValueError(f"exact tiled decode does not support this model: {self.reason}")
+            raise ValueError(f"exact tiled {self.direction} does not support this model: {self.reason}")
         return self
 
     def mid_hw(self, latent_hw: Sequence[int]) -> tuple[int, int]:
@@ -468,14 +559,17 @@ class KlLayout:
         return 1 + sum(self.tile_counts(latent_hw, tile))
 
     def bind(self, model: Any) -> tuple[Any, list[Any], dict[str, Any]]:
-        """``model``'s decoder and the modules this layout names in it: each segment's and each consumer's."""
-        dec = find_decoder(model)
+        """``model``'s decoder (encoder) and the modules this layout names in it: each segment's and each
+        consumer's."""
+        dec = find_decoder(model) if self.direction == "decode" else model.encoder
         return (dec, [module_at(dec, info.module) for info in self.segments],
                 {name: module_at(dec, path) for name, path in self.consumer.items()})
 
     def schedule(self, latent_hw: Sequence[int], tile: tuple[int, int]) -> list[list[RowStep]]:
         """Per segment, per row of tiles: the live store and the reads of one batch item (see
-        :func:`store_schedule`)."""
+        :func:`store_schedule`; decode only: an encode's cost model is not built yet)."""
+        if self.direction != "decode":
+            raise NotImplementedError("the store schedule of an exact encode (its cost model) is not built")
         return self._schedule(self.mid_hw(latent_hw), tile)
 
     def units(self, latent_hw: Sequence[int], tile: tuple[int, int]) -> Iterator[tuple[int, int, int, int, int]]:
@@ -577,7 +671,9 @@ class KlLayout:
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _walk(model: Any, recompute: bool) -> KlLayout:
+def _walk(model: Any, recompute: bool, direction: str = "decode") -> KlLayout:
+    if direction == "encode":
+        return _walk_encoder(model, recompute)
     reason = _structure_reason(model)
     if reason is not None:
         return KlLayout(reason, recompute)
@@ -601,19 +697,44 @@ def _walk(model: Any, recompute: bool) -> KlLayout:
     )
 
 
-def kl_layout(model: Any, recompute: bool = False) -> KlLayout:
-    """The layout of ``model`` (``first_stage_model`` or its ``Decoder``), walked once per model object
-    and ``recompute`` variant (a decoder's structure does not change)."""
+def _walk_encoder(model: Any, recompute: bool) -> KlLayout:
+    reason = _encoder_reason(model)
+    if reason is not None:
+        return KlLayout(reason, recompute, "encode")
+    enc = model.encoder
+    segs, consumer = _build_encoder_segments(enc, recompute)
+    last_use: dict[str, int] = {}
+    for k, s in enumerate(segs):
+        for name in s.inputs:
+            last_use[name] = k
+    return KlLayout(
+        reason=None,
+        recompute=recompute,
+        direction="encode",
+        pre_scale=2 if isinstance(getattr(model, "bn", None), torch.nn.BatchNorm2d) else 1,
+        mid_channels=int(enc.conv_out.in_channels),
+        levels=len(enc.down),
+        segments=tuple(segs),
+        consumer=consumer,
+        last_use=last_use,
+    )
+
+
+def kl_layout(model: Any, recompute: bool = False, direction: str = "decode") -> KlLayout:
+    """The layout of ``model`` (``first_stage_model`` or its ``Decoder``; ``direction="encode"``: the
+    ``first_stage_model``'s encoder), walked once per model object, ``recompute`` variant and direction (a
+    model's structure does not change)."""
     try:
         cached = _LAYOUTS.get(model)
     except TypeError:  # not weak-referenceable or not hashable: walked every time
-        return _walk(model, recompute)
+        return _walk(model, recompute, direction)
     if cached is None:
         cached = {}
         _LAYOUTS[model] = cached
-    found = cached.get(recompute)
+    key = recompute if direction == "decode" else (recompute, direction)
+    found = cached.get(key)
     if found is None:
-        found = cached[recompute] = _walk(model, recompute)
+        found = cached[key] = _walk(model, recompute, direction)
     return found
 
 

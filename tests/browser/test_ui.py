@@ -30,6 +30,7 @@ FRONTEND_ONLY_TYPES = {"MarkdownNote", "Note", "Reroute", "PrimitiveNode"}
 # Report title and the rows each pack node's report must show on the node (memory/report.py format).
 REPORTS = {
     "VRAMFit_TiledVAEDecode": ("Tiled VAE Decode", ("path", "budget", "plan", "predicted", "measured", "time")),
+    "VRAMFit_TiledVAEEncode": ("Tiled VAE Encode", ("path", "budget", "plan", "predicted", "measured", "time")),
     "VRAMFit_TemporalChunkVideoDecode": (
         "Temporal-Chunk Video Decode",
         ("path", "budget", "plan", "predicted", "measured", "time"),
@@ -131,7 +132,7 @@ def test_cpu_template_runs_and_shows_reports(page, ui_server, shots_dir, name):
         # the verdict: the report's line under its title, shown in the header above the box, in its form
         verdict = Report.parse(text).summary
         assert verdict and r["verdict"] == verdict == text.splitlines()[1], (r["verdict"], text)
-        form = VERDICTS["decode" if "Decode" in r["type"] else r["type"]]
+        form = VERDICTS["decode" if "Decode" in r["type"] or "Encode" in r["type"] else r["type"]]
         assert form.match(verdict), (r["type"], verdict)
         assert len(verdict) < 110, verdict
         tone = "over" if "OVER BUDGET" in verdict else "approximate" if verdict.startswith("approx") else "ok"

@@ -155,16 +155,21 @@ def test_workflows_have_the_graphs_the_issue_asks_for():
     assert next(n["inputs"]["scale_by"] for n in api.values() if n["class_type"] == "LatentUpscaleBy") * 1024 == 8192
     assert _chain(ui, "LatentUpscaleBy", "VRAMFit_OffloadManager", "VRAMFit_VRAMMonitor", "VRAMFit_TiledVAEDecode")
     ui, api = _load("vramfit_demo_cpu")
-    assert _chain(ui, "LoadImage", "ImageScale", "VAEEncode", "VRAMFit_VRAMMonitor", "VRAMFit_OffloadManager",
-                  "VRAMFit_TiledVAEDecode", "VRAMFit_VRAMMonitor", "SaveImage")  # fmt: skip
+    assert _chain(ui, "LoadImage", "ImageScale", "VRAMFit_TiledVAEEncode", "VRAMFit_VRAMMonitor",
+                  "VRAMFit_OffloadManager", "VRAMFit_TiledVAEDecode", "VRAMFit_VRAMMonitor", "SaveImage")  # fmt: skip
     decode = next(n["inputs"] for n in api.values() if n["class_type"] == "VRAMFit_TiledVAEDecode")
     assert decode["budget_mb"] == DEMO_BUDGET_MB > 0 and decode["tile_size"] == 0  # tiles sized to that budget
+    ui, api = _load("vramfit_img2img_4k_sdxl")
+    assert _chain(ui, "LoadImage", "ImageScale", "VRAMFit_TiledVAEEncode", "KSampler", "VRAMFit_OffloadManager",
+                  "VRAMFit_TiledVAEDecode")
+    scale = next(n["inputs"] for n in api.values() if n["class_type"] == "ImageScale")
+    assert (scale["width"], scale["height"]) == (4096, 4096)
     cpu_types = set()
     for name in CPU_WORKFLOWS:
         cpu_types |= {n["class_type"] for n in _load(name)[1].values()}
     assert {t for t in cpu_types if t.startswith("VRAMFit_")} == {
-        "VRAMFit_TiledVAEDecode", "VRAMFit_TemporalChunkVideoDecode", "VRAMFit_OffloadManager",
-        "VRAMFit_Bf16Loader", "VRAMFit_VRAMMonitor",
+        "VRAMFit_TiledVAEDecode", "VRAMFit_TiledVAEEncode", "VRAMFit_TemporalChunkVideoDecode",
+        "VRAMFit_OffloadManager", "VRAMFit_Bf16Loader", "VRAMFit_VRAMMonitor",
     }  # fmt: skip
 
 

@@ -61,8 +61,9 @@ def test_a_learned_ratio_makes_the_untiled_path_plan_for_it(vae):
     assert r.plan.path == "exact" and r.plan.planned <= budget
 
     # a larger budget: still untiled, its prediction scaled and the report saying why
-    r = decode(vae, z, stores, budget_mb=2 * raw.planned / MiB,
-               env_kw={"observed": _with_ratio(job, "untiled", 1.5)})
+    r = decode(
+        vae, z, stores, budget_mb=2 * raw.planned / MiB, env_kw={"observed": _with_ratio(job, "untiled", 1.5)}
+    )
     assert r.plan.path == "untiled" and r.plan.ratio == 1.5
     assert r.plan.planned == int(raw.planned * 1.5)
     assert "x1.50" in dict(r.report.rows)["predicted"]

@@ -1,0 +1,159 @@
+"""Encode bench: Tiled VAE Encode (exact tiles) vs core ``VAEEncode`` and ``VAEEncodeTiled``, one run.
+
+For each image size, in one process, CPU float32, the random-weight SD/SDXL KL fixture (``--kinds`` for
+FLUX.1 / FLUX.2):
+
+1. core ``VAEEncode`` (untiled): the reference latent;
+2. core ``VAEEncodeTiled`` with its defaults (tile 512, overlap 64);
+3. Tiled VAE Encode at auto (free memory: the encoder's own forward when it fits);
+4. Tiled VAE Encode under a budget of 0.8x the untiled encode's measured peak (exact tiles; warmed first so
+   the row times the encode, not the first-use check).
+
+Per row: wall seconds, the live-tensor peak (``PeakTracker`` dispatch, the same measure for all rows), the
+latent's max abs difference from the reference, and the PSNR of its round trip (``VAEDecode`` of the row's
+latent vs ``VAEDecode`` of the reference latent), with ratios vs the reference. Nothing is asserted; figures
+go to docs/BENCHMARKS.md::
+
+    .cache/venv/bin/python bench/encode.py [--sizes 1024 2048] [--kinds kl_f8] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import math
+import pathlib
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+log = logging.getLogger("vramfit.bench.encode")
+log.setLevel(logging.INFO)
+MiB = 2**20
+
+
+def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = (a.double() - b.double()).pow(2).mean().item()
+    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def _pixels(px: int) -> torch.Tensor:
+    """A smooth image with detail (1, px, px, 3) on [0, 1]."""
+    g = torch.Generator().manual_seed(px)
+    y = torch.linspace(0, 1, px).view(1, px, 1, 1)
+    x = torch.linspace(0, 1, px).view(1, 1, px, 1)
+    base = 0.5 + 0.3 * torch.sin(9 * x + 5 * y + torch.tensor([0.0, 1.0, 2.0]))
+    return (base + 0.1 * torch.rand(1, px, px, 3, generator=g)).clamp(0, 1)
+
+
+def _measure(tracker_mod: Any, fn: Callable[[], Any]) -> dict[str, Any]:
+    w0 = time.perf_counter()
+    with torch.inference_mode(), tracker_mod.PeakTracker("cpu", method="dispatch") as t:
+        out = fn()
+    return {"out": out, "wall": time.perf_counter() - w0, "peak": t.peak_bytes}
+
+
+def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int) -> list[dict[str, Any]]:
+    from scripts.fixtures import make_models
+    from scripts.host import HostConfig
+
+    path = make_models(HostConfig.load().models_dir / "vae", seed=0, kinds=[kind])[kind]
+    vae = nodes.VAELoader().load_vae(path.name)[0]
+    pixels = _pixels(px)
+    case = f"{kind} {px}²"
+    rows = []
+    ref = _measure(tracker_mod, lambda: nodes.VAEEncode().encode(vae, pixels)[0]["samples"])
+    rows.append({"case": case, "encode": "core VAEEncode (untiled)", **ref})
+    core = _measure(tracker_mod, lambda: nodes.VAEEncodeTiled().encode(vae, pixels, 512, 64)[0]["samples"])
+    rows.append({"case": case, "encode": "core VAEEncodeTiled 512/64", **core})
+    auto = _measure(tracker_mod, lambda: enc_mod.encode(vae, pixels))
+    rows.append(
+        {
+            "case": case,
+            "encode": f"Tiled VAE Encode, auto ({auto['out'].plan.description})",
+            **auto,
+            "out": auto["out"].latent,
+        }
+    )
+    budget = max(1, int(0.8 * ref["peak"] / MiB))
+    with torch.inference_mode():
+        enc_mod.encode(vae, pixels[:, :64, :64], tile_size=32)  # first use (self-check) outside the row
+    tiled = _measure(tracker_mod, lambda: enc_mod.encode(vae, pixels, budget_mb=budget))
+    rows.append(
+        {
+            "case": case,
+            "encode": f"Tiled VAE Encode, {budget} MiB ({tiled['out'].plan.description})",
+            **tiled,
+            "out": tiled["out"].latent,
+        }
+    )
+    with torch.inference_mode():
+        (img_ref,) = nodes.VAEDecode().decode(vae, {"samples": ref["out"]})
+        for r in rows:
+            r["max_abs"] = (r["out"].float() - ref["out"].float()).abs().max().item()
+            (img,) = nodes.VAEDecode().decode(vae, {"samples": r["out"]})
+            r["psnr"] = _psnr(img, img_ref)
+            r["time_x"] = r["wall"] / ref["wall"]
+            r["peak_x"] = r["peak"] / ref["peak"]
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| case | encode | time (s) | vs VAEEncode | peak (MiB) | vs VAEEncode | latent max abs "
+            "| round-trip PSNR |")
+    lines = [head, "|" + "---|" * 8]
+    for r in rows:
+        psnr = "inf" if math.isinf(r["psnr"]) else f"{r['psnr']:.1f} dB"
+        lines.append(
+            f"| {r['case']} | {r['encode']} | {r['wall']:.2f} | {r['time_x']:.2f}x | {r['peak'] / MiB:,.1f} "
+            f"| {r['peak_x']:.2f}x | {r['max_abs']:.2g} | {psnr} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--kinds", nargs="+", default=["kl_f8"])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+    from scripts.host import load_comfy_in_process
+
+    torch.set_num_threads(args.threads)
+    nodes = load_comfy_in_process()
+    enc_mod = sys.modules[nodes.NODE_CLASS_MAPPINGS["VRAMFit_TiledVAEEncode"].__module__]
+    tracker_mod = importlib.import_module(
+        enc_mod.__name__.rsplit(".nodes.", 1)[0] + ".memory.measure.tracker"
+    )
+    t0 = time.perf_counter()
+    rows = [
+        r for kind in args.kinds for px in args.sizes for r in bench(nodes, enc_mod, tracker_mod, kind, px)
+    ]
+    try:
+        load = " ".join(pathlib.Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        load = "?"
+    log.info(
+        "\n%s\n\nfixture VAEs (random weights, real architectures), float32, CPU, torch %s, %d threads, "
+        "%s, load average %s, bench %.0f s",
+        table(rows),
+        torch.__version__,
+        args.threads,
+        platform.platform(),
+        load,
+        time.perf_counter() - t0,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

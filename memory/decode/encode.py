@@ -1,0 +1,288 @@
+"""An image encode from job to report (Tiled VAE Encode): self-check, offload and budget, plan, execute with
+out-of-memory re-plans, report. The twin of :mod:`.image` for the other direction; the planning is
+:mod:`..plan.encode`, the executor :func:`..executors.kl_exact.encode_exact`. Design: docs/ENCODE.md."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+
+from ..cost.observed import observed_key, ratio_text
+from ..executors import kl_exact as te
+from ..plan.encode import EncodeJob, plan, smaller
+from ..plan.grid import ImpossibleBudgetError
+from ..plan.types import Plan
+from ..report import (
+    Report,
+    flag_measured_overrun,
+    fmt_bytes,
+    fmt_seconds,
+    measured_text,
+    peak_verdict,
+    summary_line,
+)
+from ..vae.families import identify, model_name
+from ..vae.kl_layout import kl_layout
+from .env import DecodeEnv, load_weights, measured, prepare
+from .first_use import FirstUse, first_use_tag
+from .self_check import CheckStore, Verdict, checked, code_fingerprint
+
+log = logging.getLogger("vramfit.memory.decode.encode")
+
+__all__ = ["REPORT_NODE", "EncodeResult", "check_encode", "encode_image", "make_job"]
+
+REPORT_NODE = "Tiled VAE Encode"
+CHECK_HW = (64, 96)
+"""Pixels of the walker's self-check: 4x6 tiles of :data:`CHECK_TILE` px at full resolution."""
+CHECK_TILE = 16
+MAX_REPLANS = 6
+
+
+def make_job(
+    vae: Any, x: torch.Tensor, out_device: torch.device | str, tile_size: int = 0, pixels: Any = None
+) -> EncodeJob:
+    """The job of ``x`` (the host's cropped, processed pixels (B, 3, H, W) in the VAE's dtype) on ``vae``;
+    ``pixels``: the node's IMAGE as given (the host's own encode takes it, for encoders the walker cannot
+    run)."""
+    model = vae.first_stage_model
+    layout = kl_layout(model, direction="encode")
+    reason = layout.reason
+    if reason is None:
+        down = 2 ** (layout.levels - 1) * layout.pre_scale
+        if x.shape[2] % down or x.shape[3] % down:
+            reason = f"the image's sides {tuple(x.shape[2:])} are not multiples of {down}"
+    return EncodeJob(
+        vae,
+        x,
+        identify(vae) or model_name(vae),
+        getattr(vae, "vae_dtype", x.dtype),
+        torch.device(getattr(vae, "device", x.device)),
+        torch.device(out_device),
+        code_fingerprint(model),
+        int(tile_size),
+        reason,
+        pixels=pixels,
+    )
+
+
+def check_encode(
+    job: EncodeJob,
+    store: CheckStore,
+    norm_params: te.NormParamsFn | None = None,
+    prepare_fn: Any = None,
+    first_use: FirstUse | None = None,
+) -> Verdict:
+    """Self-check of the exact walker's encode for this encoder on this host: a tiny random image
+    (:data:`CHECK_HW`) through ``first_stage_model.encode`` and through
+    :func:`..executors.kl_exact.encode_exact` in tiles of :data:`CHECK_TILE` px."""
+    model = job.vae.first_stage_model
+    cls = type(model)
+    key = (
+        f"kl-exact-encode/{cls.__module__}.{cls.__qualname__}/{code_fingerprint(model)}/exact-"
+        f"{te.EXECUTOR_VERSION}/{str(job.dtype).removeprefix('torch.')}/{job.device.type}"
+    )
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand((1, int(job.x.shape[1]), *CHECK_HW), generator=g) * 2 - 1).to(job.device, job.dtype)
+
+    def tiled() -> torch.Tensor:
+        return te.encode_exact(model, x, CHECK_TILE, compute_device=job.device, norm_params=norm_params)
+
+    configs = [(f"tiles of {CHECK_TILE} px", tiled)]
+    return checked(key, store, model, lambda: model.encode(x), configs, job.dtype, prepare_fn, first_use)
+
+
+@dataclasses.dataclass
+class EncodeResult:
+    latent: torch.Tensor
+    report: Report
+    plan: Plan
+    budget: Any
+    seconds: float
+    measured_peak: int | None
+    measure_method: str
+    oom_events: list[str]
+
+
+def _run(
+    job: EncodeJob, p: Plan, env: DecodeEnv, bar: Any, oom_events: list[str]
+) -> tuple[torch.Tensor, Plan]:
+    """Execute ``p`` for every item, one after another; after an out-of-memory error outside a tile, the next
+    smaller plan for the items not finished (:func:`..plan.encode.smaller`). Returns the latent and the plan
+    that finished."""
+    model = job.vae.first_stage_model
+    hook = env.fault_hook
+    n = int(job.x.shape[0])
+    done: list[torch.Tensor] = []
+    while True:
+        try:
+            if p.path == "host":
+                return job.vae.encode(job.pixels), p
+            if p.path == "untiled":
+                while len(done) < n:
+                    b = len(done)
+                    if env.should_stop is not None:
+                        env.should_stop()
+                    if hook is not None:
+                        hook("pass", b)
+                    done.append(model.encode(job.x[b : b + 1].to(job.device)).to(job.out_device))
+                    if bar is not None:
+                        bar(b + 1, n)
+                return torch.cat(done), p
+            cfg = p.config
+            store = job.device if cfg.store == "device" else torch.device("cpu")
+            while len(done) < n:  # one image after another (the plan sized one); finished ones are kept
+                b = len(done)
+
+                def item_bar(d: int, t: int, b: int = b) -> None:
+                    if bar is not None:
+                        bar(b * t + d, n * t)
+
+                done.append(
+                    te.encode_exact(
+                        model,
+                        job.x[b : b + 1],
+                        cfg.tile,
+                        compute_device=job.device,
+                        store_device=store,
+                        out_device=job.out_device,
+                        progress=item_bar,
+                        should_stop=env.should_stop,
+                        fault_hook=(lambda k: hook("tile", k)) if hook is not None else None,
+                        oom_exceptions=env.oom_exceptions,
+                        on_oom=env.on_oom,
+                        norm_params=env.norm_params,
+                    )
+                )
+            return torch.cat(done), p
+        except env.oom_exceptions as e:
+            nxt = smaller(job, p) if len(oom_events) < MAX_REPLANS else None
+            if nxt is None:
+                raise
+            oom_events.append(
+                f"{type(e).__name__} in the {p.path} pass: re-planned ({p.description} -> "
+                f"{nxt.description}); retrying"
+            )
+            log.warning("Tiled VAE Encode: %s", oom_events[-1])
+            p = nxt
+        if env.on_oom is not None:
+            env.on_oom()
+
+
+def encode_image(
+    job: EncodeJob,
+    env: DecodeEnv,
+    *,
+    budget_mb: float = 0,
+    unload_others: bool = True,
+    t_start: float | None = None,
+) -> EncodeResult:
+    """Encode ``job`` within the budget; returns the latent (B, C, h, w) as ``first_stage_model.encode`` gives
+    it, on ``job.out_device``, and the report. Raises :class:`..plan.grid.ImpossibleBudgetError` when no plan
+    fits."""
+    t0 = time.perf_counter() if t_start is None else t_start
+    first = FirstUse(env.phase)
+    verdict = None
+    if job.exact_reason is None:
+        verdict = check_encode(job, env.checks, env.norm_params, lambda: load_weights(job.vae, env, 0), first)
+        if not verdict.ok:
+            job = dataclasses.replace(job, exact_reason=f"the exact tiled walker's {verdict.describe()}")
+    job = dataclasses.replace(job, verdict=verdict)
+
+    def ratio(path: str) -> float:
+        return env.observed.ratio(observed_key(path, job.family, job.dtype, job.device))
+
+    prep = prepare(
+        job.vae, env, lambda: plan(job, 1 << 62, env.peaks, ratio).planned or None, budget_mb, unload_others
+    )
+    budget = prep.budget
+    try:
+        p = plan(job, int(budget.available), env.peaks, ratio)
+    except ImpossibleBudgetError as e:
+        raise ImpossibleBudgetError(
+            f"{e} (budget: {budget.describe()})", budget=e.budget, minimum=e.minimum
+        ) from e
+    load_weights(job.vae, env, p.planned)
+    plan_seconds = time.perf_counter() - t0
+    bar = env.progress_bar(1) if env.progress_bar is not None else None
+    oom_events: list[str] = []
+    t1 = time.perf_counter()
+    with measured(env, job.device) as m:
+        out, p = _run(job, p, env, bar, oom_events)
+    seconds = time.perf_counter() - t1
+    if not oom_events and p.path != "host":
+        env.observed.note(
+            observed_key("encode-" + p.path, job.family, job.dtype, job.device),
+            m.peak,
+            int(p.planned / p.ratio),
+            m.kind,
+        )
+    report = _report(job, p, budget, prep.offload, seconds, plan_seconds, m, first, oom_events)
+    return EncodeResult(out, report, p, budget, seconds, m.peak, m.method, oom_events)
+
+
+def _report(
+    job: EncodeJob,
+    p: Plan,
+    budget: Any,
+    offload: str,
+    seconds: float,
+    plan_seconds: float,
+    m: Any,
+    first: FirstUse,
+    oom_events: list[str],
+) -> Report:
+    b, _, h, w = (int(v) for v in job.x.shape)
+    r = Report(REPORT_NODE, str(job.device))
+    r.add("vae", f"{job.family} ({str(job.dtype).removeprefix('torch.')}); {b} x {h}x{w} px")
+    if p.path == "untiled":
+        path = "exact: the encoder's own forward (it fits the budget; identical to VAE Encode)"
+    elif p.path == "exact":
+        path = (
+            "exact: layer-synchronous tiles, shared GroupNorm statistics, mid block on the whole latent "
+            "(equal to VAE Encode up to float rounding)"
+        )
+    else:
+        path = f"exact: {p.description} ({p.reason})"
+    r.add("path", path)
+    if job.verdict is not None and job.verdict.ok:
+        r.add("check", f"exact tiled walker: {job.verdict.describe()}")
+    r.add("budget", budget.describe())
+    r.add("offload", offload)
+    r.add("plan", p.description)
+    if p.planned:
+        pct = p.planned / budget.available if budget.available else float("inf")
+        over = " - OVER BUDGET (user tile)" if p.over_budget else ""
+        r.add(
+            "predicted",
+            f"peak {fmt_bytes(p.planned)} ({pct:.0%} of budget, meta sizing){over}{ratio_text(p.ratio)}",
+        )
+    r.add("measured", measured_text(m.peak, m.method))
+    flag_measured_overrun(r, m.peak, m.method, int(budget.available), log)
+    r.add(
+        "time", f"{fmt_seconds(seconds)} encoding, {fmt_seconds(plan_seconds)} planning (self-check included)"
+    )
+    if first.done:
+        r.add("first use", first.describe())
+    if oom_events:
+        r.add("oom", "\n".join(oom_events))
+    if p.path == "exact":
+        t = p.config.tile
+        shape = f"{-(-h // t)}x{-(-w // t)} tiles"
+    else:
+        shape = "untiled" if p.path == "untiled" else "host encode"
+    if b > 1:
+        shape += f" x {b} images"
+    r.summary = summary_line(
+        summary_line(
+            "exact",
+            shape,
+            peak_verdict(m.peak, m.method, int(budget.available), p.planned or None),
+            fmt_seconds(seconds),
+        ),
+        first_use_tag(first),
+    )
+    return r

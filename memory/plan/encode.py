@@ -1,0 +1,202 @@
+"""Planning an image encode (Tiled VAE Encode): the host's own encode when it fits, else the exact tiled
+walker (:func:`..executors.kl_exact.encode_exact`) with the largest tile whose peak fits.
+
+Peaks are meta-sized (fake tensors, live-tensor bytes) for one batch item and kept in the video planner's
+:class:`.video.PeakStore` (the nodes persist it), so a shape is sized once per machine. An encoder the walker
+does not support takes the host's own ``VAE.encode`` (exact by identity; not budget-planned). Design:
+docs/ENCODE.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..executors import kl_exact as te
+from ..measure.sizing import MetaSizer
+from ..report import fmt_bytes
+from ..vae.kl_layout import KlLayout, kl_layout
+from .grid import ImpossibleBudgetError, scaled
+from .types import Plan
+from .video import PeakStore
+
+__all__ = ["ENCODE_TILES", "EncodeJob", "ExactEncode", "encode_peak", "plan"]
+
+ENCODE_TILES = (1024, 768, 512, 384, 256, 192, 128, 96, 64, 48, 32)
+"""Tile sides (px at each activation's own resolution) the auto plan tries below the whole image."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactEncode:
+    """The exact walker's parameters: tile side (px) and where the full-size activations live."""
+
+    tile: int
+    store: str
+    """``device`` or ``host`` (CUDA only)."""
+
+    def describe(self, hw: tuple[int, int]) -> str:
+        n = -(-hw[0] // self.tile) * -(-hw[1] // self.tile)
+        return f"tiles of {self.tile} px ({n} at full resolution), store on the {self.store}"
+
+
+@dataclasses.dataclass
+class EncodeJob:
+    """One Tiled VAE Encode: ComfyUI's VAE, its processed pixels and the user's settings."""
+
+    vae: Any
+    x: torch.Tensor
+    """(B, 3, H, W) pixels after the host's crop and ``process_input``, in the VAE's dtype (any device)."""
+    family: str
+    dtype: torch.dtype
+    device: torch.device
+    out_device: torch.device
+    fingerprint: str
+    tile_size: int = 0
+    """The user's tile side in px (0: auto)."""
+    exact_reason: str | None = None
+    """Why the exact walker cannot encode with this VAE (None: it can)."""
+    verdict: Any = None
+    """The walker's self-check on this host (:class:`..decode.self_check.Verdict`; None: not checked)."""
+    pixels: Any = None
+    """The node's IMAGE (B, H, W, C) as given, for the ``host`` path (``VAE.encode`` crops and processes
+    it)."""
+
+    @property
+    def layout(self) -> KlLayout:
+        return kl_layout(self.vae.first_stage_model, direction="encode")
+
+    @property
+    def hw(self) -> tuple[int, int]:
+        return int(self.x.shape[2]), int(self.x.shape[3])
+
+
+def _key(job: EncodeJob, what: str) -> str:
+    model = job.vae.first_stage_model
+    cls = type(model)
+    _, c, h, w = (int(v) for v in job.x.shape)
+    return (
+        f"encode/{cls.__module__.rsplit('.', 1)[-1]}.{cls.__qualname__}/{job.fingerprint}/exact-"
+        f"{te.EXECUTOR_VERSION}/{str(job.dtype).removeprefix('torch.')}/{job.device.type}"
+        f"/1x{c}x{h}x{w}/{what}"
+    )
+
+
+def encode_peak(job: EncodeJob, cfg: ExactEncode | None, peaks: PeakStore) -> int:
+    """Meta-sized peak bytes of one item's encode, its pixels on the device included: the host's
+    ``first_stage_model.encode`` (``cfg`` None) or the exact walker with ``cfg``; kept in ``peaks``."""
+    key = _key(job, "untiled" if cfg is None else f"t{cfg.tile}-{cfg.store}")
+    found = peaks.get(key)
+    if found is not None:
+        return found
+    model = job.vae.first_stage_model
+    _, c, h, w = (int(v) for v in job.x.shape)
+    host = torch.device("cpu")
+    with torch.inference_mode(), MetaSizer([model], job.dtype, job.device) as sizer:
+        x = torch.empty((1, c, h, w), dtype=job.dtype, device=job.device)
+        if cfg is None:
+            out = model.encode(x)
+        else:
+            store = job.device if cfg.store == "device" else host
+            out = te.encode_exact(
+                model, x, cfg.tile, compute_device=job.device, store_device=store, out_device=job.device
+            )
+        del out, x
+    peak = int(sizer.peak_bytes)
+    peaks.put(key, peak)
+    return peak
+
+
+def candidates(job: EncodeJob) -> list[ExactEncode]:
+    """Exact-walker configurations, fastest first: the user's tile or every tile of :data:`ENCODE_TILES`
+    below the image's longer side (and the whole image); on an accelerator each also with a host store (the
+    device then holds a tile's work alone). On CPU the floor is the two full-resolution activations of the
+    first level's resnet blocks (x and h, both read whole for their GroupNorm statistics): 0.67x the untiled
+    encode's peak, measured at 512^2 (docs/ENCODE.md)."""
+    side = max(job.hw)
+    tiles = [int(job.tile_size)] if job.tile_size else [side] + [t for t in ENCODE_TILES if t < side]
+    stores = ("device",) if job.device.type == "cpu" else ("device", "host")
+    return [ExactEncode(t, s) for s in stores for t in tiles]
+
+
+def _out_bytes(job: EncodeJob) -> int:
+    """The latent output when it lives on the compute device's type (float32 at most: 1/48 of the pixels)."""
+    if job.out_device.type != job.device.type:
+        return 0
+    b, _, h, w = (int(v) for v in job.x.shape)
+    return b * 16 * (h // 8) * (w // 8) * 4  # at most 16 channels at 1/8 (FLUX.2: 128 at 1/16) in float32
+
+
+def plan(
+    job: EncodeJob, budget: int, peaks: PeakStore | None = None, ratio: Callable[[str], float] | None = None
+) -> Plan:
+    """The fastest plan within ``budget`` bytes: the host's own encode (one item at a time) when it fits
+    and no tile is set, else the exact walker's largest tile that fits. An encoder the walker does not
+    support takes the host's ``VAE.encode`` (path ``host``, not budget-planned). ``ratio(path)``: the
+    measured over predicted peak learned for a path on this machine (:mod:`..cost.observed`). Raises
+    :class:`.grid.ImpossibleBudgetError` when nothing fits and no tile is set; with a user tile, that plan,
+    ``over_budget``."""
+    peaks = PeakStore() if peaks is None else peaks
+    r = ratio or (lambda path: 1.0)
+    extra = _out_bytes(job)
+    if job.exact_reason is not None:
+        return Plan(
+            "host",
+            None,
+            "the host's own encode (VAE.encode, as VAE Encode)",
+            0,
+            reason=f"the exact walker does not support this encoder: {job.exact_reason}",
+        )
+
+    def untiled(b: int) -> Plan | None:
+        need = extra + encode_peak(job, None, peaks)
+        if need > b:
+            return None
+        return Plan("untiled", None, "the encoder's own forward, one image at a time", need)
+
+    if not job.tile_size:
+        found = scaled(untiled, budget, r("encode-untiled"))
+        if found is not None:
+            return found
+
+    def exact(b: int) -> Plan:
+        sized = []
+        try:
+            for cfg in candidates(job):
+                need = extra + encode_peak(job, cfg, peaks)
+                sized.append((need, cfg))
+                if need <= b:
+                    return Plan("exact", cfg, cfg.describe(job.hw), need)
+        finally:
+            peaks.flush()
+        need, cfg = min(sized, key=lambda e: e[0])
+        if job.tile_size:
+            return Plan("exact", cfg, cfg.describe(job.hw), need, over_budget=True)
+        raise ImpossibleBudgetError(
+            f"no plan fits the budget of {fmt_bytes(b)}: the smallest ({cfg.describe(job.hw)}) needs "
+            f"{fmt_bytes(need)}; raise budget_mb or free memory",
+            b,
+            need,
+        )
+
+    return scaled(exact, budget, r("encode-exact"))
+
+
+def smaller(job: EncodeJob, p: Plan) -> Plan | None:
+    """After an out-of-memory error outside a tile: the exact walker with half the tile (on an accelerator,
+    first the same tile with a host store); None when nothing is smaller."""
+    if p.path == "untiled":
+        cfg = ExactEncode(max(job.hw), "device")
+    elif p.path == "exact":
+        cfg = p.config
+        if cfg.store == "device" and job.device.type != "cpu":
+            cfg = ExactEncode(cfg.tile, "host")
+        elif cfg.tile > te.MIN_TILE:
+            cfg = ExactEncode(max(te.MIN_TILE, cfg.tile // 2), cfg.store)
+        else:
+            return None
+    else:
+        return None
+    return Plan("exact", cfg, cfg.describe(job.hw), 0, reason="re-planned after an out-of-memory error")

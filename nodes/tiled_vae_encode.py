@@ -1,0 +1,138 @@
+"""Tiled VAE Encode (VRAM Fit): encodes images within a memory budget, exactly (same latent as VAE Encode).
+
+The ComfyUI adapter: the schema, input validation, ComfyUI's own crop and input processing (as ``VAE.encode``
+does them), and the wiring of ComfyUI's callables into ``memory.decode.encode.encode_image``, which checks the
+exact walker once on this host, plans (the encoder's own forward when it fits, else exact tiles), re-plans
+after out-of-memory errors and writes the report. Encoders the walker cannot run take the host's own
+``VAE.encode``. Design: docs/ENCODE.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from comfy_api.v0_0_2 import io, ui
+
+from ..memory.decode.encode import REPORT_NODE, EncodeResult, encode_image, make_job
+from ..memory.decode.env import DecodeEnv
+from . import _comfy, _decode_node
+
+log = logging.getLogger("vramfit.nodes.tiled_vae_encode")
+
+NODE_ID = "VRAMFit_TiledVAEEncode"
+DISPLAY_NAME = "Tiled VAE Encode (VRAM Fit)"
+MIN_TILE_PX = 32
+
+_FAULT_HOOK: Callable[[str, int], None] | None = None
+"""Test hook (``DecodeEnv.fault_hook``): ``("tile", k)`` inside every tile attempt, ``("pass", i)`` before
+every untiled item; raise an out-of-memory exception there to exercise the recovery paths."""
+
+
+def _error(message: str) -> _comfy.NodeInputError:
+    return _comfy.NodeInputError(REPORT_NODE, message)
+
+
+def _validate(vae: Any, pixels: Any, tile_size: int) -> tuple[Any, torch.Tensor]:
+    """``(job, pixels)``: the checked IMAGE and its encode job."""
+    if vae is None or getattr(vae, "first_stage_model", None) is None:
+        raise _error(f"vae: expected a VAE (from Load VAE or a checkpoint), got {type(vae).__name__}")
+    if not isinstance(pixels, torch.Tensor) or pixels.ndim != 4 or pixels.shape[-1] not in (3, 4):
+        shape = tuple(pixels.shape) if isinstance(pixels, torch.Tensor) else type(pixels).__name__
+        raise _error(
+            f"pixels {shape}: expected an IMAGE (B, H, W, 3), as Load Image gives (RGB; a 4th "
+            "alpha channel is dropped)"
+        )
+    if tile_size < 0 or (tile_size and (tile_size % 8 or tile_size < MIN_TILE_PX)):
+        raise _error(f"tile_size {tile_size}: use 0 (auto) or a multiple of 8 of at least {MIN_TILE_PX} px")
+    if hasattr(vae, "throw_exception_if_invalid"):
+        vae.throw_exception_if_invalid()
+    cropped = vae.vae_encode_crop_pixels(pixels)
+    if min(cropped.shape[1], cropped.shape[2]) < 1:
+        raise _error(f"pixels {tuple(pixels.shape)}: smaller than one latent pixel of this VAE")
+    # As VAE.encode: process_input in float32 on the intermediate device, then the VAE's dtype.
+    x = vae.process_input(cropped[..., :3].movedim(-1, 1)).to(vae.vae_dtype)
+    return make_job(vae, x, _comfy.intermediate_device(), tile_size=tile_size, pixels=pixels), pixels
+
+
+def comfy_env(node_id: str | None = None) -> DecodeEnv:
+    """ComfyUI's callables for ``encode_image`` (and this module's test hook, read now)."""
+    return _decode_node.comfy_env(node_id, _FAULT_HOOK)
+
+
+def _as_vae_encode(vae: Any, result: EncodeResult) -> torch.Tensor:
+    """The latent as ``VAE.encode`` returns it: on the intermediate device, in the VAE's output dtype, in its
+    latent format (the host path's latent already is)."""
+    if result.plan.path == "host":
+        return result.latent
+    out_dtype = vae.vae_output_dtype() if hasattr(vae, "vae_output_dtype") else torch.float32
+    latent = result.latent.to(_comfy.intermediate_device()).to(out_dtype)
+    fmt = getattr(vae, "format_encoded", None)
+    return fmt(latent) if fmt is not None else latent
+
+
+def encode(
+    vae: Any,
+    pixels: Any,
+    tile_size: int = 0,
+    budget_mb: int = 0,
+    unload_others: bool = True,
+    node_id: str | None = None,
+) -> EncodeResult:
+    """Everything the node does; the result's ``latent`` is what VAE Encode returns."""
+    t0 = time.perf_counter()
+    job, _ = _validate(vae, pixels, int(tile_size))
+    with _decode_node.input_errors(REPORT_NODE):
+        result = encode_image(
+            job, comfy_env(node_id), budget_mb=int(budget_mb), unload_others=bool(unload_others), t_start=t0
+        )
+    result.latent = _as_vae_encode(vae, result)
+    return result
+
+
+class TiledVAEEncode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_ID,
+            display_name=DISPLAY_NAME,
+            category=_comfy.CATEGORY,
+            description=(
+                "Encodes images within a memory budget. GroupNorm KL VAEs (SD1.x/SD2/SDXL/SD3, "
+                "FLUX.1/FLUX.2) encode exactly (same latent as VAE Encode, proven once per host by a "
+                "self-check) in tiles sized from free memory, with GroupNorm statistics shared across tiles; "
+                "other VAEs take their own encode."
+            ),
+            inputs=[
+                io.Image.Input("pixels", tooltip="The images to encode (as VAE Encode takes them)."),
+                io.Vae.Input("vae", tooltip="The VAE used for encoding."),
+                io.Int.Input(
+                    "tile_size",
+                    default=0,
+                    min=0,
+                    max=16384,
+                    step=8,
+                    tooltip="Tile side in pixels (at every encoder level). 0 = auto: the encoder's own "
+                    "forward when it fits the budget, else the largest tile whose predicted peak fits.",
+                ),
+                *_decode_node.budget_inputs(),
+            ],
+            outputs=[
+                io.Latent.Output("LATENT", display_name="LATENT", tooltip="The latent (same as VAE Encode)."),
+                _decode_node.report_output(
+                    "The plan report: path, budget, offload, tiles, predicted and measured peak, time."
+                ),
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, pixels, vae, tile_size=0, budget_mb=0, unload_others=True) -> io.NodeOutput:
+        node_id = cls.hidden.unique_id if cls.hidden is not None else None
+        result = encode(vae, pixels, tile_size, budget_mb, unload_others, node_id)
+        text = result.report.text()
+        log.info("%s", text)
+        return io.NodeOutput({"samples": result.latent}, text, ui=ui.PreviewText(text))
