@@ -11,7 +11,9 @@ suite (H200, 2026-11-26, docs/BENCHMARKS.md) measured:
 So after a decode whose measured peak is a tensor or allocator count (not the process RSS), the ratio is kept,
 per path, family key, dtype and device type, as the largest seen (at most :data:`MAX_RATIO`). Later plans of
 that key plan against ``budget / ratio`` and report ``planned * ratio`` (:func:`..plan.grid.scaled`). A
-ratio only grows: one decode over its prediction is flagged in its report; the next ones plan for it.
+ratio only grows: one decode over its prediction is flagged in its report; the next ones plan for it. The
+nodes keep the ratios in ``<ComfyUI user folder>/vramfit/observed_peaks.json``: deleting it forgets them (a
+peak inflated by other work in the process, or by the host's own hidden fallbacks, stays until then).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import torch
 
 from ..cost.observed import observed_key, ratio_text
 from ..executors import kl_exact as te
+from ..oom import oom_types
 from ..plan.encode import EncodeJob, plan, smaller
 from ..plan.grid import ImpossibleBudgetError
 from ..plan.types import Plan
@@ -110,55 +111,27 @@ class EncodeResult:
 def _run(
     job: EncodeJob, p: Plan, env: DecodeEnv, bar: Any, oom_events: list[str]
 ) -> tuple[torch.Tensor, Plan]:
-    """Execute ``p`` for every item, one after another; after an out-of-memory error outside a tile, the next
-    smaller plan for the items not finished (:func:`..plan.encode.smaller`). Returns the latent and the plan
-    that finished."""
+    """Execute ``p`` for every item, one after another, the mid block's split attention bounded as planned;
+    after an out-of-memory error outside a tile, the next smaller plan for the items not finished
+    (:func:`..plan.encode.smaller`). Returns the latent and the plan that finished."""
     model = job.vae.first_stage_model
-    hook = env.fault_hook
-    n = int(job.x.shape[0])
     done: list[torch.Tensor] = []
+    ooms = oom_types(env.oom_exceptions)
+
+    def tile_oom() -> None:  # an OOM inside a tile: the walker halves its tile and resumes; the report says so
+        oom_events.append("out of memory inside a tile: tile halved, encode resumed")
+        if env.on_oom is not None:
+            env.on_oom()
+
     while True:
         try:
-            if p.path == "host":
-                return job.vae.encode(job.pixels), p
-            if p.path == "untiled":
-                while len(done) < n:
-                    b = len(done)
-                    if env.should_stop is not None:
-                        env.should_stop()
-                    if hook is not None:
-                        hook("pass", b)
-                    done.append(model.encode(job.x[b : b + 1].to(job.device)).to(job.out_device))
-                    if bar is not None:
-                        bar(b + 1, n)
-                return torch.cat(done), p
-            cfg = p.config
-            store = job.device if cfg.store == "device" else torch.device("cpu")
-            while len(done) < n:  # one image after another (the plan sized one); finished ones are kept
-                b = len(done)
-
-                def item_bar(d: int, t: int, b: int = b) -> None:
-                    if bar is not None:
-                        bar(b * t + d, n * t)
-
-                done.append(
-                    te.encode_exact(
-                        model,
-                        job.x[b : b + 1],
-                        cfg.tile,
-                        compute_device=job.device,
-                        store_device=store,
-                        out_device=job.out_device,
-                        progress=item_bar,
-                        should_stop=env.should_stop,
-                        fault_hook=(lambda k: hook("tile", k)) if hook is not None else None,
-                        oom_exceptions=env.oom_exceptions,
-                        on_oom=env.on_oom,
-                        norm_params=env.norm_params,
-                    )
-                )
-            return torch.cat(done), p
-        except env.oom_exceptions as e:
+            if p.path == "host":  # VAEEncode's own call (0.3.75's node drops an alpha channel itself)
+                return job.vae.encode(job.pixels[..., :3]), p
+            with env.attention(model, int(p.stats.get("attention", 0)) or (1 << 62)):
+                return _items(job, p, env, bar, done, tile_oom), p
+        except ooms as e:
+            if getattr(e, "_vramfit_from_stop", False):
+                raise
             nxt = smaller(job, p) if len(oom_events) < MAX_REPLANS else None
             if nxt is None:
                 raise
@@ -172,6 +145,53 @@ def _run(
             env.on_oom()
 
 
+def _items(
+    job: EncodeJob, p: Plan, env: DecodeEnv, bar: Any, done: list[torch.Tensor], tile_oom: Any
+) -> torch.Tensor:
+    """The images not in ``done`` yet, one after another, on plan ``p`` (untiled or exact); each finished
+    latent is appended to ``done`` (kept across re-plans)."""
+    model = job.vae.first_stage_model
+    hook = env.fault_hook
+    n = int(job.x.shape[0])
+    if p.path == "untiled":
+        while len(done) < n:
+            b = len(done)
+            if env.should_stop is not None:
+                env.should_stop()
+            if hook is not None:
+                hook("pass", b)
+            done.append(model.encode(job.x[b : b + 1].to(job.device)).to(job.out_device))
+            if bar is not None:
+                bar(b + 1, n)
+        return torch.cat(done)
+    cfg = p.config
+    store = job.device if cfg.store == "device" else torch.device("cpu")
+    while len(done) < n:  # one image after another (the plan sized one); finished ones are kept
+        b = len(done)
+
+        def item_bar(d: int, t: int, b: int = b) -> None:
+            if bar is not None:
+                bar(b * t + d, n * t)
+
+        done.append(
+            te.encode_exact(
+                model,
+                job.x[b : b + 1],
+                cfg.tile,
+                compute_device=job.device,
+                store_device=store,
+                out_device=job.out_device,
+                progress=item_bar,
+                should_stop=env.should_stop,
+                fault_hook=(lambda k: hook("tile", k)) if hook is not None else None,
+                oom_exceptions=env.oom_exceptions,
+                on_oom=tile_oom,
+                norm_params=env.norm_params,
+            )
+        )
+    return torch.cat(done)
+
+
 def encode_image(
     job: EncodeJob,
     env: DecodeEnv,
@@ -181,7 +201,7 @@ def encode_image(
     t_start: float | None = None,
 ) -> EncodeResult:
     """Encode ``job`` within the budget; returns the latent (B, C, h, w) as ``first_stage_model.encode`` gives
-    it, on ``job.out_device``, and the report. Raises :class:`..plan.grid.ImpossibleBudgetError` when no plan
+    it, on ``job.out_device`` (the ``host`` path: as ``VAE.encode`` returns it), and the report. Raises :class:`..plan.grid.ImpossibleBudgetError` when no plan
     fits."""
     t0 = time.perf_counter() if t_start is None else t_start
     first = FirstUse(env.phase)
@@ -195,12 +215,18 @@ def encode_image(
     def ratio(path: str) -> float:
         return env.observed.ratio(observed_key(path, job.family, job.dtype, job.device))
 
+    model = job.vae.first_stage_model
+
+    def attention(max_bytes: int) -> Any:
+        return env.attention(model, max_bytes)
+
     prep = prepare(
-        job.vae, env, lambda: plan(job, 1 << 62, env.peaks, ratio).planned or None, budget_mb, unload_others
+        job.vae, env, lambda: plan(job, 1 << 62, env.peaks, ratio, attention).planned or None, budget_mb,
+        unload_others,
     )
     budget = prep.budget
     try:
-        p = plan(job, int(budget.available), env.peaks, ratio)
+        p = plan(job, int(budget.available), env.peaks, ratio, attention)
     except ImpossibleBudgetError as e:
         raise ImpossibleBudgetError(
             f"{e} (budget: {budget.describe()})", budget=e.budget, minimum=e.minimum

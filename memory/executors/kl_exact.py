@@ -150,7 +150,7 @@ class _Bands:
     def _band(self, b: int, i: int) -> torch.Tensor:
         t = self.bands[b][i]
         if t is None:
-            raise RuntimeError(f"exact tiled decode: band {self.rows[i]} of item {b} read after its release")
+            raise RuntimeError(f"exact tiled walk: band {self.rows[i]} of item {b} read after its release")
         return t
 
     def read(self, b: int, y0: int, y1: int, x0: int, x1: int, device: torch.device) -> torch.Tensor:

@@ -9,6 +9,7 @@ docs/ENCODE.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -23,10 +24,23 @@ from .grid import ImpossibleBudgetError, scaled
 from .types import Plan
 from .video import PeakStore
 
-__all__ = ["ENCODE_TILES", "EncodeJob", "ExactEncode", "encode_peak", "plan"]
+__all__ = ["ATTENTION_MIN", "ENCODE_TILES", "EncodeJob", "ExactEncode", "attention_bytes", "encode_peak", "plan"]
 
 ENCODE_TILES = (1024, 768, 512, 384, 256, 192, 128, 96, 64, 48, 32)
 """Tile sides (px at each activation's own resolution) the auto plan tries below the whole image."""
+ATTENTION_MIN = 16 << 20
+"""Smallest score-slice budget of the mid block's split attention (as the decode's)."""
+
+AttentionFn = Callable[[int], contextlib.AbstractContextManager[Any]]
+"""``attention(max_bytes)``: within it, the mid block's split attention (ComfyUI's CPU path) slices its scores
+to ``max_bytes`` instead of by the free memory of the moment (the nodes pass ``bounded_vae_attention``)."""
+
+
+def attention_bytes(budget: int) -> int:
+    """The score-slice budget of the mid block's attention under ``budget``: a quarter of it, rounded down to a
+    power of two (so the sized peaks' keys repeat across runs), at least :data:`ATTENTION_MIN`."""
+    quarter = max(ATTENTION_MIN, budget // 4)
+    return 1 << (quarter.bit_length() - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,17 +98,20 @@ def _key(job: EncodeJob, what: str) -> str:
     )
 
 
-def encode_peak(job: EncodeJob, cfg: ExactEncode | None, peaks: PeakStore) -> int:
-    """Meta-sized peak bytes of one item's encode, its pixels on the device included: the host's
-    ``first_stage_model.encode`` (``cfg`` None) or the exact walker with ``cfg``; kept in ``peaks``."""
-    key = _key(job, "untiled" if cfg is None else f"t{cfg.tile}-{cfg.store}")
+def encode_peak(job: EncodeJob, cfg: ExactEncode | None, peaks: PeakStore, attn: int,
+                attention: AttentionFn | None = None) -> int:
+    """Meta-sized peak bytes of one item's encode, its pixels on the device included: the encoder's own
+    ``first_stage_model.encode`` (``cfg`` None) or the exact walker with ``cfg``, the mid block's attention
+    sliced to ``attn`` bytes (``attention``); kept in ``peaks``."""
+    key = _key(job, f"{'untiled' if cfg is None else f't{cfg.tile}-{cfg.store}'}/attn{attn >> 20}")
     found = peaks.get(key)
     if found is not None:
         return found
     model = job.vae.first_stage_model
     _, c, h, w = (int(v) for v in job.x.shape)
     host = torch.device("cpu")
-    with torch.inference_mode(), MetaSizer([model], job.dtype, job.device) as sizer:
+    bound = attention(attn) if attention is not None else contextlib.nullcontext()
+    with torch.inference_mode(), bound, MetaSizer([model], job.dtype, job.device) as sizer:
         x = torch.empty((1, c, h, w), dtype=job.dtype, device=job.device)
         if cfg is None:
             out = model.encode(x)
@@ -122,22 +139,29 @@ def candidates(job: EncodeJob) -> list[ExactEncode]:
 
 
 def _out_bytes(job: EncodeJob) -> int:
-    """The latent output when it lives on the compute device's type (float32 at most: 1/48 of the pixels)."""
+    """The float32 latent output when it lives on the compute device's type."""
     if job.out_device.type != job.device.type:
         return 0
     b, _, h, w = (int(v) for v in job.x.shape)
-    return b * 16 * (h // 8) * (w // 8) * 4  # at most 16 channels at 1/8 (FLUX.2: 128 at 1/16) in float32
+    lay = job.layout
+    down = 2 ** (max(1, lay.levels) - 1) * lay.pre_scale
+    return b * int(getattr(job.vae, "latent_channels", 16)) * (h // down) * (w // down) * 4
 
 
 def plan(
-    job: EncodeJob, budget: int, peaks: PeakStore | None = None, ratio: Callable[[str], float] | None = None
+    job: EncodeJob,
+    budget: int,
+    peaks: PeakStore | None = None,
+    ratio: Callable[[str], float] | None = None,
+    attention: AttentionFn | None = None,
 ) -> Plan:
-    """The fastest plan within ``budget`` bytes: the host's own encode (one item at a time) when it fits
+    """The fastest plan within ``budget`` bytes: the encoder's own forward (one item at a time) when it fits
     and no tile is set, else the exact walker's largest tile that fits. An encoder the walker does not
     support takes the host's ``VAE.encode`` (path ``host``, not budget-planned). ``ratio(path)``: the
     measured over predicted peak learned for a path on this machine (:mod:`..cost.observed`). Raises
     :class:`.grid.ImpossibleBudgetError` when nothing fits and no tile is set; with a user tile, that plan,
-    ``over_budget``."""
+    ``over_budget``. ``attention``: bounds the mid block's split attention to a quarter of the budget, in the
+    sizing and (through the plan's ``stats["attention"]``) in the run."""
     peaks = PeakStore() if peaks is None else peaks
     r = ratio or (lambda path: 1.0)
     extra = _out_bytes(job)
@@ -151,10 +175,12 @@ def plan(
         )
 
     def untiled(b: int) -> Plan | None:
-        need = extra + encode_peak(job, None, peaks)
+        attn = attention_bytes(b)
+        need = extra + encode_peak(job, None, peaks, attn, attention)
         if need > b:
             return None
-        return Plan("untiled", None, "the encoder's own forward, one image at a time", need)
+        return Plan("untiled", None, "the encoder's own forward, one image at a time", need,
+                    stats={"attention": attn})
 
     if not job.tile_size:
         found = scaled(untiled, budget, r("encode-untiled"))
@@ -163,17 +189,18 @@ def plan(
 
     def exact(b: int) -> Plan:
         sized = []
+        attn = attention_bytes(b)
         try:
             for cfg in candidates(job):
-                need = extra + encode_peak(job, cfg, peaks)
+                need = extra + encode_peak(job, cfg, peaks, attn, attention)
                 sized.append((need, cfg))
                 if need <= b:
-                    return Plan("exact", cfg, cfg.describe(job.hw), need)
+                    return Plan("exact", cfg, cfg.describe(job.hw), need, stats={"attention": attn})
         finally:
             peaks.flush()
         need, cfg = min(sized, key=lambda e: e[0])
         if job.tile_size:
-            return Plan("exact", cfg, cfg.describe(job.hw), need, over_budget=True)
+            return Plan("exact", cfg, cfg.describe(job.hw), need, over_budget=True, stats={"attention": attn})
         raise ImpossibleBudgetError(
             f"no plan fits the budget of {fmt_bytes(b)}: the smallest ({cfg.describe(job.hw)}) needs "
             f"{fmt_bytes(need)}; raise budget_mb or free memory",
@@ -199,4 +226,5 @@ def smaller(job: EncodeJob, p: Plan) -> Plan | None:
             return None
     else:
         return None
-    return Plan("exact", cfg, cfg.describe(job.hw), 0, reason="re-planned after an out-of-memory error")
+    return Plan("exact", cfg, cfg.describe(job.hw), 0, reason="re-planned after an out-of-memory error",
+                stats=dict(p.stats))

@@ -97,17 +97,17 @@ def test_exact_store_placement_matches_core(device, suite_kl, suite_kl_fp32, pac
     vae = suite_kl
     import comfy.model_management as mm
 
+    z = _latent(7, px=64 if SMALL else PX).to(vae.vae_dtype).to(device)
+    mm.load_models_gpu([suite_kl_fp32.patcher])  # first: loading it may offload the VAE under test
+    with torch.inference_mode():
+        truth = suite_kl_fp32.first_stage_model.decode(z.float()).float().cpu()
     mm.load_models_gpu([vae.patcher])
     model = vae.first_stage_model
-    z = _latent(7, px=64 if SMALL else PX).to(vae.vae_dtype).to(device)
     with torch.inference_mode():
         ref = model.decode(z).float().cpu()
     host = torch.device("cpu")
     out = te.decode_exact(model, z, TILE, store_device=device if store == "device" else host,
                           compute_device=device, out_device=host, pin_memory=store == "host")
-    mm.load_models_gpu([suite_kl_fp32.patcher])
-    with torch.inference_mode():
-        truth = suite_kl_fp32.first_stage_model.decode(z.float()).float().cpu()
     diff = (out.float() - ref).abs().max().item()
     err_core = (ref - truth).abs().max().item()
     err_ours = (out.float() - truth).abs().max().item()

@@ -102,6 +102,7 @@ def test_oom_inside_a_tile_and_outside_resume(mod, kl_vae, case):
         mod._FAULT_HOOK = None
     assert ("tile", 7) in fired and ("pass", 0) in fired
     assert (inside.latent - ref).abs().max().item() <= 1e-4
+    assert "tile halved" in dict(inside.report.rows)["oom"]
     assert outside.plan.path == "exact" and outside.oom_events, outside.report.text()
     assert (outside.latent - ref).abs().max().item() <= 1e-4
     assert "oom" in dict(outside.report.rows)
@@ -109,7 +110,7 @@ def test_oom_inside_a_tile_and_outside_resume(mod, kl_vae, case):
 
 def test_an_encoder_the_walker_cannot_run_takes_the_hosts_encode(comfy, fixture_vaes, mod):
     vae = comfy.VAELoader().load_vae(fixture_vaes["wan21"])[0]
-    pixels = _pixels(1, 32, 32, seed=6)
+    pixels = torch.cat([_pixels(1, 32, 32, seed=6), torch.ones(1, 32, 32, 1)], dim=-1)  # RGBA, as LoadImage can
     with torch.inference_mode():
         (ref,) = comfy.VAEEncode().encode(vae, pixels)
     r = _encode(mod, vae, pixels)
