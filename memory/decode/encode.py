@@ -200,9 +200,9 @@ def encode_image(
     unload_others: bool = True,
     t_start: float | None = None,
 ) -> EncodeResult:
-    """Encode ``job`` within the budget; returns the latent (B, C, h, w) as ``first_stage_model.encode`` gives
-    it, on ``job.out_device`` (the ``host`` path: as ``VAE.encode`` returns it), and the report. Raises :class:`..plan.grid.ImpossibleBudgetError` when no plan
-    fits."""
+    """Encode ``job`` within the budget; returns the latent (B, C, h, w) as ``first_stage_model.encode``
+    gives it, on ``job.out_device`` (the ``host`` path: as ``VAE.encode`` returns it), and the report. Raises
+    :class:`..plan.grid.ImpossibleBudgetError` when no plan fits."""
     t0 = time.perf_counter() if t_start is None else t_start
     first = FirstUse(env.phase)
     verdict = None

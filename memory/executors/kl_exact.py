@@ -685,13 +685,26 @@ def _encode_tail(model: Any, enc: Any, h: torch.Tensor) -> torch.Tensor:
         model.encoder = enc
 
 
-def _run_exact(model: Any, x: torch.Tensor, tile: int | tuple[int, int] | None, direction: str,
-               store_device: torch.device | str | None, compute_device: torch.device | str | None,
-               out_device: torch.device | str | None, recompute: bool, progress: ProgressFn | None,
-               should_stop: Callable[[], None] | None, fault_hook: Callable[[int], None] | None,
-               oom_exceptions: tuple[type[BaseException], ...] | None, on_oom: Callable[[], None] | None,
-               min_tile: int, pin_memory: bool | None, norm_params: NormParamsFn | None) -> torch.Tensor:
-    """:func:`decode_exact` / :func:`encode_exact` (``direction``), the same walk."""
+def _run_exact(
+    model: Any,
+    x: torch.Tensor,
+    tile: int | tuple[int, int] | None,
+    direction: str,
+    *,
+    store_device: torch.device | str | None = None,
+    compute_device: torch.device | str | None = None,
+    out_device: torch.device | str | None = None,
+    recompute: bool = False,
+    progress: ProgressFn | None = None,
+    should_stop: Callable[[], None] | None = None,
+    fault_hook: Callable[[int], None] | None = None,
+    oom_exceptions: tuple[type[BaseException], ...] | None = None,
+    on_oom: Callable[[], None] | None = None,
+    min_tile: int = MIN_TILE,
+    pin_memory: bool | None = None,
+    norm_params: NormParamsFn | None = None,
+) -> torch.Tensor:
+    """:func:`decode_exact` / :func:`encode_exact` (``direction``), the same walk; the keywords are theirs."""
     layout = kl_layout(model, recompute, direction).require()
     bound = layout.bind(model)
     what = "latent" if direction == "decode" else "image"
@@ -716,24 +729,8 @@ def _run_exact(model: Any, x: torch.Tensor, tile: int | tuple[int, int] | None, 
     return result
 
 
-def decode_exact(
-    model: Any,
-    z: torch.Tensor,
-    tile: int | tuple[int, int] | None,
-    *,
-    store_device: torch.device | str | None = None,
-    compute_device: torch.device | str | None = None,
-    out_device: torch.device | str | None = None,
-    recompute: bool = False,
-    progress: ProgressFn | None = None,
-    should_stop: Callable[[], None] | None = None,
-    fault_hook: Callable[[int], None] | None = None,
-    oom_exceptions: tuple[type[BaseException], ...] | None = None,
-    on_oom: Callable[[], None] | None = None,
-    min_tile: int = MIN_TILE,
-    pin_memory: bool | None = None,
-    norm_params: NormParamsFn | None = None,
-) -> torch.Tensor:
+def decode_exact(model: Any, z: torch.Tensor, tile: int | tuple[int, int] | None, **kw: Any
+                 ) -> torch.Tensor:
     """Decode ``z`` exactly, tile by tile; returns what ``model.decode(z)`` returns (range [-1, 1]).
 
     ``model``: a ``first_stage_model`` (``post_quant_conv`` and Flux-2 latent batch-norm are applied
@@ -753,28 +750,11 @@ def decode_exact(
     ``norm_params(norm, x) -> (weight, bias)``: GroupNorm affine parameters as float32 on ``x``'s
     device (default: the module's ``weight``/``bias``; pass ComfyUI's casting for patched weights).
     """
-    return _run_exact(model, z, tile, "decode", store_device, compute_device, out_device, recompute, progress,
-                      should_stop, fault_hook, oom_exceptions, on_oom, min_tile, pin_memory, norm_params)
+    return _run_exact(model, z, tile, "decode", **kw)
 
 
-def encode_exact(
-    model: Any,
-    x: torch.Tensor,
-    tile: int | tuple[int, int] | None,
-    *,
-    store_device: torch.device | str | None = None,
-    compute_device: torch.device | str | None = None,
-    out_device: torch.device | str | None = None,
-    recompute: bool = False,
-    progress: ProgressFn | None = None,
-    should_stop: Callable[[], None] | None = None,
-    fault_hook: Callable[[int], None] | None = None,
-    oom_exceptions: tuple[type[BaseException], ...] | None = None,
-    on_oom: Callable[[], None] | None = None,
-    min_tile: int = MIN_TILE,
-    pin_memory: bool | None = None,
-    norm_params: NormParamsFn | None = None,
-) -> torch.Tensor:
+def encode_exact(model: Any, x: torch.Tensor, tile: int | tuple[int, int] | None, **kw: Any
+                 ) -> torch.Tensor:
     """Encode ``x`` exactly, tile by tile; returns what ``model.encode(x)`` returns (the host's regularizer:
     the posterior mean for ComfyUI's KL VAEs). ``model``: a ``first_stage_model`` with an SD/FLUX ``Encoder``;
     ``x``: (B, 3, H, W) processed pixels (``vae.process_input``, on [-1, 1]) in the dtype the encoder runs in,
@@ -782,5 +762,4 @@ def encode_exact(
     (``tile``: core px at each activation's own resolution) with shared GroupNorm statistics; the mid block,
     the output convolution and the host's own rest of ``encode`` run once per item on the latent-resolution
     map. The other keywords as :func:`decode_exact`; an OOM in the tail propagates (the caller re-plans)."""
-    return _run_exact(model, x, tile, "encode", store_device, compute_device, out_device, recompute, progress,
-                      should_stop, fault_hook, oom_exceptions, on_oom, min_tile, pin_memory, norm_params)
+    return _run_exact(model, x, tile, "encode", **kw)

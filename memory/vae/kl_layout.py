@@ -92,6 +92,20 @@ def _resnet_reason(blk: Any, where: str) -> str | None:
     return None
 
 
+def _level_reason(level: Any, where: str, path: str) -> str | None:
+    """Why one level of the up (down) path is not resnet blocks without attention, or None."""
+    blocks = getattr(level, "block", None)
+    if blocks is None or len(blocks) == 0:
+        return f"{where} has no blocks"
+    if len(getattr(level, "attn", ())) > 0:
+        return f"{where} has attention in the {path}"
+    for j in range(len(blocks)):
+        reason = _resnet_reason(blocks[j], f"{where}.block[{j}]")
+        if reason:
+            return reason
+    return None
+
+
 def _is_pixel_shuffle_up(m: Any) -> bool:
     """Hunyuan Image 2.1's upsample (``comfy.ldm.hunyuan_video.vae.PixelUnshuffle2D``): a 3x3 conv to 4x the
     output channels at the low resolution, then depth-to-space 2x, plus the channel-repeated input."""
@@ -154,15 +168,9 @@ def _structure_reason(model: Any) -> str | None:
         return "conv_in's latent shortcut does not match its channels"
     for i, has_upsample in stage_order(dec):
         level = up[i]
-        blocks = getattr(level, "block", None)
-        if blocks is None or len(blocks) == 0:
-            return f"up[{i}] has no blocks"
-        if len(getattr(level, "attn", ())) > 0:
-            return f"up[{i}] has attention in the up path"
-        for j in range(len(blocks)):
-            reason = _resnet_reason(blocks[j], f"up[{i}].block[{j}]")
-            if reason:
-                return reason
+        reason = _level_reason(level, f"up[{i}]", "up path")
+        if reason:
+            return reason
         if has_upsample:
             upsample = getattr(level, "upsample", None)
             if upsample is None:
@@ -212,15 +220,9 @@ def _encoder_reason(model: Any) -> str | None:
     levels = len(enc.down)
     for i in range(levels):
         level = enc.down[i]
-        blocks = getattr(level, "block", None)
-        if blocks is None or len(blocks) == 0:
-            return f"down[{i}] has no blocks"
-        if len(getattr(level, "attn", ())) > 0:
-            return f"down[{i}] has attention in the down path"
-        for j in range(len(blocks)):
-            reason = _resnet_reason(blocks[j], f"down[{i}].block[{j}]")
-            if reason:
-                return reason
+        reason = _level_reason(level, f"down[{i}]", "down path")
+        if reason:
+            return reason
         if i != levels - 1:
             down = getattr(level, "downsample", None)
             conv = getattr(down, "conv", None)
