@@ -265,7 +265,8 @@ def _report(
     r = Report(REPORT_NODE, str(job.device))
     r.add("vae", f"{job.family} ({str(job.dtype).removeprefix('torch.')}); {b} x {h}x{w} px")
     if p.path == "untiled":
-        path = "exact: the encoder's own forward (it fits the budget; identical to VAE Encode)"
+        path = ("exact: the encoder's own forward (it fits the budget), its mid block's split attention sliced to "
+                "the budget (equal to VAE Encode up to float rounding)")
     elif p.path == "exact":
         path = (
             "exact: layer-synchronous tiles, shared GroupNorm statistics, mid block on the whole latent "
