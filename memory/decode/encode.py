@@ -53,7 +53,7 @@ def make_job(
     layout = kl_layout(model, direction="encode")
     reason = layout.reason
     if reason is None:
-        down = 2 ** (layout.levels - 1) * layout.pre_scale
+        down = layout.ratio
         if x.shape[2] % down or x.shape[3] % down:
             reason = f"the image's sides {tuple(x.shape[2:])} are not multiples of {down}"
     return EncodeJob(

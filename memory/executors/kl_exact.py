@@ -242,7 +242,7 @@ class _ExactRun:
         self.batch = int(z.shape[0])
         self.encode = layout.direction == "encode"
         if self.encode:  # z: the pixels, the source of ``in``; the latent: the tail's map / pre_scale
-            down = 2 ** (layout.levels - 1) * layout.pre_scale
+            down = layout.ratio
             self.latent_hw = (int(z.shape[2]) // down, int(z.shape[3]) // down)
         else:
             self.latent_hw = (int(z.shape[2]), int(z.shape[3]))
@@ -711,7 +711,7 @@ def _run_exact(
     if x.ndim != 4:
         raise ValueError(f"expected a (B, C, h, w) {what}, got shape {tuple(x.shape)}")
     if direction == "encode":
-        down = 2 ** (layout.levels - 1) * layout.pre_scale
+        down = layout.ratio
         if x.shape[2] % down or x.shape[3] % down:
             raise ValueError(f"exact tiled encode: the image's sides {tuple(x.shape[2:])} must be multiples "
                              f"of {down} (VAE Encode crops them so)")

@@ -21,15 +21,14 @@ from ..measure.sizing import MetaSizer
 from ..report import fmt_bytes
 from ..vae.kl_layout import KlLayout, kl_layout
 from .grid import ImpossibleBudgetError, scaled
+from .image import ATTENTION_MIN
 from .types import Plan
 from .video import PeakStore
 
-__all__ = ["ATTENTION_MIN", "ENCODE_TILES", "EncodeJob", "ExactEncode", "attention_bytes", "encode_peak", "plan"]
+__all__ = ["ENCODE_TILES", "EncodeJob", "ExactEncode", "attention_bytes", "encode_peak", "plan"]
 
 ENCODE_TILES = (1024, 768, 512, 384, 256, 192, 128, 96, 64, 48, 32)
 """Tile sides (px at each activation's own resolution) the auto plan tries below the whole image."""
-ATTENTION_MIN = 16 << 20
-"""Smallest score-slice budget of the mid block's split attention (as the decode's)."""
 
 AttentionFn = Callable[[int], contextlib.AbstractContextManager[Any]]
 """``attention(max_bytes)``: within it, the mid block's split attention (ComfyUI's CPU path) slices its scores
@@ -143,8 +142,7 @@ def _out_bytes(job: EncodeJob) -> int:
     if job.out_device.type != job.device.type:
         return 0
     b, _, h, w = (int(v) for v in job.x.shape)
-    lay = job.layout
-    down = 2 ** (max(1, lay.levels) - 1) * lay.pre_scale
+    down = job.layout.ratio
     return b * int(getattr(job.vae, "latent_channels", 16)) * (h // down) * (w // down) * 4
 
 

@@ -544,6 +544,11 @@ class KlLayout:
             raise ValueError(f"exact tiled {self.direction} does not support this model: {self.reason}")
         return self
 
+    @property
+    def ratio(self) -> int:
+        """Image px per latent px: ``2^(levels - 1)`` times :attr:`pre_scale`."""
+        return 2 ** (max(1, self.levels) - 1) * self.pre_scale
+
     def mid_hw(self, latent_hw: Sequence[int]) -> tuple[int, int]:
         return int(latent_hw[0]) * self.pre_scale, int(latent_hw[1]) * self.pre_scale
 
