@@ -43,8 +43,8 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
 
 
-def _pixels(px: int) -> torch.Tensor:
-    """A smooth image with detail (1, px, px, 3) on [0, 1]."""
+def smooth_image(px: int) -> torch.Tensor:
+    """A smooth image with detail (1, px, px, 3) on [0, 1] (also the GPU suite's ``encode`` part's input)."""
     g = torch.Generator().manual_seed(px)
     y = torch.linspace(0, 1, px).view(1, px, 1, 1)
     x = torch.linspace(0, 1, px).view(1, 1, px, 1)
@@ -65,7 +65,7 @@ def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int) -> lis
 
     path = make_models(HostConfig.load().models_dir / "vae", seed=0, kinds=[kind])[kind]
     vae = nodes.VAELoader().load_vae(path.name)[0]
-    pixels = _pixels(px)
+    pixels = smooth_image(px)
     case = f"{kind} {px}²"
     rows = []
     ref = _measure(tracker_mod, lambda: nodes.VAEEncode().encode(vae, pixels)[0]["samples"])

@@ -1,16 +1,17 @@
-"""GPU suite worker: one part (``image``, ``video`` or ``scenes``) on one ComfyUI host, in-process.
+"""GPU suite worker: one part (``image``, ``encode``, ``video`` or ``scenes``) on one ComfyUI host, in-process.
 
 Started by ``bench/gpu_suite.py`` (never by hand; see docs/BENCHMARKS.md "GPU suite") with
 ``COMFYUI_PATH`` naming the host and ``VRAMFIT_COMFY_DEVICE`` / ``VRAMFIT_DYNAMIC_VRAM`` naming the mode.
 It loads the host as ``main.py`` would (dynamic VRAM included), generates the random-weight models it
 needs, runs ComfyUI's own nodes and this pack's side by side and appends one row per measured decode
-to ``--json`` after each row (a run stopped at its deadline keeps what it finished).
+(or encode) to ``--json`` after each row (a run stopped at its deadline keeps what it finished).
 
 Per row: wall seconds; on CUDA ``max_memory_allocated`` above the allocated bytes at entry (``peak``)
 and in absolute terms (``peak_abs``: resident weights included), and the driver-level used memory,
 sampled every 2 ms from ``mem_get_info`` (``device_peak``: sees comfy-aimdo's weight pages, which torch's
 allocator does not); on CPU the live-tensor peak (``PeakTracker`` dispatch count). Fidelity: PSNR and
-max abs diff against the reference decode named in the row.
+max abs diff against the reference decode named in the row (``encode``: the latent's max abs diff, then the
+round trip's PSNR, bench/encode.py's: core VAEDecode of the row's latent vs of the reference latent).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ IMAGE_NODE = "VRAMFit_TiledVAEDecode"
 VIDEO_NODE = "VRAMFit_TemporalChunkVideoDecode"
 
 IMAGE_SIZES = {"full": [2048, 4096, 8192], "small": [64]}
+ENCODE_SIZES = {"full": [2048, 4096], "small": [64, 128]}
 IMAGE_BUDGET_24G_FROM_PX = 8192
 """From this size on, the budgeted row uses 24 GB (the issue's 8192² case); below, 40 % of core's peak."""
 VIDEO_CASES = {
@@ -144,9 +146,16 @@ class Rows:
         self.path, self.meta, self.rows = path, meta, []
         self._write()
 
-    def add(self, **row: Any) -> None:
+    def add(self, **row: Any) -> dict[str, Any]:
         self.rows.append(row)
         log.info("row: %s", json.dumps(row, default=str))
+        self._write()
+        return row
+
+    def update(self, row: dict[str, Any], **values: Any) -> None:
+        """Fill in columns of a row written earlier (figures computed after the measurements)."""
+        row.update(values)
+        log.info("row update: %s", json.dumps(values, default=str))
         self._write()
 
     def _write(self) -> None:
@@ -156,16 +165,19 @@ class Rows:
 
 
 def ours(rows: Rows, host: Host, common: dict[str, Any], label: str, budget: int, fn: Callable[[], Any],
-         ref: torch.Tensor | None, **extra: Any) -> None:
-    """Measure one VRAM Fit decode and add its row; a refused budget becomes a row saying why."""
+         score: Callable[[Any], dict[str, Any]], op: str = "decode",
+         **extra: Any) -> tuple[Any, dict[str, Any]] | None:
+    """Measure one VRAM Fit ``op`` (decode or encode) and add its row, ``score(result)`` its fidelity columns;
+    returns the result and its row. A refused budget becomes a row saying why (and returns None)."""
     try:
         r, m = measure(host.device, fn, host.tracker)
     except Exception as e:  # e.g. a budget below the smallest plan: the table says so
-        rows.add(**common, decode=f"VRAM Fit {label}", budget_mb=budget, error=f"{type(e).__name__}: {e}",
+        rows.add(**common, **{op: f"VRAM Fit {label}"}, budget_mb=budget, error=f"{type(e).__name__}: {e}",
                  path=f"refused: {str(e)[:200]}", **extra)
-        return
-    rows.add(**common, decode=f"VRAM Fit {label}", budget_mb=budget, **m, **fidelity(r.images, ref),
-             predicted_mib=getattr(r.plan, "planned", 0) / MiB, **_plan_of(r), **extra)
+        return None
+    row = rows.add(**common, **{op: f"VRAM Fit {label}"}, budget_mb=budget, **m, **score(r),
+                   predicted_mib=getattr(r.plan, "planned", 0) / MiB, **_plan_of(r), **extra)
+    return r, row
 
 
 def _plan_of(result: Any) -> dict[str, Any]:
@@ -192,6 +204,7 @@ class Host:
         self.device = torch.device(mm.get_torch_device())
         pack = self.nodes.NODE_CLASS_MAPPINGS[IMAGE_NODE].__module__.rsplit(".nodes.", 1)[0]
         self.tiled = importlib.import_module(pack + ".nodes.tiled_vae_decode")
+        self.tiled_encode = importlib.import_module(pack + ".nodes.tiled_vae_encode")
         self.video = importlib.import_module(pack + ".nodes.video_decode")
         self.offload = importlib.import_module(pack + ".nodes.offload_manager")
         self.bf16 = importlib.import_module(pack + ".nodes.bf16_loader")
@@ -222,6 +235,13 @@ class Host:
 
     def core_tiled(self, vae: Any, z: torch.Tensor, *args: Any) -> torch.Tensor:
         return self.host_mod.core_decode_tiled(self.nodes, vae, {"samples": z}, *args)
+
+    def core_encode(self, vae: Any, pixels: torch.Tensor, *tiled: int) -> torch.Tensor:
+        """Core ``VAEEncode``, or ``VAEEncodeTiled`` given its tile size and overlap (inference mode, as the
+        executor runs nodes)."""
+        node = self.nodes.VAEEncodeTiled() if tiled else self.nodes.VAEEncode()
+        with torch.inference_mode():
+            return node.encode(vae, pixels, *tiled)[0]["samples"].clone()
 
     def unload_all(self) -> None:
         self.mm.unload_all_models()
@@ -258,8 +278,77 @@ def part_image(host: Host, rows: Rows, size: str, sizes: list[int] | None = None
                        else ("40% of core's peak", max(16, int(0.4 * core_peak))))
         for label, budget in budgets:
             ours(rows, host, common, label, budget,
-                 lambda z=z, b=budget: host.tiled.decode(vae, {"samples": z}, budget_mb=b), ref, reference=ref_name)
+                 lambda z=z, b=budget: host.tiled.decode(vae, {"samples": z}, budget_mb=b),
+                 lambda r, ref=ref: fidelity(r.images, ref), reference=ref_name)
         del ref
+        gc.collect()
+
+
+def part_encode(host: Host, rows: Rows, size: str, sizes: list[int] | None = None) -> None:
+    """KL VAE encode at 2048² and 4096² (or ``sizes``) of bench/encode.py's image: core VAEEncode (the
+    reference), core VAEEncodeTiled (its defaults, 512/64), VRAM Fit auto and at 40 % of core's peak. Each
+    row is written when measured (latent max abs vs the reference); the round trips (core VAEDecode, slow at
+    8192²) are filled in after a size's encodes, so a stop at the deadline keeps every measured encode."""
+    from bench.encode import smooth_image
+
+    vae = host.vae("kl_f8")
+    with torch.inference_mode():  # first use (the self-check) outside the rows
+        host.tiled_encode.encode(vae, smooth_image(64), tile_size=32)
+    for px in sizes or ENCODE_SIZES[size]:
+        pixels = smooth_image(px)
+        common = {"case": f"KL {px}x{px}", "dtype": str(vae.vae_dtype).removeprefix("torch.")}
+        with log_watch("retrying with tiled") as fallback:
+            ref, m = measure(host.device, lambda p=pixels: host.core_encode(vae, p), host.tracker)
+        ref_name = "core VAEEncode" + (" (fell back to its tiled encode)" if fallback else "")
+        rows.add(**common, encode=ref_name, **m, reference="-")
+        budget_40 = max(16, int(0.4 * m["peak_mib"]))
+        out, m = measure(host.device, lambda p=pixels: host.core_encode(vae, p, 512, 64), host.tracker)
+        encoded = [(out, rows.add(**common, encode="core VAEEncodeTiled 512/64", **m,
+                                  latent_max_abs=fidelity(out, ref)["max_abs"], reference=ref_name))]
+
+        def run(b: int, p: torch.Tensor = pixels) -> Any:
+            with torch.inference_mode():
+                return host.tiled_encode.encode(vae, p, budget_mb=b)
+
+        for label, budget in (("auto", 0), ("40% of core's peak", budget_40)):
+            done = ours(rows, host, common, label, budget, lambda b=budget: run(b),
+                        lambda r, ref=ref: {"latent_max_abs": fidelity(r.latent, ref)["max_abs"]}, op="encode",
+                        reference=ref_name)
+            if done:
+                encoded.append((done[0].latent, done[1]))
+        image_ref = host.core_decode(vae, ref)
+        for z, row in encoded:
+            rows.update(row, round_trip_psnr_db=fidelity(host.core_decode(vae, z), image_ref)["psnr_db"])
+        del ref, encoded, image_ref, pixels
+        gc.collect()
+
+
+def part_encode_video(host: Host, rows: Rows, size: str, models: list[str]) -> None:
+    """Wan video encode (``--models``) at the video part's sizes: core VAEEncode (the reference), Temporal-Chunk
+    Video Encode auto and at 40 % of core's peak; latent max abs vs the reference."""
+    for kind, _, label in VIDEO_CASES[size]:
+        if kind not in models:
+            continue
+        host.unload_all()
+        vae = host.vae(kind)
+        r = int(vae.spacial_compression_encode())
+        with torch.inference_mode():  # first use (the self-check) outside the rows
+            host.tiled_encode.encode(vae, torch.rand(5, 2 * r, 4 * r, 3), tile_size=2 * r)
+        w, h, t = (int(v) for v in label.split("x"))
+        pixels = torch.rand((t, h, w, 3), generator=torch.Generator().manual_seed(0))
+        common = {"case": f"{kind} {label}", "dtype": str(vae.vae_dtype).removeprefix("torch.")}
+        ref, m = measure(host.device, lambda p=pixels, vae=vae: host.core_encode(vae, p), host.tracker)
+        rows.add(**common, encode="core VAEEncode", **m, reference="-")
+        for name, budget in (("auto", 0), ("40% of core's peak", max(16, int(0.4 * m["peak_mib"])))):
+
+            def run(b: int = budget, p: torch.Tensor = pixels, vae: Any = vae) -> Any:
+                with torch.inference_mode():
+                    return host.tiled_encode.encode(vae, p, budget_mb=b, node="Temporal-Chunk Video Encode")
+
+            ours(rows, host, common, name, budget, run,
+                 lambda res, ref=ref: {"latent_max_abs": fidelity(res.latent, ref)["max_abs"]}, op="encode",
+                 reference="core VAEEncode")
+        del ref, pixels
         gc.collect()
 
 
@@ -284,7 +373,8 @@ def part_video(host: Host, rows: Rows, size: str, models: list[str]) -> None:
         del out
         for name, budget in (("auto", 0), ("40% of core's peak", max(16, int(0.4 * core_peak)))):
             ours(rows, host, common, name, budget,
-                 lambda z=z, b=budget, vae=vae: host.video.decode(vae, {"samples": z}, budget_mb=b), ref)
+                 lambda z=z, b=budget, vae=vae: host.video.decode(vae, {"samples": z}, budget_mb=b),
+                 lambda r, ref=ref: fidelity(r.images, ref))
         del ref, vae
         gc.collect()
 
@@ -368,7 +458,7 @@ def part_scenes(host: Host, rows: Rows, size: str) -> None:
              within_24gb=within, notes="; ".join(notes), **_plan_of(r))
 
 
-PARTS = ("image", "video", "scenes")
+PARTS = ("image", "encode", "video", "scenes")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,9 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("part", choices=PARTS)
     ap.add_argument("--json", type=pathlib.Path, required=True)
     ap.add_argument("--small", action="store_true", help="tiny sizes (the CPU dry run)")
-    ap.add_argument("--models", default="wan21,wan22", help="video part: which VAEs")
+    ap.add_argument("--models", default="", help="video part: which VAEs (default wan21,wan22); encode part: "
+                    "encode these video VAEs instead of the KL image")
     ap.add_argument("--sizes", default="",
-                    help="image part: comma-separated sides in px (default: the size's)")
+                    help="image and encode parts: comma-separated sides in px (default: the size's)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
     size = "small" if args.small else "full"
@@ -386,10 +477,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = Rows(args.json, host.meta(args.part, size))
     log.info("part %s (%s) on ComfyUI %s, %s, dynamic VRAM: %s", args.part, size, host.cfg.version,
              host.device, host.host_mod.DYNAMIC_VRAM_STATUS)
+    sizes = [int(v) for v in args.sizes.split(",") if v]
     if args.part == "image":
-        part_image(host, rows, size, [int(v) for v in args.sizes.split(",") if v])
+        part_image(host, rows, size, sizes)
+    elif args.part == "encode" and args.models:
+        part_encode_video(host, rows, size, args.models.split(","))
+    elif args.part == "encode":
+        part_encode(host, rows, size, sizes)
     elif args.part == "video":
-        part_video(host, rows, size, args.models.split(","))
+        part_video(host, rows, size, (args.models or "wan21,wan22").split(","))
     else:
         part_scenes(host, rows, size)
     return 0

@@ -6,7 +6,8 @@ dynamic VRAM ``on``, its default on NVIDIA, and ``off``; elsewhere one mode) it 
 
 * part ``tests``: ``pytest tests/cuda`` (the device-path tests; their ``record_property`` values go into
   the table);
-* parts ``image``, ``video``, ``scenes``: ``python -m bench.gpu_parts PART`` (one row per decode).
+* parts ``image``, ``encode``, ``video``, ``scenes``: ``python -m bench.gpu_parts PART`` (one row per decode
+  or encode).
 
 Workers share the time left before ``--deadline``; one that runs out is stopped and keeps the rows it
 finished. Writes ``<out>/<part>.json``, ``<out>/<part>.md`` and ``<out>/<part>.log`` (3 files: the device
@@ -29,11 +30,13 @@ from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 log = logging.getLogger("vramfit.bench.gpu_suite")
-PARTS = ("tests", "image", "video", "scenes")
+PARTS = ("tests", "image", "encode", "video", "scenes")
 TABLE_COLUMNS = {
     "tests": ["test", "outcome", "seconds", "measured"],
     "image": ["case", "decode", "dtype", "seconds", "peak_mib", "peak_abs_mib", "device_peak_mib", "psnr_db",
               "max_abs", "predicted_mib", "path"],
+    "encode": ["case", "encode", "dtype", "seconds", "peak_mib", "latent_max_abs", "round_trip_psnr_db",
+               "predicted_mib", "plan", "path"],
     "video": ["case", "decode", "dtype", "seconds", "peak_mib", "device_peak_mib", "max_abs", "psnr_db",
               "predicted_mib", "path"],
     "scenes": ["case", "decode", "seconds", "peak_mib", "peak_abs_mib", "device_peak_mib", "decode_phase_cut_pct",
@@ -169,10 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts", help="comma-separated ComfyUI versions (default: every host of the kit; "
                     "one the kit lacks is an error)")
     ap.add_argument("--modes", help="comma-separated dynamic VRAM modes: on,off (default: both where present)")
-    ap.add_argument("--models", default="wan21,wan22", help="video part: VAEs to run")
+    ap.add_argument("--models", default="", help="video part: VAEs to run (default wan21,wan22); encode part: "
+                    "encode these video VAEs instead of the KL image")
     ap.add_argument("--sizes", default="",
-                    help="image part: comma-separated sides in px (default 2048,4096,8192; 8192 alone "
-                    "needs its own call: core's own decode there ran over 98 s on an H200)")
+                    help="image and encode parts: comma-separated sides in px (default 2048,4096,8192; "
+                    "encode: 2048,4096; 8192 alone needs its own call: core's own decode there ran over 98 s "
+                    "on an H200)")
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds for the whole part (default 540)")
     args = ap.parse_args(argv)
     args.device = "cpu" if args.cpu else "cuda"

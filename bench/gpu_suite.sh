@@ -7,7 +7,7 @@
 #   naming a host the kit lacks is an error)
 #   bash bench/gpu_suite.sh PART --cpu --small      # the dry run (CPU, tiny sizes; the default tests run it)
 #
-# PART: tests | image | video | scenes. From the repository root, with the kit (scripts/gpu_kit.sh -> .gpu/)
+# PART: tests | image | encode | video | scenes. From the repository root, with the kit (scripts/gpu_kit.sh -> .gpu/)
 # present. Installs the kit's site into a temporary folder when the interpreter is CPython 3.12 (the
 # device's), unpacks each ComfyUI of the kit and links this pack into it, then runs bench/gpu_suite.py.
 # Results: $OUT/PART.{json,md,log} ($OUT: set by the device tool; default outputs/gpu_suite).
@@ -18,7 +18,7 @@
 # host's, where the fixtures already are).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PART="${1:?usage: gpu_suite.sh tests|image|video|scenes [options]}"; shift
+PART="${1:?usage: gpu_suite.sh tests|image|encode|video|scenes [options]}"; shift
 KIT="${VRAMFIT_GPU_KIT:-$ROOT/.gpu}"
 WORK="${VRAMFIT_GPU_WORK:-${TMPDIR:-/tmp}/vramfit-gpu}"
 OUTDIR="${OUT:-$ROOT/outputs/gpu_suite}"

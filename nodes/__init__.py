@@ -17,9 +17,15 @@ def node_classes() -> list[type[io.ComfyNode]]:
     from .tiled_vae_encode import TiledVAEEncode
 
     classes.append(TiledVAEEncode)
+    from .inpaint_encode import VAEEncodeForInpaint
+
+    classes.append(VAEEncodeForInpaint)
     from .video_decode import TemporalChunkVideoDecode
 
     classes.append(TemporalChunkVideoDecode)
+    from .video_encode import TemporalChunkVideoEncode
+
+    classes.append(TemporalChunkVideoEncode)
     from .offload_manager import OffloadManager
 
     classes.append(OffloadManager)

@@ -32,30 +32,37 @@ _FAULT_HOOK: Callable[[str, int], None] | None = None
 every untiled item; raise an out-of-memory exception there to exercise the recovery paths."""
 
 
-def _error(message: str) -> _comfy.NodeInputError:
-    return _comfy.NodeInputError(REPORT_NODE, message)
+def _error(message: str, node: str = REPORT_NODE) -> _comfy.NodeInputError:
+    return _comfy.NodeInputError(node, message)
 
 
-def _validate(vae: Any, pixels: Any, tile_size: int) -> tuple[Any, torch.Tensor]:
-    """``(job, pixels)``: the checked IMAGE and its encode job."""
+def _validate(vae: Any, pixels: Any, tile_size: int, node: str = REPORT_NODE) -> Any:
+    """The encode job of the checked IMAGE, its pixels processed as ``VAE.encode`` processes them (a video VAE
+    takes the batch as frames: (1, 3, T, H, W))."""
     if vae is None or getattr(vae, "first_stage_model", None) is None:
-        raise _error(f"vae: expected a VAE (from Load VAE or a checkpoint), got {type(vae).__name__}")
+        raise _error(f"vae: expected a VAE (from Load VAE or a checkpoint), got {type(vae).__name__}", node)
     if not isinstance(pixels, torch.Tensor) or pixels.ndim != 4 or pixels.shape[-1] not in (3, 4):
         shape = tuple(pixels.shape) if isinstance(pixels, torch.Tensor) else type(pixels).__name__
         raise _error(
             f"pixels {shape}: expected an IMAGE (B, H, W, 3), as Load Image gives (RGB; a 4th "
-            "alpha channel is dropped)"
+            "alpha channel is dropped)", node
         )
-    if tile_size < 0 or (tile_size and (tile_size % 8 or tile_size < MIN_TILE_PX)):
-        raise _error(f"tile_size {tile_size}: use 0 (auto) or a multiple of 8 of at least {MIN_TILE_PX} px")
+    video = getattr(vae, "latent_dim", 2) == 3 and not getattr(vae, "not_video", False)
+    step = int(vae.spacial_compression_encode()) if video else 8  # a video VAE's tiles are whole latent px
+    least = 2 * step if video else MIN_TILE_PX
+    if tile_size < 0 or (tile_size and (tile_size % step or tile_size < least)):
+        raise _error(f"tile_size {tile_size}: use 0 (auto) or a multiple of {step} of at least {least} px", node)
     if hasattr(vae, "throw_exception_if_invalid"):
         vae.throw_exception_if_invalid()
     cropped = vae.vae_encode_crop_pixels(pixels)
     if min(cropped.shape[1], cropped.shape[2]) < 1:
-        raise _error(f"pixels {tuple(pixels.shape)}: smaller than one latent pixel of this VAE")
+        raise _error(f"pixels {tuple(pixels.shape)}: smaller than one latent pixel of this VAE", node)
+    x = cropped[..., :3].movedim(-1, 1)
+    if video:
+        x = x.movedim(1, 0).unsqueeze(0)  # as VAE.encode: the frames of one video
     # As VAE.encode: process_input in float32 on the intermediate device, then the VAE's dtype.
-    x = vae.process_input(cropped[..., :3].movedim(-1, 1)).to(vae.vae_dtype)
-    return make_job(vae, x, _comfy.intermediate_device(), tile_size=tile_size, pixels=pixels), pixels
+    x = vae.process_input(x).to(vae.vae_dtype)
+    return make_job(vae, x, _comfy.intermediate_device(), tile_size=tile_size, pixels=pixels)
 
 
 def comfy_env(node_id: str | None = None) -> DecodeEnv:
@@ -81,15 +88,18 @@ def encode(
     budget_mb: int = 0,
     unload_others: bool = True,
     node_id: str | None = None,
+    node: str = REPORT_NODE,
 ) -> EncodeResult:
-    """Everything the node does; the result's ``latent`` is what VAE Encode returns."""
+    """Everything the node does (``node``: the name errors give); the result's ``latent`` is what VAE Encode
+    returns."""
     t0 = time.perf_counter()
-    job, _ = _validate(vae, pixels, int(tile_size))
-    with _decode_node.input_errors(REPORT_NODE):
+    job = _validate(vae, pixels, int(tile_size), node)
+    with _decode_node.input_errors(node):
         result = encode_image(
             job, comfy_env(node_id), budget_mb=int(budget_mb), unload_others=bool(unload_others), t_start=t0
         )
     result.latent = _as_vae_encode(vae, result)
+    result.report.node = node  # titled by the node that ran it
     return result
 
 

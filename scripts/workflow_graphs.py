@@ -302,7 +302,9 @@ def demo_cpu() -> WorkflowDesc:
             "VAE Encode), then VRAM Monitor → Offload Manager → Tiled VAE Decode → VRAM Monitor, "
             f"the image and the memory timeline saved. The decode runs under a {DEMO_BUDGET_MB} MiB budget, less "
             "than the untiled decode needs, so its report shows the tiled plan on the exact path (the same image "
-            "as VAE Decode, no seams). Runs on CPU in seconds; random weights decode to noise-like images."
+            "as VAE Decode, no seams). Beside it, VAE Encode for Inpaint (VRAM Fit) encodes the same image with "
+            "its mask (Load Image's alpha; none here) as the core inpaint node does. Runs on CPU in seconds; "
+            "random weights decode to noise-like images."
         ),
         cpu=True,
         files=[
@@ -324,6 +326,9 @@ def demo_cpu() -> WorkflowDesc:
     after = _monitor(wf, images.out(), "after decode", plot=(512, 256))
     wf.add("SaveImage", images=after.out(0), filename_prefix="vramfit_demo")
     wf.add("SaveImage", title="Save VRAM timeline", images=after.out(2), filename_prefix="vramfit_vram_timeline")
+    inpaint = wf.add("VRAMFit_VAEEncodeForInpaint", pixels=scaled.out(), vae=vae.out(), mask=photo.out(1),
+                     grow_mask_by=6, tile_size=128, budget_mb=0, unload_others=True)
+    wf.add("VRAMFit_VRAMMonitor", value=inpaint.out(), label="inpaint latent", plot_width=512, plot_height=256)
     return wf
 
 
@@ -359,11 +364,13 @@ def video_cpu() -> WorkflowDesc:
     wf = WorkflowDesc(
         name="vramfit_video_cpu",
         template="VRAM Fit 3 - Video decode (CPU)",
-        title="Wan 2.1 video decode (CPU variant): Offload → Temporal-Chunk Decode → MP4",
+        title="Wan 2.1 video decode (CPU variant): Offload → Temporal-Chunk Decode → MP4, and the frames re-encoded",
         summary=(
             "The CPU variant of the Wan 2.1 workflows: the random-weight Wan 2.1 VAE, a 64×64 latent video of 9 "
             "frames, Offload Manager → Temporal-Chunk Video Decode (one latent frame per chunk, exact) → VRAM "
-            "Monitor → MP4. No model downloads; runs in seconds."
+            "Monitor → MP4; the decoded frames also go back through Temporal-Chunk Video Encode in 32-px tiles "
+            "(exact: the latent of VAE Encode), as the video-to-video template does. No model downloads; runs in "
+            "seconds."
         ),
         cpu=True,
         files=[FileDecl("vramfit_fixture_wan21.safetensors", "vae", None, FIXTURES_HOW)],
@@ -378,6 +385,55 @@ def video_cpu() -> WorkflowDesc:
     monitor = wf.add("VRAMFit_VRAMMonitor", value=frames.out(), label="after decode", plot_width=512, plot_height=256)
     video = wf.add("CreateVideo", images=monitor.out(), fps=16.0)
     wf.add("SaveVideo", video=video.out(), filename_prefix="video/vramfit_video_cpu", format="auto", codec="auto")
+    again = wf.add("VRAMFit_TemporalChunkVideoEncode", pixels=frames.out(), vae=vae.out(), tile_size=32,
+                   budget_mb=0, unload_others=True)
+    wf.add("VRAMFit_VRAMMonitor", value=again.out(), label="after re-encode", plot_width=512, plot_height=256)
+    return wf
+
+
+def wan21_v2v() -> WorkflowDesc:
+    wf = WorkflowDesc(
+        name="vramfit_wan21_v2v_480p",
+        template="VRAM Fit 10 - Wan 2.1 V2V 480p",
+        title="Wan 2.1 T2V 1.3B video-to-video, 832×480, 81 frames",
+        summary=(
+            "A video in (Load Video from `input/`), its first 81 frames scaled to 832×480, encoded by the "
+            "Temporal-Chunk Video Encode (exact: the latent of VAE Encode, in spatial tiles when the whole clip "
+            "does not fit), re-sampled at denoise 0.6, then Offload Manager → Temporal-Chunk Video Decode → MP4. "
+            "Put any video named `input_video.mp4` in ComfyUI's input folder."
+        ),
+        files=[
+            FileDecl("wan2.1_t2v_1.3B_fp16.safetensors", "diffusion_models", f"{WAN_REPO}/diffusion_models/wan2.1_t2v_1.3B_fp16.safetensors"),
+            FileDecl("umt5_xxl_fp8_e4m3fn_scaled.safetensors", "text_encoders", f"{WAN_REPO}/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors"),
+            FileDecl("wan_2.1_vae.safetensors", "vae", f"{WAN_REPO}/vae/wan_2.1_vae.safetensors"),
+            FileDecl("input_video.mp4", "input", None, "your own video (any length of at least 81 frames)"),
+        ],  # fmt: skip
+    )
+    unet = wf.add("UNETLoader", unet_name="wan2.1_t2v_1.3B_fp16.safetensors", weight_dtype="default")
+    clip = wf.add("CLIPLoader", clip_name="umt5_xxl_fp8_e4m3fn_scaled.safetensors", type="wan", device="default")
+    vae = wf.add("VAELoader", vae_name="wan_2.1_vae.safetensors")
+    model = wf.add("ModelSamplingSD3", model=unet.out(), shift=8.0)
+    pos = wf.add("CLIPTextEncode", title="Positive prompt", clip=clip.out(),
+                 text="The same scene as a watercolour painting, soft washes of colour, paper texture")
+    neg = wf.add("CLIPTextEncode", title="Negative prompt", clip=clip.out(), text=WAN_NEGATIVE)
+    source = wf.add("LoadVideo", file="input_video.mp4")
+    parts = wf.add("GetVideoComponents", video=source.out())
+    first = wf.add("ImageFromBatch", image=parts.out(0), batch_index=0, length=81)
+    scaled = wf.add("ImageScale", image=first.out(), upscale_method="lanczos", width=832, height=480, crop="center")
+    latent = wf.add("VRAMFit_TemporalChunkVideoEncode", pixels=scaled.out(), vae=vae.out(), tile_size=0,
+                    budget_mb=0, unload_others=True)
+    sampled = wf.add(
+        "KSampler", model=model.out(), positive=pos.out(), negative=neg.out(), latent_image=latent.out(),
+        seed=42, steps=30, cfg=6.0, sampler_name="uni_pc", scheduler="simple", denoise=0.6,
+    )  # fmt: skip
+    offload = _offload(wf, sampled.out(), keep=vae.out())
+    frames = wf.add(
+        "VRAMFit_TemporalChunkVideoDecode", samples=offload.out(), vae=vae.out(),
+        frames_per_chunk=0, tile_size=0, budget_mb=0, unload_others=True,
+    )  # fmt: skip
+    monitor = _monitor(wf, frames.out(), "after decode")
+    video = wf.add("CreateVideo", images=monitor.out(), fps=16.0)
+    wf.add("SaveVideo", video=video.out(), filename_prefix="video/vramfit_wan21_v2v", format="auto", codec="auto")
     return wf
 
 
@@ -393,6 +449,7 @@ def all_workflows() -> list[WorkflowDesc]:
         wan21_t2v("480p"),
         wan21_t2v("720p"),
         img2img_4k_sdxl(),
+        wan21_v2v(),
     ]
 
 

@@ -247,14 +247,19 @@ def value_counts(slots: list[WidgetSlot]) -> list[int]:
     return sorted(counts)
 
 
+SHARED_OUTPUTS = {"GetVideoComponents": 3}
+"""Nodes whose later hosts added outputs (0.33: ``bit_depth``, ``color_space``): templates list the outputs
+every host has."""
+
+
 def ui_output_count(schema: NodeSchema, linked_slots: Iterable[int]) -> int:
     """How many outputs a template lists: all of them, except that a host output node lists them only up to
     its last linked one (0.33 gave ``SaveImage``/``SaveVideo`` pass-through outputs 0.3.75 lacks; the
     frontend takes a node's outputs from the workflow, and 0.33's own templates list ``SaveImage`` both
-    with and without them)."""
+    with and without them), and a node of :data:`SHARED_OUTPUTS` lists those every host has."""
     if schema.host_output_node:
         return max(linked_slots, default=-1) + 1
-    return len(schema.outputs)
+    return min(len(schema.outputs), SHARED_OUTPUTS.get(schema.type, len(schema.outputs)))
 
 
 def effective_type(schemas: Schemas, node_types: dict[int, str], links_in: dict, node: int, slot: int) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 from scripts.workflow_schema import (
     DECLARATIONS_PATH,
     DYNAMIC_COMBO,
+    SHARED_OUTPUTS,
     InputSpec,
     NodeSchema,
     Schemas,
@@ -191,7 +192,8 @@ def validate_ui(ctx: ValidationContext, ui: dict) -> list[str]:
                                    f"{values[slot.index + 1]!r} is not one of {sorted(schemas.control_values)}"))  # fmt: skip
         listed = [(o.get("name"), o.get("type")) for o in node.get("outputs", [])]
         declared = list(zip(schema.output_names, schema.outputs, strict=True))
-        if listed != declared and not (schema.host_output_node and listed == declared[: len(listed)]):
+        prefix_ok = schema.host_output_node or schema.type in SHARED_OUTPUTS  # outputs every host has
+        if listed != declared and not (prefix_ok and listed == declared[: len(listed)]):
             errors.append(_fmt(wf, nid, ntype, f"outputs {listed} are not the declared {declared}"))
 
     for link_id, (_, src, src_slot, dst, dst_slot, ltype) in links.items():

@@ -1,6 +1,7 @@
-"""An image encode from job to report (Tiled VAE Encode): self-check, offload and budget, plan, execute with
-out-of-memory re-plans, report. The twin of :mod:`.image` for the other direction; the planning is
-:mod:`..plan.encode`, the executor :func:`..executors.kl_exact.encode_exact`. Design: docs/ENCODE.md."""
+"""An encode from job to report (Tiled VAE Encode, Temporal-Chunk Video Encode): self-check, offload and
+budget, plan, execute with out-of-memory re-plans, report. The twin of :mod:`.image` for the other direction;
+the planning is :mod:`..plan.encode`, the executors :func:`..executors.kl_exact.encode_exact` (images) and
+:func:`..executors.wan_encode.encode_wan_tiled` (Wan videos). Design: docs/ENCODE.md."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from ..cost.observed import observed_key, ratio_text
 from ..executors import kl_exact as te
+from ..executors import wan_encode as we
 from ..oom import oom_types
 from ..plan.encode import EncodeJob, plan, smaller
 from ..plan.grid import ImpossibleBudgetError
@@ -37,9 +39,15 @@ log = logging.getLogger("vramfit.memory.decode.encode")
 __all__ = ["REPORT_NODE", "EncodeResult", "check_encode", "encode_image", "make_job"]
 
 REPORT_NODE = "Tiled VAE Encode"
+VIDEO_REPORT_NODE = "Temporal-Chunk Video Encode"
 CHECK_HW = (64, 96)
 """Pixels of the walker's self-check: 4x6 tiles of :data:`CHECK_TILE` px at full resolution."""
 CHECK_TILE = 16
+CHECK_VIDEO = (9, 1, 32)
+"""Frames and latent px (h, w) of the Wan split's self-check, in tiles of :data:`CHECK_VIDEO_TILE` latent px: 3
+latent frames (suffix calls of 1 and 2), 1x6 tiles, the third ([11, 16)) reading [1, 26): no image edge on
+either side at the encoder's reach of 10 latent px."""
+CHECK_VIDEO_TILE = 6
 MAX_REPLANS = 6
 
 
@@ -48,14 +56,16 @@ def make_job(
 ) -> EncodeJob:
     """The job of ``x`` (the host's cropped, processed pixels (B, 3, H, W) in the VAE's dtype) on ``vae``;
     ``pixels``: the node's IMAGE as given (the host's own encode takes it, for encoders the walker cannot
-    run)."""
+    run). A video: ``x`` (1, 3, T, H, W), encoded exactly by the Wan split (others: the host's encode)."""
     model = vae.first_stage_model
-    layout = kl_layout(model, direction="encode")
-    reason = layout.reason
-    if reason is None:
-        down = layout.ratio
-        if x.shape[2] % down or x.shape[3] % down:
-            reason = f"the image's sides {tuple(x.shape[2:])} are not multiples of {down}"
+    if x.ndim == 5:
+        reason = we.wan_encode_reason(model)
+        down = int(vae.spacial_compression_encode()) if reason is None else 1
+    else:
+        layout = kl_layout(model, direction="encode")
+        reason, down = layout.reason, layout.ratio
+    if reason is None and (x.shape[-2] % down or x.shape[-1] % down):
+        reason = f"the image's sides {tuple(x.shape[-2:])} are not multiples of {down}"
     return EncodeJob(
         vae,
         x,
@@ -77,22 +87,31 @@ def check_encode(
     prepare_fn: Any = None,
     first_use: FirstUse | None = None,
 ) -> Verdict:
-    """Self-check of the exact walker's encode for this encoder on this host: a tiny random image
+    """Self-check of the exact tiles' encode for this encoder on this host: a tiny random image
     (:data:`CHECK_HW`) through ``first_stage_model.encode`` and through
-    :func:`..executors.kl_exact.encode_exact` in tiles of :data:`CHECK_TILE` px."""
+    :func:`..executors.kl_exact.encode_exact` in tiles of :data:`CHECK_TILE` px; a video (:data:`CHECK_VIDEO`)
+    through :func:`..executors.wan_encode.encode_wan_tiled` in tiles of :data:`CHECK_VIDEO_TILE` latent px."""
     model = job.vae.first_stage_model
     cls = type(model)
+    what = "wan-encode" if job.video else "kl-exact-encode"
     key = (
-        f"kl-exact-encode/{cls.__module__}.{cls.__qualname__}/{code_fingerprint(model)}/exact-"
+        f"{what}/{cls.__module__}.{cls.__qualname__}/{code_fingerprint(model)}/exact-"
         f"{te.EXECUTOR_VERSION}/{str(job.dtype).removeprefix('torch.')}/{job.device.type}"
     )
     g = torch.Generator().manual_seed(0)
-    x = (torch.rand((1, int(job.x.shape[1]), *CHECK_HW), generator=g) * 2 - 1).to(job.device, job.dtype)
+    if job.video:
+        r = job.ratio
+        t, h, w = CHECK_VIDEO
+        shape: tuple[int, ...] = (1, int(job.x.shape[1]), t, h * r, w * r)
+        tile, name = CHECK_VIDEO_TILE * r, f"tiles of {CHECK_VIDEO_TILE} latent px"
+    else:
+        shape, tile, name = (1, int(job.x.shape[1]), *CHECK_HW), CHECK_TILE, f"tiles of {CHECK_TILE} px"
+    x = (torch.rand(shape, generator=g) * 2 - 1).to(job.device, job.dtype)
 
     def tiled() -> torch.Tensor:
-        return te.encode_exact(model, x, CHECK_TILE, compute_device=job.device, norm_params=norm_params)
+        return job.run_tiles(x, tile, compute_device=job.device, norm_params=norm_params)
 
-    configs = [(f"tiles of {CHECK_TILE} px", tiled)]
+    configs = [(name, tiled)]
     return checked(key, store, model, lambda: model.encode(x), configs, job.dtype, prepare_fn, first_use)
 
 
@@ -174,8 +193,7 @@ def _items(
                 bar(b * t + d, n * t)
 
         done.append(
-            te.encode_exact(
-                model,
+            job.run_tiles(
                 job.x[b : b + 1],
                 cfg.tile,
                 compute_device=job.device,
@@ -261,12 +279,19 @@ def _report(
     first: FirstUse,
     oom_events: list[str],
 ) -> Report:
-    b, _, h, w = (int(v) for v in job.x.shape)
-    r = Report(REPORT_NODE, str(job.device))
-    r.add("vae", f"{job.family} ({str(job.dtype).removeprefix('torch.')}); {b} x {h}x{w} px")
+    b, (h, w) = int(job.x.shape[0]), job.hw
+    r = Report(VIDEO_REPORT_NODE if job.video else REPORT_NODE, str(job.device))
+    frames = f"{int(job.x.shape[2])} frames of " if job.video else f"{b} x "
+    r.add("vae", f"{job.family} ({str(job.dtype).removeprefix('torch.')}); {frames}{h}x{w} px")
     if p.path == "untiled":
         path = ("exact: the encoder's own forward (it fits the budget), its mid block's split attention sliced to "
                 "the budget (equal to VAE Encode up to float rounding)")
+    elif p.path == "exact" and job.video:
+        path = (
+            "exact: the encoder's local part (to its middle) in spatial tiles extended by its reach, each "
+            "through the host's own causal chunk loop; the middle (per-frame attention) on whole latent "
+            "frames, caches carried (equal to VAE Encode up to float rounding)"
+        )
     elif p.path == "exact":
         path = (
             "exact: layer-synchronous tiles, shared GroupNorm statistics, mid block on the whole latent "
@@ -276,7 +301,7 @@ def _report(
         path = f"exact: {p.description} ({p.reason})"
     r.add("path", path)
     if job.verdict is not None and job.verdict.ok:
-        r.add("check", f"exact tiled walker: {job.verdict.describe()}")
+        r.add("check", f"exact tiles: {job.verdict.describe()}")
     r.add("budget", budget.describe())
     r.add("offload", offload)
     r.add("plan", p.description)
@@ -298,6 +323,8 @@ def _report(
         r.add("oom", "\n".join(oom_events))
     if p.path == "exact":
         t = p.config.tile
+        if job.video:  # the Wan split tiles on latent px (balanced cores)
+            t, h, w = t // job.ratio, h // job.ratio, w // job.ratio
         shape = f"{-(-h // t)}x{-(-w // t)} tiles"
     else:
         shape = "untiled" if p.path == "untiled" else "host encode"

@@ -1,5 +1,6 @@
-"""Planning an image encode (Tiled VAE Encode): the host's own encode when it fits, else the exact tiled
-walker (:func:`..executors.kl_exact.encode_exact`) with the largest tile whose peak fits.
+"""Planning an encode (Tiled VAE Encode, Temporal-Chunk Video Encode): the host's own encode when it fits,
+else exact tiles with the largest tile whose peak fits: the KL walker (:func:`..executors.kl_exact.encode_exact`)
+for images, the Wan prefix/suffix split (:func:`..executors.wan_encode.encode_wan_tiled`) for videos.
 
 Peaks are meta-sized (fake tensors, live-tensor bytes) for one batch item and kept in the video planner's
 :class:`.video.PeakStore` (the nodes persist it), so a shape is sized once per machine. An encoder the walker
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from ..executors import kl_exact as te
+from ..executors import wan_encode as we
 from ..measure.sizing import MetaSizer
 from ..report import fmt_bytes
 from ..vae.kl_layout import KlLayout, kl_layout
@@ -61,7 +63,8 @@ class EncodeJob:
 
     vae: Any
     x: torch.Tensor
-    """(B, 3, H, W) pixels after the host's crop and ``process_input``, in the VAE's dtype (any device)."""
+    """(B, 3, H, W) pixels after the host's crop and ``process_input``, in the VAE's dtype (any device); a video:
+    (1, 3, T, H, W)."""
     family: str
     dtype: torch.dtype
     device: torch.device
@@ -78,22 +81,46 @@ class EncodeJob:
     it)."""
 
     @property
+    def video(self) -> bool:
+        return self.x.ndim == 5
+
+    @property
     def layout(self) -> KlLayout:
         return kl_layout(self.vae.first_stage_model, direction="encode")
 
     @property
+    def ratio(self) -> int:
+        """Image px per latent px."""
+        if self.video:
+            return int(self.vae.spacial_compression_encode())
+        return self.layout.ratio
+
+    @property
     def hw(self) -> tuple[int, int]:
-        return int(self.x.shape[2]), int(self.x.shape[3])
+        return int(self.x.shape[-2]), int(self.x.shape[-1])
+
+    @property
+    def min_tile(self) -> int:
+        """The smallest tile (px) the OOM fallback shrinks to."""
+        return we.MIN_TILE * self.ratio if self.video else te.MIN_TILE
+
+    def run_tiles(self, x: torch.Tensor, tile: int, **kw: Any) -> torch.Tensor:
+        """The exact tiled executor of this job's kind on ``x`` with tiles of ``tile`` px."""
+        model = self.vae.first_stage_model
+        if self.video:
+            kw.pop("norm_params", None)
+            return we.encode_wan_tiled(model, x, tile // self.ratio, self.ratio, **kw)
+        return te.encode_exact(model, x, tile, **kw)
 
 
 def _key(job: EncodeJob, what: str) -> str:
     model = job.vae.first_stage_model
     cls = type(model)
-    _, c, h, w = (int(v) for v in job.x.shape)
+    shape = "x".join(str(int(v)) for v in job.x.shape[1:])
     return (
         f"encode/{cls.__module__.rsplit('.', 1)[-1]}.{cls.__qualname__}/{job.fingerprint}/exact-"
         f"{te.EXECUTOR_VERSION}/{str(job.dtype).removeprefix('torch.')}/{job.device.type}"
-        f"/1x{c}x{h}x{w}/{what}"
+        f"/1x{shape}/{what}"
     )
 
 
@@ -107,43 +134,68 @@ def encode_peak(job: EncodeJob, cfg: ExactEncode | None, peaks: PeakStore, attn:
     if found is not None:
         return found
     model = job.vae.first_stage_model
-    _, c, h, w = (int(v) for v in job.x.shape)
     host = torch.device("cpu")
     bound = attention(attn) if attention is not None else contextlib.nullcontext()
+    shape, extra = _sizing_shape(job, cfg)
     with torch.inference_mode(), bound, MetaSizer([model], job.dtype, job.device) as sizer:
-        x = torch.empty((1, c, h, w), dtype=job.dtype, device=job.device)
+        x = torch.empty(shape, dtype=job.dtype, device=job.device)
         if cfg is None:
             out = model.encode(x)
         else:
             store = job.device if cfg.store == "device" else host
-            out = te.encode_exact(
-                model, x, cfg.tile, compute_device=job.device, store_device=store, out_device=job.device
-            )
+            out = job.run_tiles(x, cfg.tile, compute_device=job.device, store_device=store, out_device=job.device)
         del out, x
-    peak = int(sizer.peak_bytes)
+    peak = int(sizer.peak_bytes) + extra
     peaks.put(key, peak)
     return peak
 
 
+SIZING_FRAMES = 9
+"""Frames a video's encode is meta-sized on (1 + 2 chunks of 4: the host's chunk loop at its steady state); the
+latent frames beyond add :func:`_sizing_shape`'s bytes per frame."""
+
+
+def _sizing_shape(job: EncodeJob, cfg: ExactEncode | None) -> tuple[tuple[int, ...], int]:
+    """The input shape to meta-size and the bytes to add for the frames it leaves out: their pixels, and per
+    latent frame the prefix store of the tiled path (on the device) and three latent-sized copies in ``encode``
+    (the chunks, their concatenation, ``conv1``'s output)."""
+    shape = (1, *job.x.shape[1:])
+    if not job.video or shape[2] <= SIZING_FRAMES:
+        return shape, 0
+    model = job.vae.first_stage_model
+    h, w = job.hw[0] // job.ratio, job.hw[1] // job.ratio
+    per = 3 * int(model.conv1.weight.shape[0]) * h * w  # conv1: 2 x z_dim channels
+    if cfg is not None and cfg.store == "device":
+        per += int(next(model.encoder.middle.parameters()).shape[0]) * h * w
+    more = (shape[2] - 1) // 4 - (SIZING_FRAMES - 1) // 4
+    pixels = (shape[2] - SIZING_FRAMES) * shape[1] * shape[3] * shape[4]
+    return (*shape[:2], SIZING_FRAMES, *shape[3:]), (more * per + pixels) * job.dtype.itemsize
+
+
 def candidates(job: EncodeJob) -> list[ExactEncode]:
     """Exact-walker configurations, fastest first: the user's tile or every tile of :data:`ENCODE_TILES`
-    below the image's longer side (and the whole image); on an accelerator each also with a host store (the
-    device then holds a tile's work alone). On CPU the floor is the two full-resolution activations of the
+    below the image's longer side (and the whole image); on an accelerator each tile also with a host store
+    (the device then holds a tile's work alone), tried before the next smaller tile (sizing a small tile at
+    8K takes minutes; a device store cannot go below the floor). On CPU the floor is the two full-resolution activations of the
     first level's resnet blocks (x and h, both read whole for their GroupNorm statistics): 0.67x the untiled
     encode's peak, measured at 512^2 (docs/ENCODE.md)."""
     side = max(job.hw)
-    tiles = [int(job.tile_size)] if job.tile_size else [side] + [t for t in ENCODE_TILES if t < side]
+    r = job.ratio if job.video else 1  # the Wan split tiles on latent px
+    tiles = [int(job.tile_size)] if job.tile_size else [side] + [
+        t for t in ENCODE_TILES if t < side and t % r == 0 and t >= job.min_tile
+    ]
     stores = ("device",) if job.device.type == "cpu" else ("device", "host")
-    return [ExactEncode(t, s) for s in stores for t in tiles]
+    return [ExactEncode(t, s) for t in tiles for s in stores]
 
 
 def _out_bytes(job: EncodeJob) -> int:
     """The float32 latent output when it lives on the compute device's type."""
     if job.out_device.type != job.device.type:
         return 0
-    b, _, h, w = (int(v) for v in job.x.shape)
-    down = job.layout.ratio
-    return b * int(getattr(job.vae, "latent_channels", 16)) * (h // down) * (w // down) * 4
+    down = job.ratio
+    b, (h, w) = int(job.x.shape[0]), job.hw
+    frames = (int(job.x.shape[2]) - 1) // 4 + 1 if job.video else 1  # Wan: 1 + 4k frames per latent frame
+    return b * frames * int(getattr(job.vae, "latent_channels", 16)) * (h // down) * (w // down) * 4
 
 
 def plan(
@@ -177,7 +229,8 @@ def plan(
         need = extra + encode_peak(job, None, peaks, attn, attention)
         if need > b:
             return None
-        return Plan("untiled", None, "the encoder's own forward, one image at a time", need,
+        what = "the whole clip (the host's own chunk loop)" if job.video else "one image at a time"
+        return Plan("untiled", None, f"the encoder's own forward, {what}", need,
                     stats={"attention": attn})
 
     if not job.tile_size:
@@ -189,9 +242,15 @@ def plan(
         sized = []
         attn = attention_bytes(b)
         try:
+            tried: dict[str, list[int]] = {}  # per store: the tile counts sized so far
             for cfg in candidates(job):
+                seen = tried.setdefault(cfg.store, [])
+                n = -(-job.hw[0] // cfg.tile) * -(-job.hw[1] // cfg.tile)
+                if seen and seen[-1] == n and not job.tile_size:
+                    continue  # the same number of (balanced) tiles as the last one: no smaller peak
                 need = extra + encode_peak(job, cfg, peaks, attn, attention)
                 sized.append((need, cfg))
+                seen.append(n)
                 if need <= b:
                     return Plan("exact", cfg, cfg.describe(job.hw), need, stats={"attention": attn})
         finally:
@@ -218,8 +277,9 @@ def smaller(job: EncodeJob, p: Plan) -> Plan | None:
         cfg = p.config
         if cfg.store == "device" and job.device.type != "cpu":
             cfg = ExactEncode(cfg.tile, "host")
-        elif cfg.tile > te.MIN_TILE:
-            cfg = ExactEncode(max(te.MIN_TILE, cfg.tile // 2), cfg.store)
+        elif cfg.tile > job.min_tile:
+            half = cfg.tile // 2 // (job.ratio if job.video else 1) * (job.ratio if job.video else 1)
+            cfg = ExactEncode(max(job.min_tile, half), cfg.store)
         else:
             return None
     else:

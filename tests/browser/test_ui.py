@@ -35,6 +35,14 @@ REPORTS = {
         "Temporal-Chunk Video Decode",
         ("path", "budget", "plan", "predicted", "measured", "time"),
     ),
+    "VRAMFit_VAEEncodeForInpaint": (
+        "VAE Encode for Inpaint",
+        ("path", "budget", "plan", "predicted", "measured", "time"),
+    ),
+    "VRAMFit_TemporalChunkVideoEncode": (
+        "Temporal-Chunk Video Encode",
+        ("path", "budget", "plan", "predicted", "measured", "time"),
+    ),
     "VRAMFit_OffloadManager": ("Offload Manager", ("request", "before", "unloaded", "freed", "after", "time")),
     "VRAMFit_Bf16Loader": ("bf16 Loader", ("file", "before", "dtype", "after")),
     "VRAMFit_VRAMMonitor": ("VRAM Monitor", ("allocated", "peak", "timeline")),

@@ -6,7 +6,7 @@
   measured live-tensor peak within the budget, the report saying exact with the self-check;
 * an OOM inside a tile resumes from the finished tiles (same latent within 1e-5); one outside a tile (the
   untiled pass) re-plans to tiles;
-* a VAE the walker cannot run (Wan's 3-D encoder) takes the host's own encode (``torch.equal``);
+* a VAE the walker cannot run (Hunyuan Image 2.1's 32x encoder) takes the host's own encode (``torch.equal``);
 * bad input names the node and the value.
 """
 
@@ -109,8 +109,8 @@ def test_oom_inside_a_tile_and_outside_resume(mod, kl_vae, case):
 
 
 def test_an_encoder_the_walker_cannot_run_takes_the_hosts_encode(comfy, fixture_vaes, mod):
-    vae = comfy.VAELoader().load_vae(fixture_vaes["wan21"])[0]
-    pixels = torch.cat([_pixels(1, 32, 32, seed=6), torch.ones(1, 32, 32, 1)], dim=-1)  # RGBA, as LoadImage can
+    vae = comfy.VAELoader().load_vae(fixture_vaes["hunyuan_image"])[0]
+    pixels = torch.cat([_pixels(1, 64, 64, seed=6), torch.ones(1, 64, 64, 1)], dim=-1)  # RGBA, as LoadImage can
     with torch.inference_mode():
         (ref,) = comfy.VAEEncode().encode(vae, pixels)
     r = _encode(mod, vae, pixels)
@@ -148,9 +148,28 @@ def test_cancel_stops_the_encode_between_tiles(mod, kl_vae, case):
         if len(calls) == 10:
             raise Interrupted
 
-    job, _ = mod._validate(kl_vae, pixels, 32)
+    job = mod._validate(kl_vae, pixels, 32)
     env = dataclasses.replace(mod.comfy_env(), should_stop=stop)
     with pytest.raises(Interrupted), torch.inference_mode():
         encode_image(job, env)
     assert len(calls) == 10
     assert (_encode(mod, kl_vae, pixels, tile_size=32).latent - ref).abs().max().item() <= 1e-4
+
+
+def test_inpaint_companion_equals_vae_encode_for_inpaint(comfy, kl_vae, case):
+    """VAE Encode for Inpaint (VRAM Fit): the host's own preprocessing, the encode in exact tiles: the same
+    latent (<= 1e-4) and the same noise mask as core ``VAEEncodeForInpaint``."""
+    pixels = case[0][:1, :, :100]  # 96x100: the host crops to 96x96
+    mask = torch.zeros(1, 96, 100)
+    mask[:, 20:60, 30:70] = 1.0
+    (ref,) = _inference(lambda: comfy.VAEEncodeForInpaint().encode(kl_vae, pixels, mask, 6))
+    inpaint = sys.modules[comfy.NODE_CLASS_MAPPINGS["VRAMFit_VAEEncodeForInpaint"].__module__]
+    latent, result = _inference(lambda: inpaint.encode_inpaint(kl_vae, pixels, mask, 6, tile_size=32))
+    assert result.plan.path == "exact" and result.report.node == "VAE Encode for Inpaint", result.report.text()
+    assert torch.equal(latent["noise_mask"], ref["noise_mask"])
+    assert (latent["samples"] - ref["samples"]).abs().max().item() <= 1e-4
+
+
+def _inference(fn):
+    with torch.inference_mode():
+        return fn()

@@ -87,10 +87,12 @@ def test_every_workflow_has_ui_api_thumbnail_and_readme_entry():
 
 def test_template_names_read_as_card_titles_in_order():
     """Both frontends title a custom-node template's card with its file name and sort cards alphabetically by
-    it on request: readable, safe names, numbered in the order of all_workflows(), CPU variants first."""
+    it on request: readable, safe names, numbered in the order of all_workflows(), CPU variants first (an
+    alphabetical sort puts 10 after 1: the numbers are in the titles)."""
     assert all(TEMPLATE_NAME.fullmatch(t) and len(t) <= CARD_TITLE_CHARS for t in TEMPLATES), TEMPLATES
     assert all(t != d.name and not t.startswith("vramfit_") for t, d in zip(TEMPLATES, DESCS.values(), strict=True))
-    assert sorted(TEMPLATES) == TEMPLATES and len(set(TEMPLATES)) == len(TEMPLATES)
+    number = lambda t: int(t.split(" - ")[0].rsplit(" ", 1)[1])  # noqa: E731  (10 after 9, not after 1)
+    assert sorted(TEMPLATES, key=number) == TEMPLATES and len(set(TEMPLATES)) == len(TEMPLATES)
     assert [t.split(" - ")[0] for t in TEMPLATES] == [f"VRAM Fit {i}" for i in range(1, len(TEMPLATES) + 1)]
     cpu = [DESCS[n].cpu for n in NAMES]
     assert cpu == sorted(cpu, reverse=True) and set(CPU_WORKFLOWS) == {n for n in NAMES if DESCS[n].cpu}
@@ -164,12 +166,18 @@ def test_workflows_have_the_graphs_the_issue_asks_for():
                   "VRAMFit_TiledVAEDecode")
     scale = next(n["inputs"] for n in api.values() if n["class_type"] == "ImageScale")
     assert (scale["width"], scale["height"]) == (4096, 4096)
+    ui, api = _load("vramfit_wan21_v2v_480p")
+    assert _chain(ui, "LoadVideo", "GetVideoComponents", "ImageFromBatch", "ImageScale",
+                  "VRAMFit_TemporalChunkVideoEncode", "KSampler", "VRAMFit_OffloadManager",
+                  "VRAMFit_TemporalChunkVideoDecode", "VRAMFit_VRAMMonitor", "CreateVideo", "SaveVideo")  # fmt: skip
+    assert next(n["inputs"]["denoise"] for n in api.values() if n["class_type"] == "KSampler") < 1
     cpu_types = set()
     for name in CPU_WORKFLOWS:
         cpu_types |= {n["class_type"] for n in _load(name)[1].values()}
     assert {t for t in cpu_types if t.startswith("VRAMFit_")} == {
         "VRAMFit_TiledVAEDecode", "VRAMFit_TiledVAEEncode", "VRAMFit_TemporalChunkVideoDecode",
-        "VRAMFit_OffloadManager", "VRAMFit_Bf16Loader", "VRAMFit_VRAMMonitor",
+        "VRAMFit_TemporalChunkVideoEncode", "VRAMFit_VAEEncodeForInpaint", "VRAMFit_OffloadManager",
+        "VRAMFit_Bf16Loader", "VRAMFit_VRAMMonitor",
     }  # fmt: skip
 
 
@@ -443,9 +451,9 @@ def test_video_cpu_variant_runs_end_to_end(server, client, shipped_inputs):
         frames = [f for f in container.decode(video=0)]
     assert len(frames) == 9 and (frames[0].width, frames[0].height) == (64, 64)
     text = _reports(entry)
-    for title in ("Offload Manager", "Temporal-Chunk Video Decode", "VRAM Monitor"):
+    for title in ("Offload Manager", "Temporal-Chunk Video Decode", "Temporal-Chunk Video Encode", "VRAM Monitor"):
         assert f"VRAM Fit | {title}" in text
-    assert "exact" in text
+    assert "exact" in text and "2x2 tiles" in text  # the re-encode: 8x8 latent px in tiles of 4
 
 
 def _run_cli(server, workflow: pathlib.Path) -> subprocess.CompletedProcess:
@@ -468,7 +476,7 @@ def test_demo_cpu_variant_runs_through_the_headless_runner(server, shipped_input
     image = next(p for p in outs if p.name.startswith("vramfit_demo_"))
     assert Image.open(image).size == (320, 256)
     assert any(p.name.startswith("vramfit_vram_timeline_") and p.is_file() for p in outs)
-    for title in ("VRAM Monitor", "Offload Manager", "Tiled VAE Decode"):
+    for title in ("VRAM Monitor", "Offload Manager", "Tiled VAE Decode", "VAE Encode for Inpaint"):
         assert f"VRAM Fit | {title}" in proc.stdout
     lines = proc.stdout[proc.stdout.index("VRAM Fit | Tiled VAE Decode"):].splitlines()
     assert lines[1].startswith("exact · "), lines[:2]  # the verdict, right under the title

@@ -1,0 +1,94 @@
+"""VAE Encode for Inpaint (VRAM Fit): core ``VAEEncodeForInpaint`` (crop, grown mask, masked pixels set to grey,
+``noise_mask``) with its encode done by Tiled VAE Encode's engine, within a memory budget and exactly.
+
+The host's own node does the inpaint preprocessing (each host's, unchanged); it is handed a thin stand-in for the
+VAE whose ``encode`` runs :func:`.tiled_vae_encode.encode` (every other attribute is the VAE's own), so the latent
+equals ``VAEEncodeForInpaint``'s and the report is the engine's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from comfy_api.v0_0_2 import io, ui
+
+from . import _comfy, _decode_node
+from .tiled_vae_encode import encode
+
+log = logging.getLogger("vramfit.nodes.inpaint_encode")
+
+NODE_ID = "VRAMFit_VAEEncodeForInpaint"
+DISPLAY_NAME = "VAE Encode for Inpaint (VRAM Fit)"
+REPORT_NODE = "VAE Encode for Inpaint"
+
+
+class _EngineVAE:
+    """The VAE, except that ``encode`` runs the engine (and keeps its result for the report)."""
+
+    def __init__(self, vae: Any, **settings: Any):
+        self._vae, self._settings, self.result = vae, settings, None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._vae, name)
+
+    def encode(self, pixels: Any) -> Any:
+        self.result = encode(self._vae, pixels, node=REPORT_NODE, **self._settings)
+        return self.result.latent
+
+
+def encode_inpaint(vae: Any, pixels: Any, mask: Any, grow_mask_by: int = 6, tile_size: int = 0,
+                   budget_mb: int = 0, unload_others: bool = True, node_id: str | None = None) -> tuple[dict, Any]:
+    """``(latent dict, EncodeResult)``: what ``VAEEncodeForInpaint`` returns, its encode by the engine."""
+    import nodes as comfy_nodes  # ComfyUI's own node module (the host's preprocessing)
+
+    if vae is None or getattr(vae, "first_stage_model", None) is None:
+        raise _comfy.NodeInputError(REPORT_NODE, f"vae: expected a VAE (from Load VAE or a checkpoint), got "
+                                    f"{type(vae).__name__}")
+    proxy = _EngineVAE(vae, tile_size=int(tile_size), budget_mb=int(budget_mb), unload_others=bool(unload_others),
+                       node_id=node_id)
+    (latent,) = comfy_nodes.VAEEncodeForInpaint().encode(proxy, pixels, mask, int(grow_mask_by))
+    return latent, proxy.result
+
+
+class VAEEncodeForInpaint(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_ID,
+            display_name=DISPLAY_NAME,
+            category=_comfy.CATEGORY,
+            description=(
+                "VAE Encode (for Inpainting) within a memory budget: ComfyUI's own preprocessing (the grown mask, "
+                "masked pixels set to grey, the noise mask), the encode by Tiled VAE Encode (exact for the KL "
+                "VAEs: the same latent as the core node)."
+            ),
+            inputs=[
+                io.Image.Input("pixels", tooltip="The image to inpaint (as VAE Encode (for Inpainting) takes it)."),
+                io.Vae.Input("vae", tooltip="The VAE used for encoding."),
+                io.Mask.Input("mask", tooltip="Where to inpaint (1 = repaint)."),
+                io.Int.Input("grow_mask_by", default=6, min=0, max=64, step=1,
+                             tooltip="Grow the mask by this many pixels (as the core node) so the inpainted area "
+                             "blends in latent space."),
+                io.Int.Input("tile_size", default=0, min=0, max=16384, step=8,
+                             tooltip="Tile side in pixels. 0 = auto: the encoder's own forward when it fits the "
+                             "budget, else the largest tile whose predicted peak fits."),
+                *_decode_node.budget_inputs(),
+            ],
+            outputs=[
+                io.Latent.Output("LATENT", display_name="LATENT",
+                                 tooltip="The latent with its noise mask (same as VAE Encode (for Inpainting))."),
+                _decode_node.report_output("The plan report of the encode: path, budget, tiles, peaks, time."),
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, pixels, vae, mask, grow_mask_by=6, tile_size=0, budget_mb=0, unload_others=True
+                ) -> io.NodeOutput:
+        node_id = cls.hidden.unique_id if cls.hidden is not None else None
+        latent, result = encode_inpaint(vae, pixels, mask, grow_mask_by, tile_size, budget_mb, unload_others,
+                                        node_id)
+        text = result.report.text()
+        log.info("%s", text)
+        return io.NodeOutput(latent, text, ui=ui.PreviewText(text))
