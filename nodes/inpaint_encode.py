@@ -8,15 +8,13 @@ equals ``VAEEncodeForInpaint``'s and the report is the engine's.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from comfy_api.v0_0_2 import io, ui
+import torch
+from comfy_api.v0_0_2 import io
 
-from . import _comfy, _decode_node
-from .tiled_vae_encode import encode
-
-log = logging.getLogger("vramfit.nodes.inpaint_encode")
+from . import _comfy
+from .tiled_vae_encode import encode, encode_schema, node_output
 
 NODE_ID = "VRAMFit_VAEEncodeForInpaint"
 DISPLAY_NAME = "VAE Encode for Inpaint (VRAM Fit)"
@@ -45,6 +43,9 @@ def encode_inpaint(vae: Any, pixels: Any, mask: Any, grow_mask_by: int = 6, tile
     if vae is None or getattr(vae, "first_stage_model", None) is None:
         raise _comfy.NodeInputError(REPORT_NODE, f"vae: expected a VAE (from Load VAE or a checkpoint), got "
                                     f"{type(vae).__name__}")
+    if not isinstance(mask, torch.Tensor) or mask.ndim not in (2, 3):
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise _comfy.NodeInputError(REPORT_NODE, f"mask {shape}: expected a MASK (B, H, W), as Load Image gives")
     proxy = _EngineVAE(vae, tile_size=int(tile_size), budget_mb=int(budget_mb), unload_others=bool(unload_others),
                        node_id=node_id)
     (latent,) = comfy_nodes.VAEEncodeForInpaint().encode(proxy, pixels, mask, int(grow_mask_by))
@@ -54,33 +55,23 @@ def encode_inpaint(vae: Any, pixels: Any, mask: Any, grow_mask_by: int = 6, tile
 class VAEEncodeForInpaint(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id=NODE_ID,
-            display_name=DISPLAY_NAME,
-            category=_comfy.CATEGORY,
-            description=(
-                "VAE Encode (for Inpainting) within a memory budget: ComfyUI's own preprocessing (the grown mask, "
-                "masked pixels set to grey, the noise mask), the encode by Tiled VAE Encode (exact for the KL "
-                "VAEs: the same latent as the core node)."
-            ),
-            inputs=[
-                io.Image.Input("pixels", tooltip="The image to inpaint (as VAE Encode (for Inpainting) takes it)."),
-                io.Vae.Input("vae", tooltip="The VAE used for encoding."),
+        return encode_schema(
+            NODE_ID,
+            DISPLAY_NAME,
+            "VAE Encode (for Inpainting) within a memory budget: ComfyUI's own preprocessing (the grown mask, "
+            "masked pixels set to grey, the noise mask), the encode by Tiled VAE Encode (exact for the KL VAEs: "
+            "the same latent as the core node).",
+            pixels="The image to inpaint (as VAE Encode (for Inpainting) takes it).",
+            vae="The VAE used for encoding.",
+            extra=(
                 io.Mask.Input("mask", tooltip="Where to inpaint (1 = repaint)."),
                 io.Int.Input("grow_mask_by", default=6, min=0, max=64, step=1,
                              tooltip="Grow the mask by this many pixels (as the core node) so the inpainted area "
                              "blends in latent space."),
-                io.Int.Input("tile_size", default=0, min=0, max=16384, step=8,
-                             tooltip="Tile side in pixels. 0 = auto: the encoder's own forward when it fits the "
-                             "budget, else the largest tile whose predicted peak fits."),
-                *_decode_node.budget_inputs(),
-            ],
-            outputs=[
-                io.Latent.Output("LATENT", display_name="LATENT",
-                                 tooltip="The latent with its noise mask (same as VAE Encode (for Inpainting))."),
-                _decode_node.report_output("The plan report of the encode: path, budget, tiles, peaks, time."),
-            ],
-            hidden=[io.Hidden.unique_id],
+            ),
+            tile="Tile side in pixels. 0 = auto: the encoder's own forward when it fits the budget, else the "
+            "largest tile whose predicted peak fits.",
+            latent="The latent with its noise mask (same as VAE Encode (for Inpainting)).",
         )
 
     @classmethod
@@ -89,6 +80,4 @@ class VAEEncodeForInpaint(io.ComfyNode):
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         latent, result = encode_inpaint(vae, pixels, mask, grow_mask_by, tile_size, budget_mb, unload_others,
                                         node_id)
-        text = result.report.text()
-        log.info("%s", text)
-        return io.NodeOutput(latent, text, ui=ui.PreviewText(text))
+        return node_output(latent, result)

@@ -57,7 +57,7 @@ def _validate(vae: Any, pixels: Any, tile_size: int, node: str = REPORT_NODE) ->
     cropped = vae.vae_encode_crop_pixels(pixels)
     if min(cropped.shape[1], cropped.shape[2]) < 1:
         raise _error(f"pixels {tuple(pixels.shape)}: smaller than one latent pixel of this VAE", node)
-    x = cropped[..., :3].movedim(-1, 1)
+    x = cropped[..., : getattr(vae, "output_channels", 3)].movedim(-1, 1)  # as the host: RGB (0.33: its channels)
     if video:
         x = x.movedim(1, 0).unsqueeze(0)  # as VAE.encode: the frames of one video
     # As VAE.encode: process_input in float32 on the intermediate device, then the VAE's dtype.
@@ -103,46 +103,57 @@ def encode(
     return result
 
 
+def encode_schema(node_id: str, display_name: str, description: str, *, pixels: str, vae: str, tile: str,
+                  latent: str, extra: tuple = ()) -> io.Schema:
+    """The schema the three encode nodes share: ``pixels``, ``vae``, ``extra`` inputs, ``tile_size``, the
+    budget inputs; a LATENT and the report (tooltips given)."""
+    return io.Schema(
+        node_id=node_id,
+        display_name=display_name,
+        category=_comfy.CATEGORY,
+        description=description,
+        inputs=[
+            io.Image.Input("pixels", tooltip=pixels),
+            io.Vae.Input("vae", tooltip=vae),
+            *extra,
+            io.Int.Input("tile_size", default=0, min=0, max=16384, step=8, tooltip=tile),
+            *_decode_node.budget_inputs(),
+        ],
+        outputs=[
+            io.Latent.Output("LATENT", display_name="LATENT", tooltip=latent),
+            _decode_node.report_output("The plan report: path, budget, offload, tiles, predicted and measured peak, "
+                                       "time."),
+        ],
+        hidden=[io.Hidden.unique_id],
+    )
+
+
+def node_output(latent: dict, result: EncodeResult) -> io.NodeOutput:
+    """The node's outputs: the latent dict and the report (logged, and shown on the node)."""
+    text = result.report.text()
+    log.info("%s", text)
+    return io.NodeOutput(latent, text, ui=ui.PreviewText(text))
+
+
 class TiledVAEEncode(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id=NODE_ID,
-            display_name=DISPLAY_NAME,
-            category=_comfy.CATEGORY,
-            description=(
-                "Encodes images within a memory budget. GroupNorm KL VAEs (SD1.x/SD2/SDXL/SD3, "
-                "FLUX.1/FLUX.2) encode exactly (same latent as VAE Encode, proven once per host by a "
-                "self-check) in tiles sized from free memory, with GroupNorm statistics shared across tiles; "
-                "other VAEs take their own encode."
-            ),
-            inputs=[
-                io.Image.Input("pixels", tooltip="The images to encode (as VAE Encode takes them)."),
-                io.Vae.Input("vae", tooltip="The VAE used for encoding."),
-                io.Int.Input(
-                    "tile_size",
-                    default=0,
-                    min=0,
-                    max=16384,
-                    step=8,
-                    tooltip="Tile side in pixels (at every encoder level). 0 = auto: the encoder's own "
-                    "forward when it fits the budget, else the largest tile whose predicted peak fits.",
-                ),
-                *_decode_node.budget_inputs(),
-            ],
-            outputs=[
-                io.Latent.Output("LATENT", display_name="LATENT", tooltip="The latent (same as VAE Encode)."),
-                _decode_node.report_output(
-                    "The plan report: path, budget, offload, tiles, predicted and measured peak, time."
-                ),
-            ],
-            hidden=[io.Hidden.unique_id],
+        return encode_schema(
+            NODE_ID,
+            DISPLAY_NAME,
+            "Encodes images within a memory budget. GroupNorm KL VAEs (SD1.x/SD2/SDXL/SD3, FLUX.1/FLUX.2) encode "
+            "exactly (same latent as VAE Encode, proven once per host by a self-check) in tiles sized from free "
+            "memory, with GroupNorm statistics shared across tiles; Wan encodes as Temporal-Chunk Video Encode; "
+            "other VAEs take their own encode.",
+            pixels="The images to encode (as VAE Encode takes them).",
+            vae="The VAE used for encoding.",
+            tile="Tile side in pixels (at every encoder level). 0 = auto: the encoder's own forward when it fits "
+            "the budget, else the largest tile whose predicted peak fits.",
+            latent="The latent (same as VAE Encode).",
         )
 
     @classmethod
     def execute(cls, pixels, vae, tile_size=0, budget_mb=0, unload_others=True) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         result = encode(vae, pixels, tile_size, budget_mb, unload_others, node_id)
-        text = result.report.text()
-        log.info("%s", text)
-        return io.NodeOutput({"samples": result.latent}, text, ui=ui.PreviewText(text))
+        return node_output({"samples": result.latent}, result)

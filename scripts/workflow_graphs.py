@@ -45,6 +45,24 @@ def _monitor(wf: WorkflowDesc, value: Any, label: str, plot: tuple[int, int] = (
     return wf.add("VRAMFit_VRAMMonitor", value=value, label=label, plot_width=plot[0], plot_height=plot[1])
 
 
+WAN21_FILES = (
+    FileDecl("wan2.1_t2v_1.3B_fp16.safetensors", "diffusion_models", f"{WAN_REPO}/diffusion_models/wan2.1_t2v_1.3B_fp16.safetensors"),
+    FileDecl("umt5_xxl_fp8_e4m3fn_scaled.safetensors", "text_encoders", f"{WAN_REPO}/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors"),
+    FileDecl("wan_2.1_vae.safetensors", "vae", f"{WAN_REPO}/vae/wan_2.1_vae.safetensors"),
+)  # fmt: skip
+
+
+def _wan21_models(wf: WorkflowDesc, prompt: str) -> tuple[Any, Any, Any, Any]:
+    """Wan 2.1 T2V 1.3B, its text encoder and VAE loaded; ``(model, positive, negative, vae)`` nodes."""
+    unet = wf.add("UNETLoader", unet_name="wan2.1_t2v_1.3B_fp16.safetensors", weight_dtype="default")
+    clip = wf.add("CLIPLoader", clip_name="umt5_xxl_fp8_e4m3fn_scaled.safetensors", type="wan", device="default")
+    vae = wf.add("VAELoader", vae_name="wan_2.1_vae.safetensors")
+    model = wf.add("ModelSamplingSD3", model=unet.out(), shift=8.0)
+    pos = wf.add("CLIPTextEncode", title="Positive prompt", clip=clip.out(), text=prompt)
+    neg = wf.add("CLIPTextEncode", title="Negative prompt", clip=clip.out(), text=WAN_NEGATIVE)
+    return model, pos, neg, vae
+
+
 def wan21_t2v(resolution: str) -> WorkflowDesc:
     width, height = {"480p": (832, 480), "720p": (1280, 720)}[resolution]
     wf = WorkflowDesc(
@@ -58,22 +76,12 @@ def wan21_t2v(resolution: str) -> WorkflowDesc:
             "exactly (causal caches carried across chunks: no blinking at chunk borders), and the VRAM Monitor "
             "records the memory before the video is saved as MP4."
         ),
-        files=[
-            FileDecl("wan2.1_t2v_1.3B_fp16.safetensors", "diffusion_models", f"{WAN_REPO}/diffusion_models/wan2.1_t2v_1.3B_fp16.safetensors"),
-            FileDecl("umt5_xxl_fp8_e4m3fn_scaled.safetensors", "text_encoders", f"{WAN_REPO}/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors"),
-            FileDecl("wan_2.1_vae.safetensors", "vae", f"{WAN_REPO}/vae/wan_2.1_vae.safetensors"),
-        ],  # fmt: skip
+        files=list(WAN21_FILES),
     )
-    unet = wf.add("UNETLoader", unet_name="wan2.1_t2v_1.3B_fp16.safetensors", weight_dtype="default")
-    clip = wf.add("CLIPLoader", clip_name="umt5_xxl_fp8_e4m3fn_scaled.safetensors", type="wan", device="default")
-    vae = wf.add("VAELoader", vae_name="wan_2.1_vae.safetensors")
-    model = wf.add("ModelSamplingSD3", model=unet.out(), shift=8.0)
-    pos = wf.add(
-        "CLIPTextEncode", title="Positive prompt", clip=clip.out(),
-        text="A red fox trotting through fresh snow in a pine forest at sunrise, soft golden light, "
+    model, pos, neg, vae = _wan21_models(
+        wf, "A red fox trotting through fresh snow in a pine forest at sunrise, soft golden light, "
         "snowflakes drifting, cinematic tracking shot",
-    )  # fmt: skip
-    neg = wf.add("CLIPTextEncode", title="Negative prompt", clip=clip.out(), text=WAN_NEGATIVE)
+    )
     latent = wf.add("EmptyHunyuanLatentVideo", width=width, height=height, length=81, batch_size=1)
     sampled = wf.add(
         "KSampler", model=model.out(), positive=pos.out(), negative=neg.out(), latent_image=latent.out(),
@@ -402,20 +410,11 @@ def wan21_v2v() -> WorkflowDesc:
             "does not fit), re-sampled at denoise 0.6, then Offload Manager → Temporal-Chunk Video Decode → MP4. "
             "Put any video named `input_video.mp4` in ComfyUI's input folder."
         ),
-        files=[
-            FileDecl("wan2.1_t2v_1.3B_fp16.safetensors", "diffusion_models", f"{WAN_REPO}/diffusion_models/wan2.1_t2v_1.3B_fp16.safetensors"),
-            FileDecl("umt5_xxl_fp8_e4m3fn_scaled.safetensors", "text_encoders", f"{WAN_REPO}/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors"),
-            FileDecl("wan_2.1_vae.safetensors", "vae", f"{WAN_REPO}/vae/wan_2.1_vae.safetensors"),
-            FileDecl("input_video.mp4", "input", None, "your own video (any length of at least 81 frames)"),
-        ],  # fmt: skip
+        files=[*WAN21_FILES, FileDecl("input_video.mp4", "input", None, "your own video (at least 81 frames)")],
     )
-    unet = wf.add("UNETLoader", unet_name="wan2.1_t2v_1.3B_fp16.safetensors", weight_dtype="default")
-    clip = wf.add("CLIPLoader", clip_name="umt5_xxl_fp8_e4m3fn_scaled.safetensors", type="wan", device="default")
-    vae = wf.add("VAELoader", vae_name="wan_2.1_vae.safetensors")
-    model = wf.add("ModelSamplingSD3", model=unet.out(), shift=8.0)
-    pos = wf.add("CLIPTextEncode", title="Positive prompt", clip=clip.out(),
-                 text="The same scene as a watercolour painting, soft washes of colour, paper texture")
-    neg = wf.add("CLIPTextEncode", title="Negative prompt", clip=clip.out(), text=WAN_NEGATIVE)
+    model, pos, neg, vae = _wan21_models(
+        wf, "The same scene as a watercolour painting, soft washes of colour, paper texture"
+    )
     source = wf.add("LoadVideo", file="input_video.mp4")
     parts = wf.add("GetVideoComponents", video=source.out())
     first = wf.add("ImageFromBatch", image=parts.out(0), batch_index=0, length=81)

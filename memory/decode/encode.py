@@ -43,10 +43,11 @@ VIDEO_REPORT_NODE = "Temporal-Chunk Video Encode"
 CHECK_HW = (64, 96)
 """Pixels of the walker's self-check: 4x6 tiles of :data:`CHECK_TILE` px at full resolution."""
 CHECK_TILE = 16
-CHECK_VIDEO = (9, 1, 32)
-"""Frames and latent px (h, w) of the Wan split's self-check, in tiles of :data:`CHECK_VIDEO_TILE` latent px: 3
-latent frames (suffix calls of 1 and 2), 1x6 tiles, the third ([11, 16)) reading [1, 26): no image edge on
-either side at the encoder's reach of 10 latent px."""
+CHECK_VIDEO = (13, 1, 32)
+"""Frames and latent px (h, w) of the Wan split's self-check, in tiles of :data:`CHECK_VIDEO_TILE` latent px: 4
+latent frames (suffix calls [0, 1), [1, 3), [3, 4): the last reads the caches a 2-frame call left), 1x6 tiles
+(``split_even(32, 6)``), the fourth ([16, 21)) reading [6, 31): no image edge on either side at the encoder's
+reach of 10 latent px (one latent row: no interior tile vertically; the halo is the same on both axes)."""
 CHECK_VIDEO_TILE = 6
 MAX_REPLANS = 6
 
@@ -93,10 +94,10 @@ def check_encode(
     through :func:`..executors.wan_encode.encode_wan_tiled` in tiles of :data:`CHECK_VIDEO_TILE` latent px."""
     model = job.vae.first_stage_model
     cls = type(model)
-    what = "wan-encode" if job.video else "kl-exact-encode"
+    what, version = ("wan-encode", we.EXECUTOR_VERSION) if job.video else ("kl-exact-encode", te.EXECUTOR_VERSION)
     key = (
         f"{what}/{cls.__module__}.{cls.__qualname__}/{code_fingerprint(model)}/exact-"
-        f"{te.EXECUTOR_VERSION}/{str(job.dtype).removeprefix('torch.')}/{job.device.type}"
+        f"{version}/{str(job.dtype).removeprefix('torch.')}/{job.device.type}"
     )
     g = torch.Generator().manual_seed(0)
     if job.video:
@@ -144,13 +145,13 @@ def _run(
 
     while True:
         try:
-            if p.path == "host":  # VAEEncode's own call (0.3.75's node drops an alpha channel itself)
-                return job.vae.encode(job.pixels[..., :3]), p
+            if p.path == "host":  # VAEEncode's own call (0.3.75's node keeps RGB itself; 0.33's crop does)
+                return job.vae.encode(job.pixels[..., : getattr(job.vae, "output_channels", 3)]), p
             with env.attention(model, int(p.stats.get("attention", 0)) or (1 << 62)):
                 return _items(job, p, env, bar, done, tile_oom), p
         except ooms as e:
-            if getattr(e, "_vramfit_from_stop", False):
-                raise
+            if getattr(e, "_vramfit_from_stop", False) or getattr(e, "_vramfit_tail", False):
+                raise  # a cancel; an OOM after the tiles, which no smaller plan avoids
             nxt = smaller(job, p) if len(oom_events) < MAX_REPLANS else None
             if nxt is None:
                 raise
@@ -158,7 +159,7 @@ def _run(
                 f"{type(e).__name__} in the {p.path} pass: re-planned ({p.description} -> "
                 f"{nxt.description}); retrying"
             )
-            log.warning("Tiled VAE Encode: %s", oom_events[-1])
+            log.warning("%s: %s", VIDEO_REPORT_NODE if job.video else REPORT_NODE, oom_events[-1])
             p = nxt
         if env.on_oom is not None:
             env.on_oom()
@@ -281,7 +282,11 @@ def _report(
 ) -> Report:
     b, (h, w) = int(job.x.shape[0]), job.hw
     r = Report(VIDEO_REPORT_NODE if job.video else REPORT_NODE, str(job.device))
-    frames = f"{int(job.x.shape[2])} frames of " if job.video else f"{b} x "
+    frames = f"{b} x "
+    if job.video:
+        t = int(job.x.shape[2])
+        used = 1 + (t - 1) // 4 * 4 if job.exact_reason is None else t  # Wan encodes 1 + 4k frames, as VAE Encode
+        frames = f"{t} frames{f' ({used} encoded, as VAE Encode)' if used != t else ''} of "
     r.add("vae", f"{job.family} ({str(job.dtype).removeprefix('torch.')}); {frames}{h}x{w} px")
     if p.path == "untiled":
         path = ("exact: the encoder's own forward (it fits the budget), its mid block's split attention sliced to "

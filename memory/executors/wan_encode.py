@@ -24,10 +24,14 @@ from ..oom import oom_types
 from ..tiles import spans
 from .blend import stop_driver
 
-__all__ = ["MIN_TILE", "SUFFIX_FRAMES", "encode_wan_tiled", "prefix_halo", "wan_encode_reason"]
+__all__ = ["EXECUTOR_VERSION", "MIN_TILE", "SUFFIX_FRAMES", "encode_wan_tiled", "prefix_halo", "wan_encode_reason"]
 
-MIN_TILE = 2
-"""Smallest tile core (latent px) the OOM fallback splits to."""
+EXECUTOR_VERSION = "v1"
+"""Part of the self-check's key: bump it when a change here could change the result (the stored verdicts are
+then re-checked)."""
+MIN_TILE = 4
+"""Smallest tile core (latent px) the OOM fallback splits to and the planner tries: with a reach of 10 latent
+px, smaller cores hardly shrink a tile's extended area."""
 SUFFIX_FRAMES = 2
 """Latent frames per suffix call after frame 0. At least 2: 0.33's per-call caches keep the last two frames
 of a call's input only when it has two (a 1-frame call after frame 0 would lose one frame of history)."""
@@ -79,7 +83,8 @@ class _Pass(torch.nn.Module):
 
 
 class _First:
-    """What ``model.conv1(out).chunk(2, dim=1)`` gives as its first element: ``out`` itself."""
+    """Stands in for ``model.conv1(out)`` in the host's ``mu, log_var = self.conv1(out).chunk(2, dim=1)``: its
+    ``chunk`` gives ``out`` itself as ``mu``."""
 
     def __init__(self, x: torch.Tensor):
         self.x = x
@@ -182,25 +187,15 @@ def encode_wan_tiled(
     while queue:
         driver.check_stop()
         rect = queue.pop(0)
-        split: list[tuple[int, int, int, int]] = []
-
-        def recover(event: Any, rect: tuple[int, int, int, int] = rect, split: list = split) -> None:
-            a, b, c, d = rect
-            if max(b - a, d - c) <= MIN_TILE:
-                raise torch.OutOfMemoryError(f"out of memory in a tile of {b - a}x{d - c} latent px: {event.message}")
-            ys = [(a, (a + b) // 2), ((a + b) // 2, b)] if b - a > MIN_TILE else [(a, b)]
-            xs = [(c, (c + d) // 2), ((c + d) // 2, d)] if d - c > MIN_TILE else [(c, d)]
-            split[:] = [(ya, yb, xa, xb) for ya, yb in ys for xa, xb in xs]
-            raise _Split
-
-        try:
-            core = driver.run(lambda rect=rect: attempt(rect), recover=recover)
+        a, b, c, d = rect
+        big = max(b - a, d - c) > MIN_TILE
+        try:  # an OOM in a tile larger than MIN_TILE: on_oom, then _Split (the smallest re-raises as it came)
+            core = driver.run(lambda rect=rect: attempt(rect), can_recover=lambda e, big=big: big, recover=_split)
         except _Split:
-            queue[:0] = split
+            queue[:0] = _quarters(rect)
             continue
         if store is None:
             store = torch.empty((*core.shape[:3], h, w), dtype=core.dtype, device=store_dev)
-        a, b, c, d = rect
         store[..., a:b, c:d] = core
         del core
         done_area += (b - a) * (d - c)
@@ -208,8 +203,25 @@ def encode_wan_tiled(
             progress(done_area, total)
     driver.check_stop()
     assert store is not None
-    return run_suffix(model, store, device=dev).to(out_dev)
+    try:
+        return run_suffix(model, store, device=dev).to(out_dev)
+    except oom_types(oom_exceptions) as e:
+        e._vramfit_tail = True  # type: ignore[attr-defined]  # after the tiles: a smaller tile would not help
+        raise
 
 
 class _Split(Exception):
-    """Raised by the tile loop's recover step to put a tile's quarters in its place."""
+    """Ends :meth:`..oom.OomResume.run` after an OOM in a tile, so the tile loop puts the tile's quarters in its
+    place."""
+
+
+def _split(event: Any) -> None:
+    raise _Split
+
+
+def _quarters(rect: tuple[int, int, int, int]) -> list[tuple[int, int, int, int]]:
+    """A tile's halves along each side longer than :data:`MIN_TILE`, in row-major order."""
+    a, b, c, d = rect
+    ys = [(a, (a + b) // 2), ((a + b) // 2, b)] if b - a > MIN_TILE else [(a, b)]
+    xs = [(c, (c + d) // 2), ((c + d) // 2, d)] if d - c > MIN_TILE else [(c, d)]
+    return [(ya, yb, xa, xb) for ya, yb in ys for xa, xb in xs]

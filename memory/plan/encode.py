@@ -157,16 +157,18 @@ latent frames beyond add :func:`_sizing_shape`'s bytes per frame."""
 
 def _sizing_shape(job: EncodeJob, cfg: ExactEncode | None) -> tuple[tuple[int, ...], int]:
     """The input shape to meta-size and the bytes to add for the frames it leaves out: their pixels, and per
-    latent frame the prefix store of the tiled path (on the device) and three latent-sized copies in ``encode``
-    (the chunks, their concatenation, ``conv1``'s output)."""
+    latent frame three latent-sized copies in ``encode`` (the chunks, their concatenation, ``conv1``'s output);
+    on the tiled path also two of the prefix's features (the host's concatenation and the tile's result, at
+    most the whole frame's) and the store's (on the device)."""
     shape = (1, *job.x.shape[1:])
     if not job.video or shape[2] <= SIZING_FRAMES:
         return shape, 0
     model = job.vae.first_stage_model
     h, w = job.hw[0] // job.ratio, job.hw[1] // job.ratio
     per = 3 * int(model.conv1.weight.shape[0]) * h * w  # conv1: 2 x z_dim channels
-    if cfg is not None and cfg.store == "device":
-        per += int(next(model.encoder.middle.parameters()).shape[0]) * h * w
+    if cfg is not None:
+        mid = int(next(model.encoder.middle.parameters()).shape[0]) * h * w  # the prefix's output channels
+        per += mid * (3 if cfg.store == "device" else 2)
     more = (shape[2] - 1) // 4 - (SIZING_FRAMES - 1) // 4
     pixels = (shape[2] - SIZING_FRAMES) * shape[1] * shape[3] * shape[4]
     return (*shape[:2], SIZING_FRAMES, *shape[3:]), (more * per + pixels) * job.dtype.itemsize

@@ -56,7 +56,8 @@ def test_split_equals_the_hosts_encode(tiny, version, frames):
         hook.remove()
     ref = m.encode(x)
     n_tiles = 2 * 10  # spans(4, 3) x spans(28, 3)
-    chunks = (sum(calls) - 2) / n_tiles  # encoder calls per tile (the suffix adds 2: [0, 1), [1, 3) and so on)
+    suffix = 1 + -(-(out.shape[2] - 1) // we.SUFFIX_FRAMES)  # the suffix's calls: [0, 1), then 2 at a time
+    chunks = (sum(calls) - suffix) / n_tiles  # the host's encoder calls per tile
     diff = (out - ref).abs().max().item()
     log.info("Wan %s, %d frames: split vs encode max abs %.2e, %.1f chunks per tile", version, frames, diff, chunks)
     assert out.shape == ref.shape and diff <= 1e-5
@@ -90,6 +91,18 @@ def test_oom_inside_a_tile_splits_it_and_resumes(tiny):
     out = we.encode_wan_tiled(m, x, 6, 16, fault_hook=fault, on_oom=lambda: ooms.append(1))
     assert ooms == [1]
     assert (out - m.encode(x)).abs().max().item() <= 1e-5
+
+
+def test_oom_at_the_smallest_tile_raises_the_original_error(tiny):
+    m, x = tiny["2.2"], _x("2.2", 5, 4, 12)
+    ooms = []
+
+    def fault(k: int) -> None:
+        raise torch.OutOfMemoryError(f"injected {k}")
+
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        we.encode_wan_tiled(m, x, 6, 16, fault_hook=fault, on_oom=lambda: ooms.append(1))
+    assert ooms == [1]  # the 4x6 tile split once (into 4x3 halves); the first half fails again and ends it
 
 
 # ------------------------------------------------------------------------------ the node
