@@ -315,7 +315,8 @@ def _report(
         over = " - OVER BUDGET (user tile)" if p.over_budget else ""
         r.add(
             "predicted",
-            f"peak {fmt_bytes(p.planned)} ({pct:.0%} of budget, meta sizing){over}{ratio_text(p.ratio)}",
+            f"peak {fmt_bytes(p.planned)} ({pct:.0%} of budget, {p.stats.get('sizing', 'meta sizing')}){over}"
+            f"{ratio_text(p.ratio)}",
         )
     r.add("measured", measured_text(m.peak, m.method))
     flag_measured_overrun(r, m.peak, m.method, int(budget.available), log)

@@ -68,11 +68,16 @@ def test_free_memory_is_the_encoders_own_forward(mod, kl_vae, case):
     assert r.latent.dtype == ref.dtype and r.latent.shape == ref.shape
     assert torch.equal(r.latent, ref)
     assert r.report.summary.startswith("exact · untiled")
+    assert "ComfyUI's estimate" in dict(r.report.rows)["predicted"]  # fits by the host's own figure: not sized
 
 
 def test_a_budget_below_the_untiled_peak_takes_exact_tiles(mod, kl_vae, case):
+    from vramfit.memory.plan import encode as pe
+
     pixels, ref = case
-    untiled = _encode(mod, kl_vae, pixels[:1]).plan.planned
+    # The untiled encode's sized peak (with free memory the auto plan takes the host's own, larger figure).
+    job = mod._validate(kl_vae, pixels[:1], 0)
+    untiled = pe._out_bytes(job) + pe.encode_peak(job, None, pe.PeakStore(), pe.attention_bytes(1 << 30))
     budget_mb = max(1, int(untiled * 0.85 / MiB))  # exact tiles hold 0.67-0.8x the untiled peak (CPU)
     r = _encode(mod, kl_vae, pixels, budget_mb=budget_mb)
     rows = dict(r.report.rows)
