@@ -63,6 +63,25 @@ def _wan21_models(wf: WorkflowDesc, prompt: str) -> tuple[Any, Any, Any, Any]:
     return model, pos, neg, vae
 
 
+def _wan21_sample_and_save(wf: WorkflowDesc, models: tuple[Any, Any, Any, Any], latent: Any, denoise: float,
+                           prefix: str) -> None:
+    """KSampler → Offload Manager → Temporal-Chunk Video Decode → VRAM Monitor → MP4 (``models``: as
+    :func:`_wan21_models` gives them)."""
+    model, pos, neg, vae = models
+    sampled = wf.add(
+        "KSampler", model=model.out(), positive=pos.out(), negative=neg.out(), latent_image=latent.out(),
+        seed=42, steps=30, cfg=6.0, sampler_name="uni_pc", scheduler="simple", denoise=denoise,
+    )  # fmt: skip
+    offload = _offload(wf, sampled.out(), keep=vae.out())
+    frames = wf.add(
+        "VRAMFit_TemporalChunkVideoDecode", samples=offload.out(), vae=vae.out(),
+        frames_per_chunk=0, tile_size=0, budget_mb=0, unload_others=True,
+    )  # fmt: skip
+    monitor = _monitor(wf, frames.out(), "after decode")
+    video = wf.add("CreateVideo", images=monitor.out(), fps=16.0)
+    wf.add("SaveVideo", video=video.out(), filename_prefix=prefix, format="auto", codec="auto")
+
+
 def wan21_t2v(resolution: str) -> WorkflowDesc:
     width, height = {"480p": (832, 480), "720p": (1280, 720)}[resolution]
     wf = WorkflowDesc(
@@ -83,18 +102,7 @@ def wan21_t2v(resolution: str) -> WorkflowDesc:
         "snowflakes drifting, cinematic tracking shot",
     )
     latent = wf.add("EmptyHunyuanLatentVideo", width=width, height=height, length=81, batch_size=1)
-    sampled = wf.add(
-        "KSampler", model=model.out(), positive=pos.out(), negative=neg.out(), latent_image=latent.out(),
-        seed=42, steps=30, cfg=6.0, sampler_name="uni_pc", scheduler="simple", denoise=1.0,
-    )  # fmt: skip
-    offload = _offload(wf, sampled.out(), keep=vae.out())
-    frames = wf.add(
-        "VRAMFit_TemporalChunkVideoDecode", samples=offload.out(), vae=vae.out(),
-        frames_per_chunk=0, tile_size=0, budget_mb=0, unload_others=True,
-    )  # fmt: skip
-    monitor = _monitor(wf, frames.out(), "after decode")
-    video = wf.add("CreateVideo", images=monitor.out(), fps=16.0)
-    wf.add("SaveVideo", video=video.out(), filename_prefix=f"video/vramfit_wan21_{resolution}", format="auto", codec="auto")
+    _wan21_sample_and_save(wf, (model, pos, neg, vae), latent, 1.0, f"video/vramfit_wan21_{resolution}")
     return wf
 
 
@@ -421,18 +429,7 @@ def wan21_v2v() -> WorkflowDesc:
     scaled = wf.add("ImageScale", image=first.out(), upscale_method="lanczos", width=832, height=480, crop="center")
     latent = wf.add("VRAMFit_TemporalChunkVideoEncode", pixels=scaled.out(), vae=vae.out(), tile_size=0,
                     budget_mb=0, unload_others=True)
-    sampled = wf.add(
-        "KSampler", model=model.out(), positive=pos.out(), negative=neg.out(), latent_image=latent.out(),
-        seed=42, steps=30, cfg=6.0, sampler_name="uni_pc", scheduler="simple", denoise=0.6,
-    )  # fmt: skip
-    offload = _offload(wf, sampled.out(), keep=vae.out())
-    frames = wf.add(
-        "VRAMFit_TemporalChunkVideoDecode", samples=offload.out(), vae=vae.out(),
-        frames_per_chunk=0, tile_size=0, budget_mb=0, unload_others=True,
-    )  # fmt: skip
-    monitor = _monitor(wf, frames.out(), "after decode")
-    video = wf.add("CreateVideo", images=monitor.out(), fps=16.0)
-    wf.add("SaveVideo", video=video.out(), filename_prefix="video/vramfit_wan21_v2v", format="auto", codec="auto")
+    _wan21_sample_and_save(wf, (model, pos, neg, vae), latent, 0.6, "video/vramfit_wan21_v2v")
     return wf
 
 
