@@ -94,10 +94,10 @@ def check_encode(
     through :func:`..executors.wan_encode.encode_wan_tiled` in tiles of :data:`CHECK_VIDEO_TILE` latent px."""
     model = job.vae.first_stage_model
     cls = type(model)
-    what, version = ("wan-encode", we.EXECUTOR_VERSION) if job.video else ("kl-exact-encode", te.EXECUTOR_VERSION)
     key = (
-        f"{what}/{cls.__module__}.{cls.__qualname__}/{code_fingerprint(model)}/exact-"
-        f"{version}/{str(job.dtype).removeprefix('torch.')}/{job.device.type}"
+        f"{'wan-encode' if job.video else 'kl-exact-encode'}/{cls.__module__}.{cls.__qualname__}/"
+        f"{code_fingerprint(model)}/exact-{job.executor_version}/{str(job.dtype).removeprefix('torch.')}/"
+        f"{job.device.type}"
     )
     g = torch.Generator().manual_seed(0)
     if job.video:
@@ -159,7 +159,7 @@ def _run(
                 f"{type(e).__name__} in the {p.path} pass: re-planned ({p.description} -> "
                 f"{nxt.description}); retrying"
             )
-            log.warning("%s: %s", VIDEO_REPORT_NODE if job.video else REPORT_NODE, oom_events[-1])
+            log.warning("%s: %s", _report_node(job), oom_events[-1])
             p = nxt
         if env.on_oom is not None:
             env.on_oom()
@@ -269,6 +269,11 @@ def encode_image(
     return EncodeResult(out, report, p, budget, seconds, m.peak, m.method, oom_events)
 
 
+def _report_node(job: EncodeJob) -> str:
+    """The node the engine's report and log lines name (the nodes retitle the report with their own)."""
+    return VIDEO_REPORT_NODE if job.video else REPORT_NODE
+
+
 def _report(
     job: EncodeJob,
     p: Plan,
@@ -281,7 +286,7 @@ def _report(
     oom_events: list[str],
 ) -> Report:
     b, (h, w) = int(job.x.shape[0]), job.hw
-    r = Report(VIDEO_REPORT_NODE if job.video else REPORT_NODE, str(job.device))
+    r = Report(_report_node(job), str(job.device))
     frames = f"{b} x "
     if job.video:
         t = int(job.x.shape[2])
@@ -328,10 +333,7 @@ def _report(
     if oom_events:
         r.add("oom", "\n".join(oom_events))
     if p.path == "exact":
-        t = p.config.tile
-        if job.video:  # the Wan split tiles on latent px (balanced cores)
-            t, h, w = t // job.ratio, h // job.ratio, w // job.ratio
-        shape = f"{-(-h // t)}x{-(-w // t)} tiles"
+        shape = "{}x{} tiles".format(*p.config.grid(job.hw))
     else:
         shape = "untiled" if p.path == "untiled" else "host encode"
     if b > 1:

@@ -118,8 +118,8 @@ def run_prefix(model: Any, x: torch.Tensor) -> torch.Tensor:
     """The encoder's prefix on pixels ``x`` (1, C, T, H, W): the host's ``model.encode`` with the suffix
     swapped out; returns the features the ``middle`` would get, all latent frames."""
     enc = model.encoder
-    empty = torch.nn.Sequential()
-    with _swapped((enc, "middle", empty), (enc, "head", torch.nn.Sequential()), (model, "conv1", _Keep())):
+    with _swapped((enc, "middle", torch.nn.Sequential()), (enc, "head", torch.nn.Sequential()),
+                  (model, "conv1", _Keep())):
         return model.encode(x)
 
 

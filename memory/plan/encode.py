@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -52,9 +53,14 @@ class ExactEncode:
     store: str
     """``device`` or ``host`` (CUDA only)."""
 
+    def grid(self, hw: tuple[int, int]) -> tuple[int, int]:
+        """Tiles along each side of an ``hw`` px image (the Wan split's balanced latent-px cores count the same:
+        both sides and the tile are whole latent px)."""
+        return -(-hw[0] // self.tile), -(-hw[1] // self.tile)
+
     def describe(self, hw: tuple[int, int]) -> str:
-        n = -(-hw[0] // self.tile) * -(-hw[1] // self.tile)
-        return f"tiles of {self.tile} px ({n} at full resolution), store on the {self.store}"
+        ny, nx = self.grid(hw)
+        return f"tiles of {self.tile} px ({ny * nx} at full resolution), store on the {self.store}"
 
 
 @dataclasses.dataclass
@@ -100,9 +106,19 @@ class EncodeJob:
         return int(self.x.shape[-2]), int(self.x.shape[-1])
 
     @property
+    def tile_step(self) -> int:
+        """Tiles are multiples of this many px: whole latent px for the Wan split, any px for the KL walker."""
+        return self.ratio if self.video else 1
+
+    @property
     def min_tile(self) -> int:
         """The smallest tile (px) the OOM fallback shrinks to."""
         return we.MIN_TILE * self.ratio if self.video else te.MIN_TILE
+
+    @property
+    def executor_version(self) -> str:
+        """The version of this job's executor, part of the keys of its sized peaks and self-check verdicts."""
+        return f"wan-{we.EXECUTOR_VERSION}" if self.video else te.EXECUTOR_VERSION
 
     def run_tiles(self, x: torch.Tensor, tile: int, **kw: Any) -> torch.Tensor:
         """The exact tiled executor of this job's kind on ``x`` with tiles of ``tile`` px."""
@@ -119,7 +135,7 @@ def _key(job: EncodeJob, what: str) -> str:
     shape = "x".join(str(int(v)) for v in job.x.shape[1:])
     return (
         f"encode/{cls.__module__.rsplit('.', 1)[-1]}.{cls.__qualname__}/{job.fingerprint}/exact-"
-        f"{te.EXECUTOR_VERSION}/{str(job.dtype).removeprefix('torch.')}/{job.device.type}"
+        f"{job.executor_version}/{str(job.dtype).removeprefix('torch.')}/{job.device.type}"
         f"/1x{shape}/{what}"
     )
 
@@ -199,9 +215,8 @@ def candidates(job: EncodeJob) -> list[ExactEncode]:
     first level's resnet blocks (x and h, both read whole for their GroupNorm statistics): 0.67x the untiled
     encode's peak, measured at 512^2 (docs/ENCODE.md)."""
     side = max(job.hw)
-    r = job.ratio if job.video else 1  # the Wan split tiles on latent px
     tiles = [int(job.tile_size)] if job.tile_size else [side] + [
-        t for t in ENCODE_TILES if t < side and t % r == 0 and t >= job.min_tile
+        t for t in ENCODE_TILES if t < side and t % job.tile_step == 0 and t >= job.min_tile
     ]
     stores = ("device",) if job.device.type == "cpu" else ("device", "host")
     return [ExactEncode(t, s) for t in tiles for s in stores]
@@ -267,7 +282,7 @@ def plan(
             tried: dict[str, list[int]] = {}  # per store: the tile counts sized so far
             for cfg in candidates(job):
                 seen = tried.setdefault(cfg.store, [])
-                n = -(-job.hw[0] // cfg.tile) * -(-job.hw[1] // cfg.tile)
+                n = math.prod(cfg.grid(job.hw))
                 if seen and seen[-1] == n and not job.tile_size:
                     continue  # the same number of (balanced) tiles as the last one: no smaller peak
                 need = extra + encode_peak(job, cfg, peaks, attn, attention)
@@ -300,7 +315,7 @@ def smaller(job: EncodeJob, p: Plan) -> Plan | None:
         if cfg.store == "device" and job.device.type != "cpu":
             cfg = ExactEncode(cfg.tile, "host")
         elif cfg.tile > job.min_tile:
-            half = cfg.tile // 2 // (job.ratio if job.video else 1) * (job.ratio if job.video else 1)
+            half = cfg.tile // 2 // job.tile_step * job.tile_step
             cfg = ExactEncode(max(job.min_tile, half), cfg.store)
         else:
             return None
