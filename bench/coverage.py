@@ -10,7 +10,8 @@ size, in one process, CPU float32:
 3. Tiled VAE Decode with ``tile_size`` = half the image side (2x2 tiles at least), warmed first so the row
    times the decode, not the first-use check.
 
-``--video``: Mochi's VAE (the carried-context executor) on a ``--frames``-latent-frame clip of ``--video-px``:
+``--video``: the video VAEs of the carried-context executor (``--video-kinds``: Mochi, HunyuanVideo 1.5) on a
+``--frames``-latent-frame clip of ``--video-px``:
 the host's ``VAEDecode``, core ``VAEDecodeTiled`` with its defaults (tile 512 / overlap 64, temporal 64 / 8)
 and with temporal chunks of 24 frames (overlap 8), and Temporal-Chunk Video Decode with ``frames_per_chunk``
 2 (exact carried chunks).
@@ -20,7 +21,8 @@ vs the reference, and ratios vs the reference (time, peak). Nothing is asserted;
 docs/BENCHMARKS.md::
 
     .cache/venv/bin/python bench/coverage.py [--kinds hunyuan_image dcae_sana] [--sizes 512] [--threads 2]
-                                             [--video [--frames 8] [--video-px 128]]
+                                             [--video [--video-kinds mochi hunyuan_video15] [--frames 8]
+                                              [--video-px 128]]
 """
 
 from __future__ import annotations
@@ -101,28 +103,34 @@ def bench(nodes: Any, mod: Any, tracker_mod: Any, kind: str, px: int) -> list[di
     return rows
 
 
-def bench_video(nodes: Any, tracker_mod: Any, frames: int, px: int) -> list[dict[str, Any]]:
-    """Mochi: the host's decode, core's tiled decode (defaults; 24-frame temporal chunks) and exact chunks."""
-    from scripts.fixtures import structured_latent
+VIDEO_KINDS = ("mochi", "hunyuan_video15")
+
+
+def bench_video(nodes: Any, tracker_mod: Any, kind: str, frames: int, px: int) -> list[dict[str, Any]]:
+    """A carried-context video VAE: the host's decode, core's tiled decode (defaults; 24-frame temporal chunks)
+    and exact chunks of 2 latent frames."""
+    from scripts.fixtures import FIXTURES, structured_latent
     from scripts.host import core_decode_tiled
 
     video = sys.modules[nodes.NODE_CLASS_MAPPINGS["VRAMFit_TemporalChunkVideoDecode"].__module__]
-    vae = _load(nodes, "mochi")
-    z = structured_latent((1, 12, frames, px // 8, px // 8), seed=5)
-    kind, size = "mochi", f"{px}x{px}x{frames}"
+    vae = _load(nodes, kind)
+    spec = FIXTURES[kind]
+    r_s = spec.spatial_ratio
+    z = structured_latent((1, spec.latent_channels, frames, px // r_s, px // r_s), seed=5)
+    size = f"{px}x{px}x{frames}"
     ref = _measure(tracker_mod, lambda: nodes.VAEDecode().decode(vae, {"samples": z})[0])
     rows = [{"kind": kind, "px": size, "decode": "host untiled (VAEDecode)", **ref, "psnr": math.inf}]
     for args, label in (((512, 64, 64, 8), "core VAEDecodeTiled 512/64, 64/8 frames"),
                         ((512, 64, 24, 8), "core VAEDecodeTiled 512/64, 24/8 frames")):
         t = _measure(tracker_mod, lambda args=args: core_decode_tiled(nodes, vae, {"samples": z}, *args))
         rows.append({"kind": kind, "px": size, "decode": label, **t, "psnr": _psnr(t["out"], ref["out"])})
-    video.decode(vae, {"samples": z[:, :, :3]}, frames_per_chunk=2)  # first use (self-check), untimed
+    video.decode(vae, {"samples": z[:, :, :5]}, frames_per_chunk=2)  # first use (self-check), untimed
     w0 = time.perf_counter()
     r = video.decode(vae, {"samples": z}, frames_per_chunk=2)
     rows.append({"kind": kind, "px": size, "decode": f"Temporal-Chunk Video Decode, k 2 ({r.plan.path}, "
                  f"{r.stats.get('chunks')} chunks)", "out": r.images, "wall": time.perf_counter() - w0,
                  "peak": r.measured_peak or 0, "psnr": _psnr(r.images, ref["out"])})
-    log.info("mochi: %s", r.report.text())
+    log.info("%s: %s", kind, r.report.text())
     return rows
 
 
@@ -146,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--sizes", type=int, nargs="+", default=[512])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--video", action="store_true", help="bench Mochi's carried chunks instead")
+    parser.add_argument("--video", action="store_true", help="bench the carried-chunk video VAEs instead")
+    parser.add_argument("--video-kinds", nargs="+", choices=VIDEO_KINDS, default=list(VIDEO_KINDS))
     parser.add_argument("--frames", type=int, default=8, help="--video: latent frames")
     parser.add_argument("--video-px", type=int, default=128, help="--video: frame side in px")
     args = parser.parse_args(argv)
@@ -161,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     tracker_mod = importlib.import_module(mod.__name__.rsplit(".nodes.", 1)[0] + ".memory.measure.tracker")
     t0 = time.perf_counter()
     if args.video:
-        rows = bench_video(nodes, tracker_mod, args.frames, args.video_px)
+        rows = [r for kind in args.video_kinds for r in bench_video(nodes, tracker_mod, kind, args.frames,
+                                                                     args.video_px)]
     else:
         rows = [r for kind in args.kinds for px in args.sizes
                 for r in bench(nodes, mod, tracker_mod, kind, px)]

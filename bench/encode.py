@@ -59,6 +59,12 @@ def _measure(tracker_mod: Any, fn: Callable[[], Any]) -> dict[str, Any]:
     return {"out": out, "wall": time.perf_counter() - w0, "peak": t.peak_bytes}
 
 
+def _add(rows: list[dict[str, Any]], row: dict[str, Any]) -> None:
+    """Append a row and log it at once (a long run shows its progress; the table comes at the end)."""
+    rows.append(row)
+    log.info("row: %s | %s | %.2f s | %.1f MiB", row["case"], row["encode"], row["wall"], row["peak"] / MiB)
+
+
 def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int) -> list[dict[str, Any]]:
     from scripts.fixtures import make_models
     from scripts.host import HostConfig
@@ -69,11 +75,12 @@ def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int) -> lis
     case = f"{kind} {px}²"
     rows = []
     ref = _measure(tracker_mod, lambda: nodes.VAEEncode().encode(vae, pixels)[0]["samples"])
-    rows.append({"case": case, "encode": "core VAEEncode (untiled)", **ref})
+    _add(rows, {"case": case, "encode": "core VAEEncode (untiled)", **ref})
     core = _measure(tracker_mod, lambda: nodes.VAEEncodeTiled().encode(vae, pixels, 512, 64)[0]["samples"])
-    rows.append({"case": case, "encode": "core VAEEncodeTiled 512/64", **core})
+    _add(rows, {"case": case, "encode": "core VAEEncodeTiled 512/64", **core})
     auto = _measure(tracker_mod, lambda: enc_mod.encode(vae, pixels))
-    rows.append(
+    _add(
+        rows,
         {
             "case": case,
             "encode": f"Tiled VAE Encode, auto ({auto['out'].plan.description})",
@@ -85,7 +92,8 @@ def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int) -> lis
     with torch.inference_mode():
         enc_mod.encode(vae, pixels[:, :64, :64], tile_size=32)  # first use (self-check) outside the row
     tiled = _measure(tracker_mod, lambda: enc_mod.encode(vae, pixels, budget_mb=budget))
-    rows.append(
+    _add(
+        rows,
         {
             "case": case,
             "encode": f"Tiled VAE Encode, {budget} MiB ({tiled['out'].plan.description})",
@@ -101,6 +109,7 @@ def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int) -> lis
             r["psnr"] = _psnr(img, img_ref)
             r["time_x"] = r["wall"] / ref["wall"]
             r["peak_x"] = r["peak"] / ref["peak"]
+    log.info("\n%s", table(rows))
     return rows
 
 

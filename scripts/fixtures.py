@@ -76,6 +76,7 @@ KINDS = (
     "mochi",
     "cogvideox",
     "dcae_sana",
+    "hunyuan_video15",
 )
 COMFY_KINDS = tuple(k for k in KINDS if k != "dcae_sana")
 """The kinds ComfyUI's own ``VAELoader`` loads (``dcae_sana`` loads through ``scripts/sana_vae.py``)."""
@@ -127,6 +128,18 @@ _HUNYUAN_IMAGE_DDCONFIG = {
     "upsample_match_channel": True,
     "z_channels": 64,
 }
+# HunyuanVideo 1.5's VAE (comfy/sd.py: a 32-channel ``decoder.conv_in.conv.weight``), same on 0.3.75 and 0.33.0.
+_HUNYUAN_VIDEO15_DDCONFIG = {
+    "block_out_channels": [128, 256, 512, 1024, 1024],
+    "in_channels": 3,
+    "out_channels": 3,
+    "num_res_blocks": 2,
+    "ffactor_spatial": 16,
+    "ffactor_temporal": 4,
+    "downsample_match_channel": True,
+    "upsample_match_channel": True,
+    "z_channels": 32,
+}
 _WAN_DDCONFIG = {
     "dim_mult": [1, 2, 4, 4],
     "num_res_blocks": 2,
@@ -154,8 +167,9 @@ class FixtureSpec:
     """Class name of ``vae.first_stage_model`` that ComfyUI builds on load."""
     module: str
     """Module of ``model_class``."""
-    params: int
-    """Parameter count (encoder + decoder, as in the real release)."""
+    params: int | tuple[int, ...]
+    """Parameter count (encoder + decoder, as in the real release); a tuple: the counts of the hosts' classes
+    when they differ."""
     example_latent: tuple[int, ...]
     """A small latent shape that decodes in a few seconds at most on a 2-core CPU (fp32)."""
     example_output: tuple[int, ...]
@@ -204,7 +218,18 @@ class FixtureSpec:
             return {"latent_channels": 16}
         if self.kind == "dcae_sana":
             return dict(DCAE_SANA_CONFIG)
+        if self.kind == "hunyuan_video15":
+            module = "comfy.ldm.hunyuan_video.vae_refiner"
+            return {
+                "regularizer_config": {"target": "comfy.ldm.models.autoencoder.EmptyRegularizer"},
+                "encoder_config": {"target": f"{module}.Encoder", "params": dict(_HUNYUAN_VIDEO15_DDCONFIG)},
+                "decoder_config": {"target": f"{module}.Decoder", "params": dict(_HUNYUAN_VIDEO15_DDCONFIG)},
+            }
         raise KeyError(self.kind)
+
+    def param_counts(self) -> tuple[int, ...]:
+        """The parameter counts a host's class may have (:attr:`params` as a tuple)."""
+        return self.params if isinstance(self.params, tuple) else (self.params,)
 
     def file_key(self, key: str) -> str:
         """The key of the model's state-dict entry ``key`` in the released file (BFL's FLUX.2 file nests
@@ -372,6 +397,22 @@ FIXTURES: dict[str, FixtureSpec] = {
         example_latent=(1, 32, 2, 2),
         example_output=(1, 64, 64, 3),
         description="Sana DC-AE f32c32 (diffusers AutoencoderDC)",
+    ),
+    "hunyuan_video15": _spec(
+        "hunyuan_video15",
+        torch.float16,
+        latent_channels=32,
+        latent_dim=3,
+        spatial_ratio=16,
+        temporal_ratio=4,
+        model_class="AutoencodingEngine",
+        module="comfy.ldm.models.autoencoder",
+        # 0.33 builds the mid blocks' ResnetBlocks with an (unused) 512-wide temb_proj: 2,101,248 more
+        params=(1_260_634_115, 1_262_735_363),
+        example_latent=(1, 32, 3, 2, 2),
+        example_output=(1, 9, 32, 32, 3),
+        description="HunyuanVideo 1.5 VAE (z 32, 16x, 4x temporal; causal convs with carried frames, RMS norms, "
+                    "mid attention over the clip)",
     ),
 }
 
@@ -645,7 +686,7 @@ def make_models(
         sd = build_state_dict(kind, seed)
         t_build = time.perf_counter() - t0
         n_params = sum(v.numel() for v in sd.values())
-        if n_params != spec.params:
+        if n_params not in spec.param_counts():
             raise AssertionError(f"{kind}: {n_params} parameters, expected {spec.params}")
         metadata = {
             _META_KIND: kind,

@@ -112,23 +112,24 @@ def check_chunked(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
 def check_carried(job: VideoJob, store: CheckStore, prepare: Callable[[], None] | None = None,
                   first_use: FirstUse | None = None) -> Verdict:
     """Self-check of the carried-context executor for this decoder on this host: a tiny random latent
-    (:data:`CHECK_LATENT`) decoded by ``first_stage_model.decode`` and in chunks of 1 and of 2 latent
-    frames."""
+    (:data:`CHECK_LATENT`; ``2 min_k + 1`` frames for a family whose chunks hold at least ``min_k``) decoded by
+    ``first_stage_model.decode`` and in chunks of the smallest ``k`` (three chunks) and one more."""
     model = job.vae.first_stage_model
     key = f"carry/{job.carry.family}/{model_key(job)}"
     c = int(job.z.shape[1])
-    z = torch.randn((1, c, *CHECK_LATENT), generator=torch.Generator().manual_seed(0))
+    min_k = job.carry.description.min_k
+    t, h, w = CHECK_LATENT if min_k == 1 else (2 * min_k + 1, *CHECK_LATENT[1:])
+    z = torch.randn((1, c, t, h, w), generator=torch.Generator().manual_seed(0))
     z = z.to(job.device, job.dtype)
 
     def run(k: int) -> Callable[[], torch.Tensor]:
         def go() -> torch.Tensor:
-            n = output_frames(job, CHECK_LATENT[0])
             r = int(blend_ratios(job.vae)[2])
-            out = torch.empty((1, 3, n, CHECK_LATENT[1] * r, CHECK_LATENT[2] * r), dtype=torch.float32)
+            out = torch.empty((1, 3, output_frames(job, t), h * r, w * r), dtype=torch.float32)
             return decode_carried(model, job.carry, z, k, out=out, dtype=job.dtype, compute_device=job.device)
         return go
 
-    configs = [("k = 1 (three chunks)", run(1)), ("k = 2", run(2))]
+    configs = [(f"k = {min_k} (three chunks)", run(min_k)), (f"k = {min_k + 1}", run(min_k + 1))]
     return checked(key, store, model, lambda: model.decode(z).float(), configs, job.dtype, prepare, first_use)
 
 
@@ -236,7 +237,8 @@ def decode_video(
                 oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
         elif p.path == "carry":
             decode_carried(
-                model, job.carry, z, c.k, out=view, dtype=job.dtype, compute_device=job.device, progress=bar,
+                model, job.carry, z, c.k, out=view, dtype=job.dtype, compute_device=job.device, tile=c.tile,
+                halo=p.halo, progress=bar,
                 should_stop=env.should_stop,
                 fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
                 oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
@@ -313,7 +315,8 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
         shape = "host decode"
     else:
         n = stats.get("chunks", "?")
-        shape = f"{n} tile-chunks" if plan.path == "wan" and plan.config.tile is not None else f"{n} chunks"
+        tiled = plan.path in ("wan", "carry") and plan.config.tile is not None
+        shape = f"{n} tile-chunks" if tiled else f"{n} chunks"
     b = int(job.z.shape[0])
     r.summary = summary_line(
         "exact" if plan.path in ("host", "carry") or (job.wan and plan.exact) else "approximate",

@@ -1,11 +1,12 @@
-"""Exact temporal chunks of a causal video decoder without a host cache (:mod:`..vae.carry_layout`): chunks of
-latent frames ``[1, k, k, ...]`` decoded by the host's own ``first_stage_model.decode``, with the described
-modules' forwards swapped (for this call only) for ones that read the previous chunk's last input frames
-instead of the clip's start padding. Every frame then sees the inputs it sees in the whole decode: equal to it
-up to float rounding. Whole frames (per-frame norms over space: no spatial tiles).
+"""Exact temporal chunks of a causal video decoder (:mod:`..vae.carry_layout`): chunks of latent frames
+``[1, k, k, ...]`` (or ``[k, k, ...]``) decoded by the description's chunk function, by default the host's own
+``first_stage_model.decode`` with the described modules' forwards swapped (for this call only) for ones that
+read the previous chunk's last input frames instead of the clip's start padding. A described prefix (the
+decoder's global part) runs first, once per video on the whole latent; the chunks then take its output. Every
+frame sees the inputs it sees in the whole decode: equal to it up to float rounding. Whole frames.
 
 An OOM inside a chunk restores the carried context saved at its start, halves ``k`` and resumes there
-(finished frames are kept); at ``k = 1`` it propagates. Nothing here imports ComfyUI.
+(finished frames are kept); at the smallest ``k`` it propagates. Nothing here imports ComfyUI.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from ..oom import OomEvent, oom_types
+from ..tiles import spans
 from ..vae.carry_layout import CarryLayout
 from .blend import stop_driver
 
@@ -56,6 +58,8 @@ def decode_carried(
     out: torch.Tensor,
     dtype: torch.dtype,
     compute_device: torch.device | str,
+    tile: tuple[int, int] | None = None,
+    halo: int = 0,
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], Any] | None = None,
     fault_hook: Callable[[int], None] | None = None,
@@ -64,56 +68,93 @@ def decode_carried(
     stats: dict | None = None,
 ) -> torch.Tensor:
     """Decode ``z`` ``(B, C, T, h, w)`` into ``out`` ``(B, 3, frames, H, W)`` (any dtype/device), one batch
-    item at a time, in chunks of 1 then ``k`` latent frames; returns ``out``. ``progress(done, total)`` per
-    chunk; ``should_stop()`` before each; ``fault_hook(step)`` inside each chunk attempt (tests)."""
-    layout.require()
+    item at a time, in chunks of 1 then ``k`` latent frames; returns ``out``. ``tile``: spatial tiles of at most
+    ``tile`` (rows, cols) px of the chunks' input (the prefix's output), each extended by ``halo`` px and decoded through
+    every chunk with its own carried context (a description with ``tiles``; None: whole frames).
+    ``progress(done, total)`` per chunk; ``should_stop()`` before each; ``fault_hook(step)`` inside each chunk
+    attempt (tests)."""
+    desc = layout.require().description
+    if tile is not None and not desc.tiles:
+        raise ValueError(f"{layout.family}: its chunks are not spatially local (whole frames only)")
     driver = stop_driver(oom_types(oom_exceptions), should_stop, on_oom)
     b_total, t = int(z.shape[0]), int(z.shape[2])
     dev = torch.device(compute_device)
-    run = {"k": max(1, int(k)), "step": 0, "shrinks": 0, "chunks": 0, "pos": 0, "stop": 0}
+    run = {"k": max(desc.min_k, int(k)), "step": 0, "shrinks": 0, "chunks": 0, "pos": 0, "stop": 0, "done": 0}
     for b in range(b_total):
-        states: dict = {"first": True}
-        run["pos"], frame = 0, 0
-        while run["pos"] < t:
-            saved = _copy(states)
+        src = z[b : b + 1]
+        if desc.prefix is not None:
+            driver.check_stop()
+            with torch.no_grad():
+                src = desc.prefix(model, src.to(dtype).to(dev))
+        h, w = int(src.shape[-2]), int(src.shape[-1])
+        r = int(out.shape[-2]) // h
+        th, tw = tile if tile is not None else (h, w)
+        grid = [(ys, xs) for ys in spans(h, th, halo) for xs in spans(w, tw, halo)]
+        units = b_total * len(grid) * t
 
-            def attempt(b: int = b, states: dict = states) -> torch.Tensor:
-                pos = run["pos"]
-                run["stop"] = stop = 1 if pos == 0 else min(t, pos + run["k"])
-                driver.check_stop()
-                run["step"] += 1
-                with torch.no_grad(), carried(layout, states):
-                    if fault_hook is not None:
-                        fault_hook(run["step"] - 1)
-                    return model.decode(z[b : b + 1, :, pos:stop].to(dtype).to(dev))
-
-            def recover(event: OomEvent, saved: dict = saved, states: dict = states) -> None:
-                states.clear()
-                states.update(_copy(saved))
-                run["k"] = max(1, run["k"] // 2)
-                run["shrinks"] += 1
-                log.warning("carried chunks: out of memory (%s); resuming with %d latent frames per chunk",
-                            event.type_name, run["k"])
-
-            frames = driver.run(attempt, can_recover=lambda e: run["stop"] - run["pos"] > 1, recover=recover)
-            n = int(frames.shape[2])
-            if n == 0 or frame + n > out.shape[2]:
-                raise RuntimeError(f"chunk [{run['pos']}, {run['stop']}) decoded to {n} frames at frame "
-                                   f"{frame}; the output has {out.shape[2]}")
-            out[b : b + 1, :, frame : frame + n].copy_(frames)
-            del frames
-            frame += n
-            states["first"] = False
-            run["chunks"] += 1
-            run["pos"] = run["stop"]
+        def tick(units: int = units) -> None:
             if progress is not None:
-                progress(b * t + run["pos"], b_total * t)
-        if frame != out.shape[2]:
-            raise RuntimeError(f"carried chunks gave {frame} frames; the output has {out.shape[2]}")
+                progress(run["done"], units)
+
+        for (y0, y1, ya, yb), (x0, x1, xa, xb) in grid:
+            part = src[..., ya:yb, xa:xb]
+            crop = (slice(None), slice(None), slice(None),
+                    slice((y0 - ya) * r, (y1 - ya) * r), slice((x0 - xa) * r, (x1 - xa) * r))
+            dst = out[b : b + 1, :, :, y0 * r : y1 * r, x0 * r : x1 * r]
+            frames_done = _chunks(model, desc, layout, part, dst, crop, t, run, driver, dtype, dev, fault_hook,
+                                  tick)
+            if frames_done != out.shape[2]:
+                raise RuntimeError(f"carried chunks gave {frames_done} frames; the output has {out.shape[2]}")
     if stats is not None:
+        tiles = None if tile is None else len(grid)
         stats.update(exact=True, chunks=run["chunks"], units=run["chunks"], frames_per_chunk=run["k"],
-                     tile=None, shrinks=run["shrinks"])
+                     tile=tile, tiles=tiles, shrinks=run["shrinks"])
     return out
+
+
+def _chunks(model: Any, desc: Any, layout: CarryLayout, src: torch.Tensor, dst: torch.Tensor, crop: tuple,
+            t: int, run: dict, driver: Any, dtype: torch.dtype, dev: torch.device,
+            fault_hook: Callable[[int], None] | None, tick: Callable[[], None]) -> int:
+    """Every chunk of one batch item's (tile's) latent frames ``src`` into ``dst``, with fresh carried
+    context; returns the frames written."""
+    states: dict = {"first": True}
+    run["pos"], frame = 0, 0
+    while run["pos"] < t:
+        saved = _copy(states)
+
+        def attempt() -> torch.Tensor:
+            pos = run["pos"]
+            run["stop"] = stop = 1 if pos == 0 and desc.first_alone else min(t, pos + run["k"])
+            driver.check_stop()
+            run["step"] += 1
+            with torch.no_grad(), carried(layout, states):
+                if fault_hook is not None:
+                    fault_hook(run["step"] - 1)
+                return desc.chunk(model, src[:, :, pos:stop].to(dtype).to(dev), states)[crop]
+
+        def recover(event: OomEvent, saved: dict = saved) -> None:
+            states.clear()
+            states.update(_copy(saved))
+            run["k"] = max(desc.min_k, run["k"] // 2)
+            run["shrinks"] += 1
+            log.warning("carried chunks: out of memory (%s); resuming with %d latent frames per chunk",
+                        event.type_name, run["k"])
+
+        frames = driver.run(attempt, can_recover=lambda e: run["stop"] - run["pos"] > max(1, desc.min_k),
+                            recover=recover)
+        n = int(frames.shape[2])
+        if n == 0 or frame + n > dst.shape[2]:
+            raise RuntimeError(f"chunk [{run['pos']}, {run['stop']}) decoded to {n} frames at frame "
+                               f"{frame}; the output has {dst.shape[2]}")
+        dst[:, :, frame : frame + n].copy_(frames)
+        del frames
+        frame += n
+        states["first"] = False
+        run["chunks"] += 1
+        run["done"] += int(run["stop"]) - int(run["pos"])
+        run["pos"] = run["stop"]
+        tick()
+    return frame
 
 
 def _copy(states: dict) -> dict:

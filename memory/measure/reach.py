@@ -181,8 +181,8 @@ def traced_reach(
 ) -> ReachReport:
     """Reach of any decoder from one small run: ``run()`` must decode a latent of spatial size ``latent_hw``.
 
-    Each convolution's input spatial size gives its scale ``s`` (input height / latent height); it adds
-    ``conv_radius / s``. ``up_path_from``: name of the submodule whose output starts the "up path"
+    Each convolution's input spatial size gives its scale ``s`` (input height / latent height, rounded to an
+    integer: a convolution whose caller pads its input first sees a few more px); it adds ``conv_radius / s``. ``up_path_from``: name of the submodule whose output starts the "up path"
     (e.g. ``"decoder.mid"``); contributions after it count as ``up_path``, before it as ``pre_up``.
     Without it everything counts as ``up_path``. Upper bound when branches run in parallel.
     """
@@ -197,6 +197,7 @@ def traced_reach(
             x = inputs[0]
             if isinstance(x, torch.Tensor) and x.ndim >= 3:
                 s = x.shape[-2] / lh if x.ndim >= 4 else x.shape[-1] / lh
+                s = float(round(s)) if s >= 1 else s  # a conv padded by its caller (CarriedConv3d) sees more px
                 records.append((name, conv_radius(conv) / max(s, 1e-9)))
 
         return hook

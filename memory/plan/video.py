@@ -16,11 +16,13 @@ from ..cost.phases import dtype_name
 from ..executors import wan as vc
 from ..executors.blend import frame_fn
 from ..executors.carry import decode_carried
+from ..measure.reach import default_halo, traced_reach
 from ..measure.sizing import MetaSizer
 from ..report import fmt_bytes
 from ..store import Store
 from ..tiles import overlap_chunks, spans
 from ..vae.carry_layout import CarryLayout
+from ..vae.families import structure_digest
 from ..vae.wan_layout import WanLayout, cache_protocol
 from .grid import ImpossibleBudgetError, scaled
 from .types import Chunking, Plan
@@ -429,44 +431,90 @@ CARRY_MAX_K = 8
 """Largest chunk the auto plan of the carried-context path considers (latent frames)."""
 
 
-def carry_chunk_peak(job: VideoJob, k: int, peaks: PeakStore) -> int:
-    """Meta-sized peak bytes of the carried-context executor on frame 0 and one chunk of ``k`` latent frames
-    (the chunk's frames included), persisted in ``peaks``."""
+_CARRY_REACH: dict[str, int] = {}
+
+
+def carry_halo(model: Any, layout: CarryLayout, channels: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Halo (px of the chunks' input) covering the reach of a carried family's chunk, traced once per structure
+    on fake tensors (:func:`..measure.reach.traced_reach`)."""
+    desc = layout.description
+    key = f"{type(model).__module__}.{type(model).__qualname__}/{structure_digest(model)}/{channels}"
+    if key not in _CARRY_REACH:
+        with torch.inference_mode(), MetaSizer([model], dtype, device):
+            z = torch.empty((1, channels, 2, 16, 16), dtype=dtype, device=device)
+            x = desc.prefix(model, z) if desc.prefix is not None else z
+            report = traced_reach(model, lambda: desc.chunk(model, x, {"first": True}),
+                                  (int(x.shape[-2]), int(x.shape[-1])))
+        _CARRY_REACH[key] = default_halo(report)
+    return _CARRY_REACH[key]
+
+
+def _job_halo(job: VideoJob) -> int:
+    return carry_halo(job.vae.first_stage_model, job.carry, int(job.z.shape[1]), job.dtype, job.device)
+
+
+def carry_chunk_peak(job: VideoJob, k: int, peaks: PeakStore, tile: tuple[int, int] | None = None) -> int:
+    """Meta-sized peak bytes of the carried-context executor, the output buffer left out: frame 0 and one chunk
+    of ``k`` latent frames, or the whole clip for a family with a prefix (run on the whole latent); ``tile``:
+    spatial tiles (latent px) with :func:`carry_halo`. Persisted in ``peaks``."""
     b, c, t, h, w = (int(v) for v in job.z.shape)
-    kk = max(1, min(int(k), t - 1))
-    key = f"{model_key(job)}/{c}x{kk}x{h}x{w}/carry"
+    desc = job.carry.description
+    kk = max(desc.min_k, min(int(k), t - 1))
+    sized = t if desc.prefix is not None else min(t, 1 + kk)
+    halo = _job_halo(job) if tile is not None else 0
+    key = (f"{model_key(job)}/{c}x{kk}x{h}x{w}/carry2" + (f"/t{t}" if desc.prefix is not None else "")
+           + (f"/tile{tile[0]}x{tile[1]}+{halo}" if tile is not None else ""))
     peak = peaks.get(key)
     if peak is None:
-        n, r = output_frames(job, 1 + kk), blend_ratios(job.vae)[2]
+        n, r = output_frames(job, sized), blend_ratios(job.vae)[2]
         model = job.vae.first_stage_model
         with torch.inference_mode(), MetaSizer([model], job.dtype, job.device) as sizer:
-            z = torch.empty((1, c, 1 + kk, h, w), dtype=job.dtype, device=job.device)
+            z = torch.empty((1, c, sized, h, w), dtype=job.dtype, device=job.device)
             out = torch.empty((1, 3, n, h * r, w * r), dtype=torch.float32, device=job.device)
-            decode_carried(model, job.carry, z, kk, out=out, dtype=job.dtype, compute_device=job.device)
+            decode_carried(model, job.carry, z, kk, out=out, dtype=job.dtype, compute_device=job.device,
+                           tile=tile, halo=halo)
+            out_b = out.numel() * out.element_size()
             del out, z
-        peak = int(sizer.peak_bytes)
+        peak = int(sizer.peak_bytes) - out_b
         peaks.put(key, peak, write=False)
     return peak
 
 
+def _carry_tiles(h: int, w: int) -> list[tuple[int, int]]:
+    """Tile cores (latent px) the auto plan tries, largest first: 2 to 16 tiles per side, at least 2 px."""
+    sides = sorted({max(2, math.ceil(max(h, w) / n)) for n in range(2, 17)}, reverse=True)
+    return [(min(s, h), min(s, w)) for s in sides if s < max(h, w)]
+
+
 def plan_carry(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Plan | None:
     """Carried-context chunks (exact): the largest ``k`` (at most :data:`CARRY_MAX_K`, or the user's) whose
-    meta-sized peak plus the output buffer fits ``budget``; the smallest, flagged, when none does. None when
-    the executor cannot be meta-sized (logged: the caller blends)."""
+    meta-sized peak plus the output buffer fits ``budget``, whole frames; then, for a family whose chunks are
+    spatially local, the smallest ``k`` in the largest tiles that fit (or the user's ``tile_size``); the
+    smallest, flagged, when none does. None when the executor cannot be meta-sized (logged: the caller
+    blends)."""
     b, _, t, h, w = (int(v) for v in job.z.shape)
     frames, r = output_geometry(job)
     out_b = out_bytes(job, frames, h * r, w * r)
     post = 2 * b * 3 * h * w * r * r * 4
-    ks = [max(1, k_user)] if k_user else list(range(max(1, min(t - 1, CARRY_MAX_K)), 0, -1))
-    reason = (f"carried-context chunks: each causal convolution reads the previous chunk's last frames "
-              f"({job.carry.family}; equal to the host's decode up to float rounding)")
+    desc = job.carry.description
+    lo = desc.min_k
+    ks = [max(lo, k_user)] if k_user else list(range(max(lo, min(t - 1, CARRY_MAX_K)), lo - 1, -1))
+    reason = f"carried-context chunks: {desc.how} ({job.carry.family}; equal to the host's decode up to float rounding)"
+    alone = " (frame 0 alone)" if desc.first_alone else ""
+    tiles: list[tuple[int, int] | None] = [None]
+    if desc.tiles:
+        user = max(1, int(job.tile_size) // r) if job.tile_size else 0
+        tiles = [(min(user, h), min(user, w))] if user else [None, *_carry_tiles(h, w)]
     found = None
     try:
-        for k in ks:
-            found = Plan("carry", Chunking(k), f"k = {k} latent frames/chunk (frame 0 alone), whole frames",
-                         out_b + max(carry_chunk_peak(job, k, peaks), post), reason=reason)
-            if found.planned <= budget:
-                return found
+        for tile in tiles:
+            halo = _job_halo(job) if tile is not None else 0
+            where = "whole frames" if tile is None else f"{tile[0]}x{tile[1]} latent px tiles (halo {halo})"
+            for k in ks if tile is None else ks[-1:]:
+                found = Plan("carry", Chunking(k, tile), f"k = {k} latent frames/chunk{alone}, {where}",
+                             out_b + max(carry_chunk_peak(job, k, peaks, tile), post), reason=reason, halo=halo)
+                if found.planned <= budget:
+                    return found
     except Exception as e:  # noqa: BLE001 - an op without a fake kernel: not planned this way
         log.warning("meta sizing of carried chunks of %s failed (%s: %s)", job.family, type(e).__name__, e)
         return None

@@ -8,14 +8,24 @@ specially (Mochi drops the first ``st - 1`` frames after each temporal depth-to-
 chunk only. A :class:`Description` names those modules; the first-use self-check proves the result equal to
 the host's decode. Duck-typed: no ComfyUI import.
 
-Mochi (``comfy.ldm.genmo.vae.model``): ``PConv3d`` (causal, replicate padding), ``DepthToSpaceTime``; its
-decoder has per-frame GroupNorm (``GroupNormSpatial``) and no attention. Its temporal reach is 46 latent
-frames (docs/VIDEO_DECODE.md): without carried context a chunk would need the whole clip before it.
+A decoder whose global operations all sit at the latent's resolution before that causal part (HunyuanVideo
+1.5: attention over the whole clip in its mid block) names them as a *prefix*, run once on the whole latent;
+its chunks are then the causal suffix on the prefix's output. A decoder that carries its own context between
+calls (HunyuanVideo 1.5's ``conv_carry_in``/``conv_carry_out`` lists) describes its suffix with that carry.
+
+* Mochi (``comfy.ldm.genmo.vae.model``): ``PConv3d`` (causal, replicate padding), ``DepthToSpaceTime``; its
+  decoder has per-frame GroupNorm (``GroupNormSpatial``) and no attention. Its temporal reach is 46 latent
+  frames (docs/VIDEO_DECODE.md): without carried context a chunk would need the whole clip before it.
+* HunyuanVideo 1.5 (``comfy.ldm.hunyuan_video.vae_refiner``, ``refiner_vae``): prefix ``conv_in`` + the mid
+  block (attention over every latent voxel of the clip); suffix: the up path, RMS norms over channels and causal
+  3x3x3 convolutions that carry their last 2 input frames (the host's own carry lists), in chunks of at least 2
+  latent frames (the host decodes chunks of 2; a 1-frame chunk would carry 1 frame and pad differently).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -23,11 +33,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .split_layout import is_global
+
 __all__ = ["CarryLayout", "Description", "DESCRIPTIONS", "carry_layout"]
 
 Forward = Callable[[Any, torch.Tensor, dict], torch.Tensor]
 """``forward(module, x, state)``: a module's forward in a chunk; ``state`` holds its carried context (the key
 ``"first"`` is True in the first chunk)."""
+Chunk = Callable[[Any, torch.Tensor, dict], torch.Tensor]
+"""``chunk(model, x, states)``: one chunk's frames from its latent frames (or the prefix's output for them);
+``states`` is the executor's carried state (``states["first"]``: the clip's first chunk)."""
+
+
+def _host_decode(model: Any, z: torch.Tensor, states: dict) -> torch.Tensor:
+    """A chunk through the host's own ``decode`` (the described modules' forwards are swapped meanwhile)."""
+    return model.decode(z)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +59,19 @@ class Description:
     """Why ``first_stage_model`` is not of this family (None: it is)."""
     forwards: Callable[[Any], dict[Any, Forward]]
     """Module -> its chunk forward, for every module that reads past frames or treats the clip's start."""
+    chunk: Chunk = _host_decode
+    """One chunk: by default the host's ``decode`` of its latent frames."""
+    prefix: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    """The global part, run once per video on the whole latent (None: none)."""
+    min_k: int = 1
+    """Fewest latent frames a chunk may have (the last excepted)."""
+    first_alone: bool = True
+    """The first chunk is latent frame 0 alone (else it has ``k`` frames like the others)."""
+    tiles: bool = False
+    """The chunks are spatially local (no norm or attention over space after the prefix): spatial tiles with
+    a halo of their traced reach are exact too."""
+    how: str = "each causal convolution reads the previous chunk's last frames"
+    """What carries the context, for the report."""
 
 
 def _mochi_reason(model: Any) -> str | None:
@@ -90,7 +123,55 @@ def _mochi_forwards(model: Any) -> dict[Any, Forward]:
     return out
 
 
-DESCRIPTIONS: tuple[Description, ...] = (Description("mochi", _mochi_reason, _mochi_forwards),)
+def _hv15_reason(model: Any) -> str | None:
+    dec = getattr(model, "decoder", None)
+    if dec is None or not type(dec).__module__.endswith("hunyuan_video.vae_refiner"):
+        return "not a HunyuanVideo 1.5 decoder (comfy.ldm.hunyuan_video.vae_refiner)"
+    if not getattr(dec, "refiner_vae", False):
+        return "a vae_refiner decoder without causal carries (refiner_vae False: GroupNorm over the whole clip)"
+    if not callable(getattr(sys.modules.get(type(dec).__module__), "conv_carry_causal_3d", None)):
+        return "its module has no conv_carry_causal_3d"
+    for name in ("conv_in", "mid", "up", "norm_out", "conv_out"):
+        if getattr(dec, name, None) is None:
+            return f"its decoder has no {name}"
+    for m in list(dec.up.modules()) + [dec.norm_out]:
+        if is_global(m):
+            return f"its up path has a global {type(m).__name__}"
+    return None
+
+
+def _hv15_prefix(model: Any, z: torch.Tensor) -> torch.Tensor:
+    """``Decoder.forward`` up to its chunk loop: ``conv_in`` plus the latent's channel repeat, the mid block."""
+    dec = model.decoder
+    causal = sys.modules[type(dec).__module__].conv_carry_causal_3d
+    x = causal([z], dec.conv_in) + z.repeat_interleave(dec.block_out_channels[0] // dec.z_channels, 1)
+    return dec.mid.block_2(dec.mid.attn_1(dec.mid.block_1(x)))
+
+
+def _hv15_chunk(model: Any, x: torch.Tensor, states: dict) -> torch.Tensor:
+    """One iteration of ``Decoder.forward``'s chunk loop; ``states["hv15"]``: the previous chunk's carry list
+    (copied: the host pops from it), replaced by this chunk's."""
+    dec = model.decoder
+    causal = sys.modules[type(dec).__module__].conv_carry_causal_3d
+    prev = None if states["first"] else states["hv15"]
+    cin, cout = (None if prev is None else list(prev)), []
+    for stage in dec.up:
+        for blk in stage.block:
+            x = blk(x, conv_carry_in=cin, conv_carry_out=cout)
+        if hasattr(stage, "upsample"):
+            x = stage.upsample(x, cin, cout)
+    x = causal([F.silu(dec.norm_out(x))], dec.conv_out, cin, cout)
+    states["hv15"] = cout
+    return x
+
+
+DESCRIPTIONS: tuple[Description, ...] = (
+    Description("mochi", _mochi_reason, _mochi_forwards),
+    Description("hunyuan_video15", _hv15_reason, lambda model: {}, chunk=_hv15_chunk, prefix=_hv15_prefix,
+                min_k=2, first_alone=False, tiles=True,
+                how="the host's causal carries (2 frames per convolution), after conv_in and the mid block's "
+                    "attention once on the whole latent"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +181,7 @@ class CarryLayout:
     reason: str | None
     family: str = ""
     forwards: dict = dataclasses.field(default_factory=dict, compare=False)
+    description: Description | None = dataclasses.field(default=None, compare=False)
 
     def require(self) -> CarryLayout:
         if self.reason is not None:
@@ -121,7 +203,7 @@ def carry_layout(model: Any) -> CarryLayout:
         for d in DESCRIPTIONS:
             why = d.reason(model)
             if why is None:
-                found = CarryLayout(None, d.name, d.forwards(model))
+                found = CarryLayout(None, d.name, d.forwards(model), d)
                 break
             reasons.append(why)
         else:

@@ -96,7 +96,7 @@ def test_loader_detects_the_real_architecture(loaded, fixture_vaes):
         meta = f.metadata()
         dtypes = {f.get_slice(k).get_dtype() for k in keys}
     assert {spec.model_key(k) for k in keys} == set(fsm.state_dict().keys())
-    assert sum(p.numel() for p in fsm.state_dict().values()) == spec.params
+    assert sum(p.numel() for p in fsm.state_dict().values()) in spec.param_counts()
     floats = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
     assert {floats.get(d, d) for d in dtypes} - {"I64"} == {spec.dtype}, dtypes  # int64: batch counts
     assert meta["vramfit_fixture_kind"] == spec.kind
@@ -105,6 +105,8 @@ def test_loader_detects_the_real_architecture(loaded, fixture_vaes):
         assert "decoder.upsamples.0.upsamples.0.residual.2.weight" in keys
     if spec.kind == "hunyuan_video":
         assert fsm.decoder.conv_in.conv.weight.shape[1] == 16
+    if spec.kind == "hunyuan_video15":  # comfy/sd.py's "decoder.conv_in.conv.weight" 32-channel branch
+        assert fsm.decoder.conv_in.conv.weight.shape[1] == 32 and fsm.decoder.refiner_vae
     if spec.kind == "mochi":  # comfy/sd.py's genmo mochi branch, both halves prefixed (no prefix rewrite)
         assert "decoder.blocks.2.blocks.3.stack.5.weight" in keys
         assert "encoder.layers.4.layers.1.attn_block.attn.qkv.weight" in keys
