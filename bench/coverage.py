@@ -10,18 +10,19 @@ size, in one process, CPU float32:
 3. Tiled VAE Decode with ``tile_size`` = half the image side (2x2 tiles at least), warmed first so the row
    times the decode, not the first-use check.
 
-``--video``: the video VAEs of the carried-context executor (``--video-kinds``: Mochi, HunyuanVideo 1.5) on a
-``--frames``-latent-frame clip of ``--video-px``:
-the host's ``VAEDecode``, core ``VAEDecodeTiled`` with its defaults (tile 512 / overlap 64, temporal 64 / 8)
-and with temporal chunks of 24 frames (overlap 8), and Temporal-Chunk Video Decode with ``frames_per_chunk``
-2 (exact carried chunks).
+``--video``: the video VAEs of the carried-context executor (``--video-kinds``: Mochi, HunyuanVideo 1.5,
+LTX-Video) on a ``--frames``-latent-frame clip of ``--video-px``: the host's ``VAEDecode``, core
+``VAEDecodeTiled`` with its defaults (tile 512 / overlap 64, temporal 64 / 8) and with temporal chunks of 24
+frames (overlap 8), and Temporal-Chunk Video Decode with ``frames_per_chunk`` 2 (exact carried chunks; LTX-Video:
+the whole clip) and, for the families that tile, 2x2 tiles. Every row draws the decode's noise (LTX-Video) from
+one random state.
 
 Per row: wall seconds, the live-tensor peak (``PeakTracker`` dispatch: the same measure for all rows), PSNR
 vs the reference, and ratios vs the reference (time, peak). Nothing is asserted; figures go to
 docs/BENCHMARKS.md::
 
     .cache/venv/bin/python bench/coverage.py [--kinds hunyuan_image dcae_sana] [--sizes 512] [--threads 2]
-                                             [--video [--video-kinds mochi hunyuan_video15] [--frames 8]
+                                             [--video [--video-kinds mochi hunyuan_video15 ltx_video] [--frames 8]
                                               [--video-px 128]]
 """
 
@@ -103,12 +104,20 @@ def bench(nodes: Any, mod: Any, tracker_mod: Any, kind: str, px: int) -> list[di
     return rows
 
 
-VIDEO_KINDS = ("mochi", "hunyuan_video15")
+VIDEO_KINDS = ("mochi", "hunyuan_video15", "ltx_video")
+
+
+def _seeded(fn: Callable[[], Any]) -> Any:
+    """``fn()`` from one random state (LTX-Video's decode draws noise: every row draws the same)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return fn()
 
 
 def bench_video(nodes: Any, tracker_mod: Any, kind: str, frames: int, px: int) -> list[dict[str, Any]]:
     """A carried-context video VAE: the host's decode, core's tiled decode (defaults; 24-frame temporal chunks)
-    and exact chunks of 2 latent frames."""
+    and exact chunks of 2 latent frames (LTX-Video: one whole-clip chunk), and, where the family tiles, 2x2
+    tiles (``tile_size`` = half the frame)."""
     from scripts.fixtures import FIXTURES, structured_latent
     from scripts.host import core_decode_tiled
 
@@ -118,19 +127,24 @@ def bench_video(nodes: Any, tracker_mod: Any, kind: str, frames: int, px: int) -
     r_s = spec.spatial_ratio
     z = structured_latent((1, spec.latent_channels, frames, px // r_s, px // r_s), seed=5)
     size = f"{px}x{px}x{frames}"
-    ref = _measure(tracker_mod, lambda: nodes.VAEDecode().decode(vae, {"samples": z})[0])
+    ref = _measure(tracker_mod, lambda: _seeded(lambda: nodes.VAEDecode().decode(vae, {"samples": z})[0]))
     rows = [{"kind": kind, "px": size, "decode": "host untiled (VAEDecode)", **ref, "psnr": math.inf}]
     for args, label in (((512, 64, 64, 8), "core VAEDecodeTiled 512/64, 64/8 frames"),
                         ((512, 64, 24, 8), "core VAEDecodeTiled 512/64, 24/8 frames")):
-        t = _measure(tracker_mod, lambda args=args: core_decode_tiled(nodes, vae, {"samples": z}, *args))
+        t = _measure(tracker_mod, lambda args=args: _seeded(
+            lambda: core_decode_tiled(nodes, vae, {"samples": z}, *args)))
         rows.append({"kind": kind, "px": size, "decode": label, **t, "psnr": _psnr(t["out"], ref["out"])})
     video.decode(vae, {"samples": z[:, :, :5]}, frames_per_chunk=2)  # first use (self-check), untimed
-    w0 = time.perf_counter()
-    r = video.decode(vae, {"samples": z}, frames_per_chunk=2)
-    rows.append({"kind": kind, "px": size, "decode": f"Temporal-Chunk Video Decode, k 2 ({r.plan.path}, "
-                 f"{r.stats.get('chunks')} chunks)", "out": r.images, "wall": time.perf_counter() - w0,
-                 "peak": r.measured_peak or 0, "psnr": _psnr(r.images, ref["out"])})
-    log.info("%s: %s", kind, r.report.text())
+    runs = [({"frames_per_chunk": 2}, "k 2")]
+    if kind != "mochi":
+        runs.append(({"frames_per_chunk": 2, "tile_size": px // 2}, f"k 2, tile {px // 2} px"))
+    for kw, label in runs:
+        w0 = time.perf_counter()
+        r = _seeded(lambda kw=kw: video.decode(vae, {"samples": z}, **kw))
+        rows.append({"kind": kind, "px": size, "decode": f"Temporal-Chunk Video Decode, {label} ({r.plan.path}, "
+                     f"{r.stats.get('chunks')} chunks)", "out": r.images, "wall": time.perf_counter() - w0,
+                     "peak": r.measured_peak or 0, "psnr": _psnr(r.images, ref["out"])})
+        log.info("%s: %s", kind, r.report.text())
     return rows
 
 

@@ -77,6 +77,7 @@ KINDS = (
     "cogvideox",
     "dcae_sana",
     "hunyuan_video15",
+    "ltx_video",
 )
 COMFY_KINDS = tuple(k for k in KINDS if k != "dcae_sana")
 """The kinds ComfyUI's own ``VAELoader`` loads (``dcae_sana`` loads through ``scripts/sana_vae.py``)."""
@@ -218,6 +219,8 @@ class FixtureSpec:
             return {"latent_channels": 16}
         if self.kind == "dcae_sana":
             return dict(DCAE_SANA_CONFIG)
+        if self.kind == "ltx_video":
+            return {"version": 2}  # comfy/sd.py: conv1 1024 wide + encoder.down_blocks.1.conv.conv.bias -> 2
         if self.kind == "hunyuan_video15":
             module = "comfy.ldm.hunyuan_video.vae_refiner"
             return {
@@ -414,6 +417,22 @@ FIXTURES: dict[str, FixtureSpec] = {
         description="HunyuanVideo 1.5 VAE (z 32, 16x, 4x temporal; causal convs with carried frames, RMS norms, "
                     "mid attention over the clip)",
     ),
+    "ltx_video": _spec(
+        "ltx_video",
+        torch.bfloat16,
+        latent_channels=128,
+        latent_dim=3,
+        spatial_ratio=32,
+        temporal_ratio=8,
+        model_class="VideoVAE",
+        module="comfy.ldm.lightricks.vae.causal_video_autoencoder",
+        # 0.3.75's per-channel statistics hold 3 more 128-wide buffers than 0.33's
+        params=(1_246_914_162, 1_246_913_778),
+        example_latent=(1, 128, 2, 2, 2),
+        example_output=(1, 9, 64, 64, 3),
+        description="LTX-Video 0.9.5+ VAE (z 128, 32x, 8x temporal; pixel norms, timestep-conditioned decoder, "
+                    "symmetric in time)",
+    ),
 }
 
 _META_KIND = "vramfit_fixture_kind"
@@ -497,7 +516,9 @@ def _torch_reset(module: torch.nn.Module) -> bool:
 
 def _init_custom(module: torch.nn.Module) -> bool:
     """Parameters of non-torch modules, set to their own constructors' values: Wan's ``RMS_norm``
-    (gamma 1, bias 0) and diffusers' ``RMSNorm`` (weight 1, bias 0)."""
+    (gamma 1, bias 0) and diffusers' ``RMSNorm`` (weight 1, bias 0); LTX-Video's (:func:`_init_ltx`)."""
+    if _init_ltx(module):
+        return True
     scale = {"RMS_norm": "gamma", "RMSNorm": "weight"}.get(type(module).__name__)
     if scale is None:
         return False
@@ -506,6 +527,27 @@ def _init_custom(module: torch.nn.Module) -> bool:
             getattr(module, scale).fill_(1.0)
         if getattr(module, "bias", None) is not None:
             module.bias.zero_()
+    return True
+
+
+def _init_ltx(module: torch.nn.Module) -> bool:
+    """LTX-Video's own tensors: the per-channel latent statistics (``processor``: stds log-uniform on
+    [e^-1, e], means N(0, 0.5^2), as a trained VAE's), the decoder's timestep multiplier (its constructor's
+    1000) and the scale-shift tables (``randn / sqrt(channels)``, the resnet blocks' constructor init)."""
+    name = type(module).__name__
+    if not type(module).__module__.endswith("causal_video_autoencoder") or name not in (
+            "processor", "Decoder", "ResnetBlock3D"):
+        return False
+    with torch.no_grad():
+        for key, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            if key in ("std-of-means", "mean-of-stds"):
+                t.copy_(torch.exp(2 * torch.rand_like(t) - 1))
+            elif key == "timestep_scale_multiplier":
+                t.fill_(1000.0)
+            elif "scale_shift_table" in key:
+                t.copy_(torch.randn_like(t) / t.shape[-1] ** 0.5)
+            else:
+                t.copy_(0.5 * torch.randn_like(t))
     return True
 
 
@@ -536,7 +578,9 @@ def _emphasise_current_frame(module: torch.nn.Module) -> None:
     The ComfyUI video VAEs here pad time causally in front (Wan's and CogVideoX's ``CausalConv3d``,
     Mochi's ``PConv3d``, HunyuanVideo's), so the last tap is the current frame. A convolution that pads
     time symmetrically (a ``PConv3d`` with ``causal=False``, a ``Conv3d`` with temporal ``padding``) is
-    centred on the current frame and left as initialised (none of the kinds here has one).
+    centred on the current frame and left as initialised. LTX-Video's ``CausalConv3d`` pads time per call (its
+    decoder symmetrically: ``causal_decoder`` False), so its decoder's taps are reweighted as if causal: the
+    output then leans on the next frame, which changes nothing the tests measure.
     """
     kt = module.weight.shape[2]
     if kt == 1 or module.stride[0] != 1:

@@ -113,24 +113,44 @@ def check_carried(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
                   first_use: FirstUse | None = None) -> Verdict:
     """Self-check of the carried-context executor for this decoder on this host: a tiny random latent
     (:data:`CHECK_LATENT`; ``2 min_k + 1`` frames for a family whose chunks hold at least ``min_k``) decoded by
-    ``first_stage_model.decode`` and in chunks of the smallest ``k`` (three chunks) and one more."""
-    model = job.vae.first_stage_model
+    ``first_stage_model.decode`` and in chunks of the smallest ``k`` (three chunks) and one more; a family with
+    spatial tiles also in 1x1-px tiles with its traced halo. Every run starts from the same random state (a
+    decode that draws noise, LTX's, draws the same)."""
+    from ..plan.video import carry_halo
+
+    model, desc = job.vae.first_stage_model, job.carry.description
     key = f"carry/{job.carry.family}/{model_key(job)}"
     c = int(job.z.shape[1])
-    min_k = job.carry.description.min_k
-    t, h, w = CHECK_LATENT if min_k == 1 else (2 * min_k + 1, *CHECK_LATENT[1:])
+    t, h, w = CHECK_LATENT if desc.min_k == 1 else (2 * desc.min_k + 1, *CHECK_LATENT[1:])
+    if desc.tiles:
+        h, w = 2, 2
     z = torch.randn((1, c, t, h, w), generator=torch.Generator().manual_seed(0))
     z = z.to(job.device, job.dtype)
 
-    def run(k: int) -> Callable[[], torch.Tensor]:
+    def seeded(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def go() -> torch.Tensor:
+            with torch.random.fork_rng(devices=[job.device] if job.device.type == "cuda" else []):
+                torch.manual_seed(0)
+                return fn()
+        return go
+
+    def run(k: int, tile: tuple[int, int] | None = None) -> Callable[[], torch.Tensor]:
         def go() -> torch.Tensor:
             r = int(blend_ratios(job.vae)[2])
             out = torch.empty((1, 3, output_frames(job, t), h * r, w * r), dtype=torch.float32)
-            return decode_carried(model, job.carry, z, k, out=out, dtype=job.dtype, compute_device=job.device)
-        return go
+            halo = carry_halo(model, job.carry, c, job.dtype, job.device) if tile is not None else 0
+            return decode_carried(model, job.carry, z, k, out=out, dtype=job.dtype, compute_device=job.device,
+                                  tile=tile, halo=halo)
+        return seeded(go)
 
-    configs = [(f"k = {min_k} (three chunks)", run(min_k)), (f"k = {min_k + 1}", run(min_k + 1))]
-    return checked(key, store, model, lambda: model.decode(z).float(), configs, job.dtype, prepare, first_use)
+    k = desc.min_k
+    configs = [(f"k = {k} (three chunks)" if desc.temporal else "whole clip", run(k))]
+    if desc.temporal:
+        configs.append((f"k = {k + 1}", run(k + 1)))
+    if desc.tiles:
+        configs.append((f"k = {k}, 1x1 tiles" if desc.temporal else "1x1 tiles", run(k, (1, 1))))
+    return checked(key, store, model, seeded(lambda: model.decode(z).float()), configs, job.dtype, prepare,
+                   first_use)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -79,7 +79,8 @@ def decode_carried(
     driver = stop_driver(oom_types(oom_exceptions), should_stop, on_oom)
     b_total, t = int(z.shape[0]), int(z.shape[2])
     dev = torch.device(compute_device)
-    run = {"k": max(desc.min_k, int(k)), "step": 0, "shrinks": 0, "chunks": 0, "pos": 0, "stop": 0, "done": 0}
+    k = int(k) if desc.temporal else int(z.shape[2])
+    run = {"k": max(desc.min_k, k), "step": 0, "shrinks": 0, "chunks": 0, "pos": 0, "stop": 0, "done": 0}
     for b in range(b_total):
         src = z[b : b + 1]
         if desc.prefix is not None:
@@ -140,7 +141,7 @@ def _chunks(model: Any, desc: Any, layout: CarryLayout, src: torch.Tensor, dst: 
             log.warning("carried chunks: out of memory (%s); resuming with %d latent frames per chunk",
                         event.type_name, run["k"])
 
-        frames = driver.run(attempt, can_recover=lambda e: run["stop"] - run["pos"] > max(1, desc.min_k),
+        frames = driver.run(attempt, can_recover=lambda e: desc.temporal and run["stop"] - run["pos"] > max(1, desc.min_k),
                             recover=recover)
         n = int(frames.shape[2])
         if n == 0 or frame + n > dst.shape[2]:

@@ -499,8 +499,10 @@ def plan_carry(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
     desc = job.carry.description
     lo = desc.min_k
     ks = [max(lo, k_user)] if k_user else list(range(max(lo, min(t - 1, CARRY_MAX_K)), lo - 1, -1))
+    if not desc.temporal:
+        ks = [t]
     reason = f"carried-context chunks: {desc.how} ({job.carry.family}; equal to the host's decode up to float rounding)"
-    alone = " (frame 0 alone)" if desc.first_alone else ""
+    alone = " (frame 0 alone)" if desc.first_alone and desc.temporal else ""
     tiles: list[tuple[int, int] | None] = [None]
     if desc.tiles:
         user = max(1, int(job.tile_size) // r) if job.tile_size else 0
@@ -609,7 +611,8 @@ def plan(job: VideoJob, budget: int, peaks: PeakStore | None = None,
     """The plan of ``job`` within ``budget`` bytes, its peaks sized on fake tensors (kept in ``peaks``). Wan:
     when the chunked executor failed its self-check (``job.verdict``) and the user set neither chunk nor tile,
     the host's own decode if it fits; else :func:`plan_wan`, exact as the verdict says (no verdict: exact by
-    construction). Other video VAEs: the host's own decode when it fits (exact), else carried-context chunks
+    construction). Other video VAEs: the host's own decode when it fits and the user set neither chunk nor
+    (for a family with tiles) tile (exact), else carried-context chunks
     (:func:`plan_carry`, causal decoders that passed their check), else :func:`plan_blend`. ``ratio(path)``:
     the measured over predicted peak learned for a path on this machine (:mod:`..cost.observed`): that path
     plans against ``budget / ratio``."""
@@ -619,7 +622,9 @@ def plan(job: VideoJob, budget: int, peaks: PeakStore | None = None,
     failed = verdict is not None and not verdict.ok
     if not job.wan:
         why = "it fits the budget"
-        found = None if k_user else scaled(lambda b: _host_if_sized(job, b, peaks, why), budget, r("host"))
+        tiles_user = bool(job.tile_size) and job.carry is not None and job.carry.description.tiles
+        forced = k_user or tiles_user
+        found = None if forced else scaled(lambda b: _host_if_sized(job, b, peaks, why), budget, r("host"))
         if found is None and job.carry is not None and not failed:
             found = scaled(lambda b: plan_carry(job, b, k_user, peaks), budget, r("carry"))
         if found is None:

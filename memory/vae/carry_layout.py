@@ -20,6 +20,12 @@ calls (HunyuanVideo 1.5's ``conv_carry_in``/``conv_carry_out`` lists) describes 
   block (attention over every latent voxel of the clip); suffix: the up path, RMS norms over channels and causal
   3x3x3 convolutions that carry their last 2 input frames (the host's own carry lists), in chunks of at least 2
   latent frames (the host decodes chunks of 2; a 1-frame chunk would carry 1 frame and pad differently).
+* LTX-Video (``comfy.ldm.lightricks.vae.causal_video_autoencoder``, 0.9.5+ decoders: timestep-conditioned, no
+  injected noise): its decoder is local in space (pixel norms, convolutions, depth-to-space) but symmetric in time
+  with a reach of ~20 latent frames each side, so it is not chunked in time (``temporal`` False): each spatial
+  tile decodes the whole clip. Its ``decode`` mixes fresh noise (``randn_like``, unseeded) into the latent first:
+  the prefix draws it once on the whole latent, as the host does, so the result equals the host's decode for the
+  same random state.
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ class Description:
     """Fewest latent frames a chunk may have (the last excepted)."""
     first_alone: bool = True
     """The first chunk is latent frame 0 alone (else it has ``k`` frames like the others)."""
+    temporal: bool = True
+    """Chunks in time (False: one chunk of the whole clip per tile; the decoder is not causal)."""
     tiles: bool = False
     """The chunks are spatially local (no norm or attention over space after the prefix): spatial tiles with
     a halo of their traced reach are exact too."""
@@ -165,12 +173,58 @@ def _hv15_chunk(model: Any, x: torch.Tensor, states: dict) -> torch.Tensor:
     return x
 
 
+def _ltx_reason(model: Any) -> str | None:
+    dec = getattr(model, "decoder", None)
+    if type(model).__name__ != "VideoVAE" or not type(model).__module__.endswith("causal_video_autoencoder"):
+        return "not an LTX-Video VAE (comfy.ldm.lightricks.vae.causal_video_autoencoder)"
+    if dec is None or getattr(model, "per_channel_statistics", None) is None:
+        return "its VAE has no decoder or per-channel statistics"
+    for m in dec.modules():
+        if getattr(m, "inject_noise", False):
+            return ("its decoder injects fresh noise in its blocks on every call (LTX 0.9.1): no two decodes agree, "
+                    "the host's own included")
+        if is_global(m):
+            return f"its decoder has a global {type(m).__name__}"
+    return None
+
+
+def _ltx_defaults(model: Any) -> tuple[float, float]:
+    """``(timestep, noise scale)`` of the host's ``decode``: attributes (0.33) or its signature's defaults."""
+    import inspect
+
+    params = inspect.signature(model.decode).parameters
+    t = getattr(model, "decode_timestep", None)
+    s = getattr(model, "decode_noise_scale", None)
+    t = params["timestep"].default if t is None else t
+    s = params["noise_scale"].default if s is None else s
+    return float(t), float(s)
+
+
+def _ltx_prefix(model: Any, z: torch.Tensor) -> torch.Tensor:
+    """``VideoVAE.decode`` up to its decoder: the noise mix (one draw on the whole latent) and un-normalising."""
+    if getattr(model, "timestep_conditioning", False):
+        s = _ltx_defaults(model)[1]
+        z = torch.randn_like(z) * s + (1.0 - s) * z
+    return model.per_channel_statistics.un_normalize(z)
+
+
+def _ltx_chunk(model: Any, x: torch.Tensor, states: dict) -> torch.Tensor:
+    """The host's decoder on one tile of the whole clip."""
+    t = _ltx_defaults(model)[0] if getattr(model, "timestep_conditioning", False) else None
+    return model.decoder(x, timestep=t)
+
+
 DESCRIPTIONS: tuple[Description, ...] = (
     Description("mochi", _mochi_reason, _mochi_forwards),
     Description("hunyuan_video15", _hv15_reason, lambda model: {}, chunk=_hv15_chunk, prefix=_hv15_prefix,
                 min_k=2, first_alone=False, tiles=True,
                 how="the host's causal carries (2 frames per convolution), after conv_in and the mid block's "
                     "attention once on the whole latent"),
+    Description("ltx_video", _ltx_reason, lambda model: {}, chunk=_ltx_chunk, prefix=_ltx_prefix, temporal=False,
+                first_alone=False,
+                tiles=True,
+                how="spatial tiles of the whole clip with a halo of the decoder's traced reach (the decode's noise "
+                    "drawn once on the whole latent, as the host draws it)"),
 )
 
 
