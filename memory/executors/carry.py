@@ -68,8 +68,9 @@ def decode_carried(
     stats: dict | None = None,
 ) -> torch.Tensor:
     """Decode ``z`` ``(B, C, T, h, w)`` into ``out`` ``(B, 3, frames, H, W)`` (any dtype/device), one batch
-    item at a time, in chunks of 1 then ``k`` latent frames; returns ``out``. ``tile``: spatial tiles of at most
-    ``tile`` (rows, cols) px of the chunks' input (the prefix's output), each extended by ``halo`` px and decoded through
+    item at a time, in chunks of 1 then ``k`` latent frames (``k`` from the start where the description says so;
+    the whole clip where it does not chunk in time); returns ``out``. ``tile``: spatial tiles of at most ``tile``
+    (rows, cols) px of the chunks' input (the prefix's output), each extended by ``halo`` px and decoded through
     every chunk with its own carried context (a description with ``tiles``; None: whole frames).
     ``progress(done, total)`` per chunk; ``should_stop()`` before each; ``fault_hook(step)`` inside each chunk
     attempt (tests)."""

@@ -58,6 +58,23 @@ def _release(vae) -> None:
     mm.free_memory(1e30, vae.patcher.load_device, keep_loaded=others)
 
 
+def _oom_in_second_chunk(video, vae, z: torch.Tensor, k: int):
+    """``(result, fired)``: the node's decode with ``frames_per_chunk`` k and an OOM injected once, in the second
+    chunk."""
+    fired: list[int] = []
+
+    def hook(kind: str, step: int) -> None:
+        if kind == "step" and step == 1 and not fired:
+            fired.append(step)
+            raise torch.OutOfMemoryError("injected in the second chunk")
+
+    video._FAULT_HOOK = hook
+    try:
+        return video.decode(vae, {"samples": z}, frames_per_chunk=k), fired
+    finally:
+        video._FAULT_HOOK = None
+
+
 def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     mse = (a.double() - b.double()).pow(2).mean().item()
     return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
@@ -87,18 +104,7 @@ class TestMochi:
 
     def test_mochi_carried_chunks_resume_after_oom(self, mochi, video):
         vae, z, ref = mochi
-        fired: list[int] = []
-
-        def hook(kind: str, step: int) -> None:
-            if kind == "step" and step == 1 and not fired:
-                fired.append(step)
-                raise torch.OutOfMemoryError("injected in the second chunk")
-
-        video._FAULT_HOOK = hook
-        try:
-            r = video.decode(vae, {"samples": z}, frames_per_chunk=2)
-        finally:
-            video._FAULT_HOOK = None
+        r, fired = _oom_in_second_chunk(video, vae, z, 2)
         text = r.report.text()
         assert fired == [1] and r.stats["shrinks"] == 1, text
         assert "oom" in dict(r.report.rows), text
@@ -140,18 +146,7 @@ class TestHunyuanVideo15:
 
     def test_hunyuan_video15_resumes_after_oom_not_below_two_frames(self, hv15, video):
         vae, z, ref = hv15
-        fired: list[int] = []
-
-        def hook(kind: str, step: int) -> None:
-            if kind == "step" and step == 1 and not fired:
-                fired.append(step)
-                raise torch.OutOfMemoryError("injected in the second chunk")
-
-        video._FAULT_HOOK = hook
-        try:
-            r = video.decode(vae, {"samples": z}, frames_per_chunk=3)
-        finally:
-            video._FAULT_HOOK = None
+        r, fired = _oom_in_second_chunk(video, vae, z, 3)
         text = r.report.text()
         # k = 3 halves to 1, held at the family's 2: chunks [0, 3), [3, 6) failed, [3, 5), [5, 7)
         assert fired == [1] and r.stats["shrinks"] == 1 and r.stats["frames_per_chunk"] == 2, text
