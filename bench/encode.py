@@ -107,14 +107,16 @@ def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int) -> lis
     with torch.inference_mode():
         (img_ref,) = nodes.VAEDecode().decode(vae, {"samples": ref["out"]})
         for r in rows:
+            r["time_x"] = r["wall"] / ref["wall"]
+            r["peak_x"] = r["peak"] / ref["peak"]
             r["max_abs"] = (r["out"].float() - ref["out"].float()).abs().max().item()
             if r["max_abs"] <= SAME_LATENT:  # the same latent decodes to the same image: no decode needed
                 r["psnr"] = math.inf
                 continue
             (img,) = nodes.VAEDecode().decode(vae, {"samples": r["out"]})
             r["psnr"] = _psnr(img, img_ref)
-            r["time_x"] = r["wall"] / ref["wall"]
-            r["peak_x"] = r["peak"] / ref["peak"]
+            log.info("row: %s | %s | latent max abs %.2g | round-trip PSNR %.1f dB", r["case"], r["encode"],
+                     r["max_abs"], r["psnr"])
     log.info("\n%s", table(rows))
     return rows
 
