@@ -182,8 +182,9 @@ def traced_reach(
     """Reach of any decoder from one small run: ``run()`` must decode a latent of spatial size ``latent_hw``.
 
     Each convolution's input spatial size gives its scale ``s`` (input height / latent height, rounded to an
-    integer: a convolution whose caller pads its input first sees a few more px); it adds ``conv_radius / s``. ``up_path_from``: name of the submodule whose output starts the "up path"
-    (e.g. ``"decoder.mid"``); contributions after it count as ``up_path``, before it as ``pre_up``.
+    integer: a convolution whose caller pads its input first sees a few more px); it adds ``conv_radius / s``.
+    ``up_path_from``: name of the submodule whose output starts the "up path" (e.g. ``"decoder.mid"``);
+    contributions after it count as ``up_path``, before it as ``pre_up``.
     Without it everything counts as ``up_path``. Upper bound when branches run in parallel.
     """
     lh = float(latent_hw[0])

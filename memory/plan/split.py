@@ -26,7 +26,7 @@ from .grid import ImpossibleBudgetError, Tiling, plan_tiling
 from .types import Plan
 
 __all__ = ["EXECUTOR", "PHASES", "SplitPlanner", "plan_split", "split_planner", "suffix_reach", "suffix_run",
-           "tile_px"]
+           "tail_reach", "tile_px"]
 
 EXECUTOR = "split"
 """The suffix's cost-model key (:func:`..cost.calibration.vae_key`)."""
@@ -77,18 +77,26 @@ def _meta_prefix(layout: SplitLayout, model: Any, channels: int, hw: tuple[int, 
     return shape, int(sizer.peak_bytes)
 
 
-def suffix_reach(layout: SplitLayout, model: Any, channels: int, dtype: torch.dtype,
-           device: torch.device) -> tuple[int, int, ReachReport]:
-    """(prefix scale, prefix channels, the suffix's reach), traced once per structure on fake tensors."""
-    key = f"{type(model).__module__}.{type(model).__qualname__}/{structure_digest(model)}/{channels}"
+def tail_reach(model: Any, prefix: Callable[[torch.Tensor], torch.Tensor],
+               tail: Callable[[torch.Tensor], Any], latent: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device) -> tuple[int, int, ReachReport]:
+    """(prefix scale, prefix channels, the reach of ``tail`` in px of the prefix's output) of a decoder that is a
+    global ``prefix`` then a local ``tail``, traced on a fake latent of shape ``latent`` once per structure.
+    Serves the split path's suffix and the carried families' chunks."""
+    key = f"{type(model).__module__}.{type(model).__qualname__}/{structure_digest(model)}/{latent}"
     if key not in _REACH:
-        hw = (8, 8)
         with torch.inference_mode(), MetaSizer([model], dtype, device):
-            x = layout.prefix(torch.empty((1, channels, *hw), dtype=dtype, device=device))
-            report = traced_reach(model, lambda: layout.suffix(x), (int(x.shape[-2]), int(x.shape[-1])))
-            scale, c = int(x.shape[-2]) // hw[0], int(x.shape[1])
+            x = prefix(torch.empty(latent, dtype=dtype, device=device))
+            report = traced_reach(model, lambda: tail(x), (int(x.shape[-2]), int(x.shape[-1])))
+            scale, c = int(x.shape[-2]) // latent[-2], int(x.shape[1])
         _REACH[key] = (scale, c, report)
     return _REACH[key]
+
+
+def suffix_reach(layout: SplitLayout, model: Any, channels: int, dtype: torch.dtype,
+                 device: torch.device) -> tuple[int, int, ReachReport]:
+    """(prefix scale, prefix channels, the suffix's reach) of a split layout (:func:`tail_reach`)."""
+    return tail_reach(model, layout.prefix, layout.suffix, (1, channels, 8, 8), dtype, device)
 
 
 def split_planner(job: Any, layout: SplitLayout, env: Any, first_use: Any = None) -> SplitPlanner:

@@ -16,15 +16,15 @@ from ..cost.phases import dtype_name
 from ..executors import wan as vc
 from ..executors.blend import frame_fn
 from ..executors.carry import decode_carried
-from ..measure.reach import default_halo, traced_reach
+from ..measure.reach import default_halo
 from ..measure.sizing import MetaSizer
 from ..report import fmt_bytes
 from ..store import Store
 from ..tiles import overlap_chunks, spans
 from ..vae.carry_layout import CarryLayout
-from ..vae.families import structure_digest
 from ..vae.wan_layout import WanLayout, cache_protocol
 from .grid import ImpossibleBudgetError, scaled
+from .split import tail_reach
 from .types import Chunking, Plan
 
 log = logging.getLogger("vramfit.memory.plan.video")
@@ -431,22 +431,18 @@ CARRY_MAX_K = 8
 """Largest chunk the auto plan of the carried-context path considers (latent frames)."""
 
 
-_CARRY_REACH: dict[str, int] = {}
-
-
 def carry_halo(model: Any, layout: CarryLayout, channels: int, dtype: torch.dtype, device: torch.device) -> int:
     """Halo (px of the chunks' input) covering the reach of a carried family's chunk, traced once per structure
-    on fake tensors (:func:`..measure.reach.traced_reach`)."""
+    on fake tensors (:func:`.split.tail_reach`: the description's prefix, then one first chunk of 2 frames; 16 px
+    so that a convolution padded by its caller rounds to its true scale)."""
     desc = layout.description
-    key = f"{type(model).__module__}.{type(model).__qualname__}/{structure_digest(model)}/{channels}"
-    if key not in _CARRY_REACH:
-        with torch.inference_mode(), MetaSizer([model], dtype, device):
-            z = torch.empty((1, channels, 2, 16, 16), dtype=dtype, device=device)
-            x = desc.prefix(model, z) if desc.prefix is not None else z
-            report = traced_reach(model, lambda: desc.chunk(model, x, {"first": True}),
-                                  (int(x.shape[-2]), int(x.shape[-1])))
-        _CARRY_REACH[key] = default_halo(report)
-    return _CARRY_REACH[key]
+
+    def prefix(z: torch.Tensor) -> torch.Tensor:
+        return desc.prefix(model, z) if desc.prefix is not None else z
+
+    report = tail_reach(model, prefix, lambda x: desc.chunk(model, x, {"first": True}), (1, channels, 2, 16, 16),
+                        dtype, device)[2]
+    return default_halo(report)
 
 
 def _job_halo(job: VideoJob) -> int:
@@ -498,10 +494,12 @@ def plan_carry(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
     post = 2 * b * 3 * h * w * r * r * 4
     desc = job.carry.description
     lo = desc.min_k
-    ks = [max(lo, k_user)] if k_user else list(range(max(lo, min(t - 1, CARRY_MAX_K)), lo - 1, -1))
     if not desc.temporal:
         ks = [t]
-    reason = f"carried-context chunks: {desc.how} ({job.carry.family}; equal to the host's decode up to float rounding)"
+    else:
+        ks = [max(lo, k_user)] if k_user else list(range(max(lo, min(t - 1, CARRY_MAX_K)), lo - 1, -1))
+    reason = (f"carried-context chunks: {desc.how} ({job.carry.family}; equal to the host's decode up to float "
+              f"rounding)")
     alone = " (frame 0 alone)" if desc.first_alone and desc.temporal else ""
     tiles: list[tuple[int, int] | None] = [None]
     if desc.tiles:

@@ -63,8 +63,9 @@ class Description:
     name: str
     reason: Callable[[Any], str | None]
     """Why ``first_stage_model`` is not of this family (None: it is)."""
-    forwards: Callable[[Any], dict[Any, Forward]]
-    """Module -> its chunk forward, for every module that reads past frames or treats the clip's start."""
+    forwards: Callable[[Any], dict[Any, Forward]] = lambda model: {}
+    """Module -> its chunk forward, for every module that reads past frames or treats the clip's start (none:
+    a family whose ``chunk`` carries its context itself)."""
     chunk: Chunk = _host_decode
     """One chunk: by default the host's ``decode`` of its latent frames."""
     prefix: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
@@ -137,7 +138,7 @@ def _hv15_reason(model: Any) -> str | None:
         return "not a HunyuanVideo 1.5 decoder (comfy.ldm.hunyuan_video.vae_refiner)"
     if not getattr(dec, "refiner_vae", False):
         return "a vae_refiner decoder without causal carries (refiner_vae False: GroupNorm over the whole clip)"
-    if not callable(getattr(sys.modules.get(type(dec).__module__), "conv_carry_causal_3d", None)):
+    if not callable(_causal(dec)):
         return "its module has no conv_carry_causal_3d"
     for name in ("conv_in", "mid", "up", "norm_out", "conv_out"):
         if getattr(dec, name, None) is None:
@@ -148,10 +149,15 @@ def _hv15_reason(model: Any) -> str | None:
     return None
 
 
+def _causal(dec: Any) -> Any:
+    """The host's ``conv_carry_causal_3d`` (the decoder's module has it: 0.3.75 defines it there, 0.33 imports it)."""
+    return getattr(sys.modules.get(type(dec).__module__), "conv_carry_causal_3d", None)
+
+
 def _hv15_prefix(model: Any, z: torch.Tensor) -> torch.Tensor:
     """``Decoder.forward`` up to its chunk loop: ``conv_in`` plus the latent's channel repeat, the mid block."""
     dec = model.decoder
-    causal = sys.modules[type(dec).__module__].conv_carry_causal_3d
+    causal = _causal(dec)
     x = causal([z], dec.conv_in) + z.repeat_interleave(dec.block_out_channels[0] // dec.z_channels, 1)
     return dec.mid.block_2(dec.mid.attn_1(dec.mid.block_1(x)))
 
@@ -160,7 +166,7 @@ def _hv15_chunk(model: Any, x: torch.Tensor, states: dict) -> torch.Tensor:
     """One iteration of ``Decoder.forward``'s chunk loop; ``states["hv15"]``: the previous chunk's carry list
     (copied: the host pops from it), replaced by this chunk's."""
     dec = model.decoder
-    causal = sys.modules[type(dec).__module__].conv_carry_causal_3d
+    causal = _causal(dec)
     prev = None if states["first"] else states["hv15"]
     cin, cout = (None if prev is None else list(prev)), []
     for stage in dec.up:
@@ -216,13 +222,12 @@ def _ltx_chunk(model: Any, x: torch.Tensor, states: dict) -> torch.Tensor:
 
 DESCRIPTIONS: tuple[Description, ...] = (
     Description("mochi", _mochi_reason, _mochi_forwards),
-    Description("hunyuan_video15", _hv15_reason, lambda model: {}, chunk=_hv15_chunk, prefix=_hv15_prefix,
-                min_k=2, first_alone=False, tiles=True,
+    Description("hunyuan_video15", _hv15_reason, chunk=_hv15_chunk, prefix=_hv15_prefix, min_k=2,
+                first_alone=False, tiles=True,
                 how="the host's causal carries (2 frames per convolution), after conv_in and the mid block's "
                     "attention once on the whole latent"),
-    Description("ltx_video", _ltx_reason, lambda model: {}, chunk=_ltx_chunk, prefix=_ltx_prefix, temporal=False,
-                first_alone=False,
-                tiles=True,
+    Description("ltx_video", _ltx_reason, chunk=_ltx_chunk, prefix=_ltx_prefix, temporal=False,
+                first_alone=False, tiles=True,
                 how="spatial tiles of the whole clip with a halo of the decoder's traced reach (the decode's noise "
                     "drawn once on the whole latent, as the host draws it)"),
 )

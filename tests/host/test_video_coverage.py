@@ -58,6 +58,13 @@ def _release(vae) -> None:
     mm.free_memory(1e30, vae.patcher.load_device, keep_loaded=others)
 
 
+def _held_case(comfy, fixture_vaes, kind: str, shape: tuple[int, ...]):
+    """A class fixture's body: :func:`_case`, then the VAE released when the class is done."""
+    case = _case(comfy, fixture_vaes, kind, shape)
+    yield case
+    _release(case[0])
+
+
 def _oom_in_second_chunk(video, vae, z: torch.Tensor, k: int):
     """``(result, fired)``: the node's decode with ``frames_per_chunk`` k and an OOM injected once, in the second
     chunk."""
@@ -82,9 +89,7 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="class")
 def mochi(comfy, fixture_vaes):
-    case = _case(comfy, fixture_vaes, "mochi", (1, 12, 4, 4, 4))
-    yield case
-    _release(case[0])
+    yield from _held_case(comfy, fixture_vaes, "mochi", (1, 12, 4, 4, 4))
 
 
 class TestMochi:
@@ -113,9 +118,7 @@ class TestMochi:
 
 @pytest.fixture(scope="class")
 def hv15(comfy, fixture_vaes):
-    case = _case(comfy, fixture_vaes, "hunyuan_video15", (1, 32, 7, 2, 3))
-    yield case
-    _release(case[0])
+    yield from _held_case(comfy, fixture_vaes, "hunyuan_video15", (1, 32, 7, 2, 3))
 
 
 class TestHunyuanVideo15:
