@@ -52,9 +52,10 @@ import logging
 import math
 import os
 import pathlib
+import shutil
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import safetensors
 import safetensors.torch
@@ -687,6 +688,42 @@ def _atomic_target(path: pathlib.Path) -> Iterator[pathlib.Path]:
             tmp.unlink()
 
 
+WORKFLOW_KINDS = ("kl_f8", "wan21")
+"""The kinds the shipped CPU workflows name by file: made with the folder and never deleted to make room."""
+
+DISK_MARGIN = 1 << 30
+"""Bytes left free on the fixture folder's disk after a file is written (logs, temp files, the outputs)."""
+
+
+def make_room(vae_dir: pathlib.Path, need: int, keep: Iterable[pathlib.Path] = ()) -> list[pathlib.Path]:
+    """Free ``need`` + :data:`DISK_MARGIN` bytes on ``vae_dir``'s disk by deleting other fixture files.
+
+    Only this module's own files (:attr:`FixtureSpec.filename`) are deleted, largest first, never those in
+    ``keep`` or of :data:`WORKFLOW_KINDS`; they are rebuilt from their seed when next asked for (:class:`FixtureFolder`). Returns the
+    deleted paths. Raises ``OSError`` naming the folder, the need and the free space if that is not enough.
+    """
+    vae_dir = pathlib.Path(vae_dir)
+    vae_dir.mkdir(parents=True, exist_ok=True)
+    keep = {pathlib.Path(k).name for k in keep} | {FIXTURES[k].filename for k in WORKFLOW_KINDS}
+    ours = [vae_dir / FIXTURES[k].filename for k in KINDS]
+    spare = sorted(
+        (p for p in ours if p.name not in keep and p.is_file()), key=lambda p: p.stat().st_size, reverse=True
+    )
+    deleted: list[pathlib.Path] = []
+    while shutil.disk_usage(vae_dir).free < need + DISK_MARGIN and spare:
+        victim = spare.pop(0)
+        log.info("%s: deleted to make room (rebuilt from its seed when next used)", victim)
+        victim.unlink(missing_ok=True)
+        deleted.append(victim)
+    free = shutil.disk_usage(vae_dir).free
+    if free < need + DISK_MARGIN:
+        raise OSError(
+            f"fixture models: {vae_dir} has {free / 2**30:.1f} GiB free; the next file needs "
+            f"{need / 2**30:.1f} GiB plus {DISK_MARGIN / 2**30:.0f} GiB to spare: free some disk and rerun"
+        )
+    return deleted
+
+
 def make_models(
     vae_dir: pathlib.Path,
     seed: int = 0,
@@ -732,6 +769,7 @@ def make_models(
         n_params = sum(v.numel() for v in sd.values())
         if n_params not in spec.param_counts():
             raise AssertionError(f"{kind}: {n_params} parameters, expected {spec.params}")
+        make_room(vae_dir, sum(v.numel() * v.element_size() for v in sd.values()), keep=out.values())
         metadata = {
             _META_KIND: kind,
             _META_SEED: str(seed),
@@ -753,6 +791,35 @@ def make_models(
             time.perf_counter() - t0,
         )
     return out
+
+
+class FixtureFolder(Mapping[str, str]):
+    """``{kind: filename}`` of the fixture VAEs in ``vae_dir``, each file made (or checked) on first use.
+
+    The keys are the kinds the running host has (:func:`available`), so ``kind in folder`` builds nothing;
+    :data:`WORKFLOW_KINDS` are made at once.
+    A file is made when looked up, and looked up again on every access: one deleted by :func:`make_room`
+    to fit another on a small disk comes back, so only the files in use need to fit at once.
+    """
+
+    def __init__(self, vae_dir: pathlib.Path, seed: int = 0):
+        self.vae_dir = pathlib.Path(vae_dir)
+        self.seed = seed
+        make_models(self.vae_dir, seed=seed, kinds=WORKFLOW_KINDS)
+
+    def __getitem__(self, kind: str) -> str:
+        if kind not in self:
+            raise KeyError(kind)
+        return make_models(self.vae_dir, seed=self.seed, kinds=[kind])[kind].name
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k in KINDS if available(k))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in FIXTURES and available(kind)
 
 
 def write_latent_file(path: str | os.PathLike, samples: torch.Tensor) -> pathlib.Path:

@@ -128,12 +128,24 @@ if [[ "$OWN_HOST" == 2 && "$(cat "$HOSTDIR/.vramfit-src" 2>/dev/null)" != "$(src
   src_id > "$HOSTDIR/.vramfit-src"
 fi
 
+# pip with patience: a download that breaks off is resumed, then the whole install tried again
+# (a CI run lost its 0.33.0 leg to one 58 MB wheel cut off six times at the same byte).
+export PIP_RETRIES="${PIP_RETRIES:-10}" PIP_RESUME_RETRIES="${PIP_RESUME_RETRIES:-20}"
+pip_install() {
+  local try
+  for try in 1 2 3; do
+    "$PY" -m pip install --quiet "$@" && return 0
+    log "pip install $* failed (try $try of 3)"; sleep $((try * 15))
+  done
+  return 1
+}
+
 # 2. Python environment.
 if [[ "$OWN_HOST" != 0 && ! -x "$PY" ]]; then
   venv="$(dirname "$(dirname "$PY")")"
   log "creating venv $venv"
   python3 -m venv "$venv"
-  "$PY" -m pip install --quiet --upgrade pip
+  pip_install --upgrade pip
 fi
 
 # 3. torch first: keep any torch that is already there (a user's CUDA build); else the local CPU wheel.
@@ -141,7 +153,7 @@ if "$PY" -c "import torch" >/dev/null 2>&1; then
   log "keeping installed torch $("$PY" -W ignore -c 'import torch; print(torch.__version__)' 2>/dev/null)"
 else
   log "installing $TORCH_PIN"
-  "$PY" -m pip install --quiet "$TORCH_PIN"
+  pip_install "$TORCH_PIN"
 fi
 TORCH_VER="$("$PY" -W ignore -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)"
 CONSTRAINTS="$(dirname "$STAMP")/constraints.txt"
@@ -154,13 +166,13 @@ grep -vE '^\s*(torch|torchvision|torchaudio)\s*($|[<>=~!;])' "$COMFY/requirement
   | { if [[ "$FRONTEND" == 1 ]]; then cat; else grep -v '^comfyui-frontend-package'; fi; } > "$REQS"
 echo "requests" >> "$REQS"   # imported by the server, missing from ComfyUI's requirements
 log "installing ComfyUI requirements (constraint torch==$TORCH_VER)"
-"$PY" -m pip install --quiet -r "$REQS" -c "$CONSTRAINTS"
+pip_install -r "$REQS" -c "$CONSTRAINTS"
 
 # 5. torchvision / torchaudio: ComfyUI imports both at start-up (0.33 needs torchaudio: comfy/sd.py).
 if ! "$PY" -c "import torchvision" >/dev/null 2>&1; then
   if ! "$PY" -m pip show torchvision >/dev/null 2>&1; then
     log "installing $TORCHVISION_SPEC (--no-deps)"
-    "$PY" -m pip install --quiet --no-deps "$TORCHVISION_SPEC"
+    pip_install --no-deps "$TORCHVISION_SPEC"
   fi
   "$PY" "$ROOT/scripts/fix_torchvision.py"
   "$PY" -c "import torchvision" || { log "torchvision still does not import"; exit 1; }
@@ -168,7 +180,7 @@ fi
 if ! "$PY" -c "import torchaudio" >/dev/null 2>&1; then
   if ! "$PY" -m pip show torchaudio >/dev/null 2>&1; then
     log "installing $TORCHAUDIO_SPEC (--no-deps)"
-    "$PY" -m pip install --quiet --no-deps "$TORCHAUDIO_SPEC"
+    pip_install --no-deps "$TORCHAUDIO_SPEC"
   fi
   "$PY" "$ROOT/scripts/fix_torchaudio.py"
   "$PY" -c "import torchaudio" || { log "torchaudio still does not import"; exit 1; }

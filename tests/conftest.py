@@ -53,19 +53,19 @@ def comfy(host_config):
 
 @pytest.fixture(scope="session")
 def fixture_vaes(host_config):
-    """``{kind: filename}`` of the random-weight fixture VAEs in the host's models/vae folder."""
+    """``{kind: filename}`` of the random-weight fixture VAEs in the host's models/vae folder, each made on
+    first use (:class:`scripts.fixtures.FixtureFolder`: on a small disk only the files in use must fit)."""
     from scripts.host import import_comfy
 
     import_comfy(host_config)
-    from scripts.fixtures import make_models
+    from scripts.fixtures import FixtureFolder
 
-    paths = make_models(host_config.models_dir / "vae", seed=0)
-    return {kind: path.name for kind, path in paths.items()}
+    return FixtureFolder(host_config.models_dir / "vae", seed=0)
 
 
 @pytest.fixture(scope="session")
 def server(host_config, fixture_vaes, tmp_path_factory):
-    """A real ComfyUI server on 127.0.0.1 (fixture models already generated)."""
+    """A real ComfyUI server on 127.0.0.1 (each fixture model made when a test first names it)."""
     from scripts.host import ComfyServer
 
     srv = ComfyServer(host_config, work_dir=tmp_path_factory.mktemp("comfy-server"))

@@ -256,6 +256,56 @@ def test_optional_kinds_follow_the_host(fixture_vaes, tmp_path, comfy, monkeypat
     assert sorted(p.name for p in vae_dir.iterdir()) == [host_file.name]
 
 
+def test_make_room_deletes_the_largest_spare_fixtures_first(tmp_path, monkeypatch, caplog):
+    """On a small disk other fixture files go, largest first: never the kept ones, the workflows' own or a
+    file that is not a fixture; what cannot fit raises naming the folder and the need."""
+    import shutil
+
+    sizes = {"kl_f8": 1, "wan21": 2, "wan22": 50, "mochi": 30, "flux": 10, "hunyuan_video15": 80}
+    for kind, mib in sizes.items():
+        (tmp_path / FIXTURES[kind].filename).write_bytes(b"\0" * (mib << 20))
+    (tmp_path / "users_own_vae.safetensors").write_bytes(b"\0" * (90 << 20))
+    base = 5 << 20  # free bytes before anything is deleted
+    held0 = sum(p.stat().st_size for p in tmp_path.iterdir())
+
+    def disk_usage(path):
+        held = sum(p.stat().st_size for p in tmp_path.iterdir())
+        return shutil._ntuple_diskusage(1 << 40, 0, base + held0 - held)
+
+    monkeypatch.setattr(fixtures.shutil, "disk_usage", disk_usage)
+    monkeypatch.setattr(fixtures, "DISK_MARGIN", 1 << 20)
+    with caplog.at_level(logging.INFO, logger="vramfit.fixtures"):
+        deleted = fixtures.make_room(tmp_path, 40 << 20, keep=[tmp_path / FIXTURES["wan22"].filename])
+    # 5 MiB free + the 80 MiB file > 41 MiB: only the largest spare file goes (wan22 is kept)
+    assert [p.name for p in deleted] == [FIXTURES["hunyuan_video15"].filename]
+    assert any("deleted to make room" in m for m in caplog.messages)
+    deleted = fixtures.make_room(tmp_path, 140 << 20)  # 85 MiB free: wan22, then mochi
+    assert [p.name for p in deleted] == [FIXTURES[k].filename for k in ("wan22", "mochi")]
+    with pytest.raises(OSError, match=r"has 0\.\d GiB free; the next file needs 0\.3 GiB"):
+        fixtures.make_room(tmp_path, 300 << 20)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([FIXTURES[k].filename for k in ("kl_f8", "wan21")] + ["users_own_vae.safetensors"])
+
+
+@host
+def test_fixture_folder_makes_each_file_when_named(fixture_vaes, comfy):
+    """``fixture_vaes`` is a :class:`FixtureFolder`: a fixture deleted to make room comes back when named."""
+    import folder_paths
+
+    assert isinstance(fixture_vaes, fixtures.FixtureFolder)
+    assert "kl_f8" in fixture_vaes and "sd3" not in fixture_vaes and list(fixture_vaes) == [
+        k for k in KINDS if fixtures.available(k)
+    ]
+    path = pathlib.Path(folder_paths.get_full_path_or_raise("vae", fixture_vaes["flux2"]))
+    before = safetensors.torch.load_file(path)
+    path.unlink()
+    assert fixture_vaes["flux2"] == path.name and path.is_file()
+    after = safetensors.torch.load_file(path)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    with pytest.raises(KeyError):
+        fixture_vaes["sd3"]
+
+
 @host
 def test_video_weights_are_deterministic(fixture_vaes, comfy):
     """A second build of the Wan 2.1 weights (in memory) equals the host file bit for bit."""
