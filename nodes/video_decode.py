@@ -104,21 +104,22 @@ class TemporalChunkVideoDecode(io.ComfyNode):
             category=_comfy.CATEGORY,
             description=(
                 "Decodes a video latent within a memory budget, a few latent frames at a time. Wan 2.1/2.2, "
-                "HunyuanVideo 1.5 and Mochi decode exactly (causal context carried across chunks: same frames as "
-                "VAE Decode, no blinking at chunk borders), LTX-Video 0.9.5+ exactly in spatial tiles of the whole "
-                "clip; other video VAEs take their own decode when it fits, else overlapping chunks (approximate, "
-                "said in the report)."
+                "HunyuanVideo 1.5, Mochi and CogVideoX decode exactly (causal context carried across chunks: same "
+                "frames as VAE Decode, no blinking at chunk borders), LTX-Video 0.9.5+ exactly in spatial tiles of "
+                "the whole clip; other video VAEs take their own decode when it fits, else overlapping chunks "
+                "(approximate, said in the report)."
             ),
             inputs=[
                 io.Latent.Input("samples", tooltip="The video latent to decode (5-D: batch, channels, frames, "
                                 "height, width). Image latents: use Tiled VAE Decode (VRAM Fit)."),
-                io.Vae.Input("vae", tooltip="The video VAE used for decoding (Wan 2.1/2.2, HunyuanVideo 1.5 and "
-                             "Mochi exact in chunks, LTX-Video 0.9.5+ in tiles; others exact only when their whole "
-                             "decode fits, else approximate)."),
+                io.Vae.Input("vae", tooltip="The video VAE used for decoding (Wan 2.1/2.2, HunyuanVideo 1.5, "
+                             "Mochi and CogVideoX exact in chunks, LTX-Video 0.9.5+ in tiles; others exact only when "
+                             "their whole decode fits, else approximate)."),
                 io.Int.Input("frames_per_chunk", default=0, min=0, max=4096, step=1,
                              tooltip="Latent frames decoded per step after the first (each gives 4 video "
-                             "frames; 6 for Mochi; HunyuanVideo 1.5 takes at least 2). 0 = auto: the fastest chunk "
-                             "whose predicted peak fits the budget."),
+                             "frames; 6 for Mochi; HunyuanVideo 1.5 takes at least 2; CogVideoX counts video "
+                             "frames, a multiple of its own 4). 0 = auto: the fastest chunk whose predicted peak "
+                             "fits the budget."),
                 io.Int.Input("tile_size", default=0, min=0, max=16384, step=8,
                              tooltip="Spatial tile side in output pixels (Wan, HunyuanVideo 1.5, LTX-Video; exact "
                              "with any size). 0 = auto: whole frames when they fit the budget, else the largest "

@@ -25,8 +25,8 @@ from ..plan.video import (
     VideoJob,
     blend_fn,
     blend_ratios,
+    chunk_frames,
     model_key,
-    output_frames,
     output_geometry,
 )
 from ..report import (
@@ -121,7 +121,7 @@ def check_carried(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
     model, desc = job.vae.first_stage_model, job.carry.description
     key = f"carry/{job.carry.family}/{model_key(job)}"
     c = int(job.z.shape[1])
-    t, h, w = CHECK_LATENT if desc.min_k == 1 else (2 * desc.min_k + 1, *CHECK_LATENT[1:])
+    t, h, w = CHECK_LATENT if desc.min_k == 1 else (desc.check_t or 2 * desc.min_k + 1, *CHECK_LATENT[1:])
     if desc.tiles:
         h, w = 2, 2
     z = torch.randn((1, c, t, h, w), generator=torch.Generator().manual_seed(0))
@@ -137,7 +137,7 @@ def check_carried(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
     def run(k: int, tile: tuple[int, int] | None = None) -> Callable[[], torch.Tensor]:
         def go() -> torch.Tensor:
             r = int(blend_ratios(job.vae)[2])
-            out = torch.empty((1, 3, output_frames(job, t), h * r, w * r), dtype=torch.float32)
+            out = torch.empty((1, 3, chunk_frames(job, t), h * r, w * r), dtype=torch.float32)
             halo = carry_halo(model, job.carry, c, job.dtype, job.device) if tile is not None else 0
             return decode_carried(model, job.carry, z, k, out=out, dtype=job.dtype, compute_device=job.device,
                                   tile=tile, halo=halo)
@@ -146,7 +146,7 @@ def check_carried(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
     k = desc.min_k
     configs = [(f"k = {k} (three chunks)" if desc.temporal else "whole clip", run(k))]
     if desc.temporal:
-        configs.append((f"k = {k + 1}", run(k + 1)))
+        configs.append((f"k = {k + desc.step}", run(k + desc.step)))
     if desc.tiles:
         configs.append((f"k = {k}, 1x1 tiles" if desc.temporal else "1x1 tiles", run(k, (1, 1))))
     return checked(key, store, model, seeded(lambda: model.decode(z).float()), configs, job.dtype, prepare,

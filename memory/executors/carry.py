@@ -69,7 +69,8 @@ def decode_carried(
 ) -> torch.Tensor:
     """Decode ``z`` ``(B, C, T, h, w)`` into ``out`` ``(B, 3, frames, H, W)`` (any dtype/device), one batch
     item at a time, in chunks of 1 then ``k`` latent frames (``k`` from the start where the description says so;
-    the whole clip where it does not chunk in time); returns ``out``. ``tile``: spatial tiles of at most ``tile``
+    the whole clip where it does not chunk in time; ``k`` of the description's units, on its chunk grid, where
+    its prefix changes the time axis); returns ``out``. ``tile``: spatial tiles of at most ``tile``
     (rows, cols) px of the chunks' input (the prefix's output), each extended by ``halo`` px and decoded through
     every chunk with its own carried context (a description with ``tiles``; None: whole frames).
     ``progress(done, total)`` per chunk; ``should_stop()`` before each; ``fault_hook(step)`` inside each chunk
@@ -78,17 +79,19 @@ def decode_carried(
     if tile is not None and not desc.tiles:
         raise ValueError(f"{layout.family}: its chunks are not spatially local (whole frames only)")
     driver = stop_driver(oom_types(oom_exceptions), should_stop, on_oom)
-    b_total, t = int(z.shape[0]), int(z.shape[2])
+    b_total = int(z.shape[0])
     dev = torch.device(compute_device)
-    k = int(k) if desc.temporal else int(z.shape[2])
-    run = {"k": max(desc.min_k, k), "step": 0, "shrinks": 0, "chunks": 0, "pos": 0, "stop": 0, "done": 0}
+    run = {"k": 0, "step": 0, "shrinks": 0, "chunks": 0, "pos": 0, "stop": 0, "done": 0}
     for b in range(b_total):
         src = z[b : b + 1]
         if desc.prefix is not None:
             driver.check_stop()
             with torch.no_grad():
                 src = desc.prefix(model, src.to(dtype).to(dev))
-        h, w = int(src.shape[-2]), int(src.shape[-1])
+        lead = src[0] if isinstance(src, tuple) else src
+        t, h, w = (int(v) for v in lead.shape[2:])
+        if not run["k"]:
+            run["k"] = _fit(desc, int(k) if desc.temporal else t)
         r = int(out.shape[-2]) // h
         th, tw = tile if tile is not None else (h, w)
         grid = [(ys, xs) for ys in spans(h, th, halo) for xs in spans(w, tw, halo)]
@@ -99,7 +102,7 @@ def decode_carried(
                 progress(run["done"], units)
 
         for (y0, y1, ya, yb), (x0, x1, xa, xb) in grid:
-            part = src[..., ya:yb, xa:xb]
+            part = _take(src, (Ellipsis, slice(ya, yb), slice(xa, xb)))
             crop = (slice(None), slice(None), slice(None),
                     slice((y0 - ya) * r, (y1 - ya) * r), slice((x0 - xa) * r, (x1 - xa) * r))
             dst = out[b : b + 1, :, :, y0 * r : y1 * r, x0 * r : x1 * r]
@@ -132,15 +135,17 @@ def _chunks(model: Any, desc: Any, layout: CarryLayout, src: torch.Tensor, dst: 
             with torch.no_grad(), carried(layout, states):
                 if fault_hook is not None:
                     fault_hook(run["step"] - 1)
-                return desc.chunk(model, src[:, :, pos:stop].to(dtype).to(dev), states)[crop]
+                part = _take(src, (slice(None), slice(None), slice(pos, stop)))
+                part = tuple(p.to(dtype).to(dev) for p in part) if isinstance(part, tuple) else part.to(dtype).to(dev)
+                return desc.chunk(model, part, states)[crop]
 
         def recover(event: OomEvent, saved: dict = saved) -> None:
             states.clear()
             states.update(_copy(saved))
-            run["k"] = max(desc.min_k, run["k"] // 2)
+            run["k"] = _fit(desc, run["k"] // 2)
             run["shrinks"] += 1
-            log.warning("carried chunks: out of memory (%s); resuming with %d latent frames per chunk",
-                        event.type_name, run["k"])
+            log.warning("carried chunks: out of memory (%s); resuming with %d %s per chunk",
+                        event.type_name, run["k"], desc.unit)
 
         frames = driver.run(attempt, can_recover=lambda e: desc.temporal and run["stop"] - run["pos"] > max(1, desc.min_k),
                             recover=recover)
@@ -157,6 +162,16 @@ def _chunks(model: Any, desc: Any, layout: CarryLayout, src: torch.Tensor, dst: 
         run["pos"] = run["stop"]
         tick()
     return frame
+
+
+def _fit(desc: Any, k: int) -> int:
+    """``k`` units rounded down to the description's chunk grid (a multiple of ``step``, at least ``min_k``)."""
+    return max(desc.min_k, k // desc.step * desc.step)
+
+
+def _take(src: Any, index: tuple) -> Any:
+    """``src[index]`` of the prefix's output: a tensor or a tuple of tensors."""
+    return tuple(s[index] for s in src) if isinstance(src, tuple) else src[index]
 
 
 def _copy(states: dict) -> dict:

@@ -388,12 +388,13 @@ def blend_ratios(vae: Any) -> tuple[Callable[[int], Any] | int | float, Callable
 
 
 def output_geometry(job: VideoJob) -> tuple[int, int]:
-    """``(output frames, spatial ratio)`` of ``job``'s decode: the Wan layout's, else the VAE's
-    ``upscale_ratio`` (:func:`blend_ratios`)."""
+    """``(output frames, spatial ratio)`` of ``job``'s decode: the Wan layout's, else the frames of the host's
+    own decode (:func:`chunk_frames`: CogVideoX's gives ``4 T`` for an even ``T``, its ``upscale_ratio``
+    ``4 T - 3``) and the VAE's spatial ``upscale_ratio`` (:func:`blend_ratios`)."""
     t = int(job.z.shape[2])
     if job.wan:
         return job.layout.out_frames(t), job.layout.spatial_ratio
-    return output_frames(job, t), blend_ratios(job.vae)[2]
+    return chunk_frames(job, t), blend_ratios(job.vae)[2]
 
 
 def output_frames(job: VideoJob, t: int) -> int:
@@ -455,14 +456,14 @@ def carry_chunk_peak(job: VideoJob, k: int, peaks: PeakStore, tile: tuple[int, i
     spatial tiles (latent px) with :func:`carry_halo`. Persisted in ``peaks``."""
     b, c, t, h, w = (int(v) for v in job.z.shape)
     desc = job.carry.description
-    kk = max(desc.min_k, min(int(k), t - 1))
+    kk = max(desc.min_k, min(int(k), t - 1) // desc.step * desc.step)
     sized = t if desc.prefix is not None else min(t, 1 + kk)
     halo = _job_halo(job) if tile is not None else 0
     key = (f"{model_key(job)}/{c}x{kk}x{h}x{w}/carry2" + (f"/t{t}" if desc.prefix is not None else "")
            + (f"/tile{tile[0]}x{tile[1]}+{halo}" if tile is not None else ""))
     peak = peaks.get(key)
     if peak is None:
-        n, r = output_frames(job, sized), blend_ratios(job.vae)[2]
+        n, r = chunk_frames(job, sized), blend_ratios(job.vae)[2]
         model = job.vae.first_stage_model
         with torch.inference_mode(), MetaSizer([model], job.dtype, job.device) as sizer:
             z = torch.empty((1, c, sized, h, w), dtype=job.dtype, device=job.device)
@@ -497,7 +498,8 @@ def plan_carry(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
     if not desc.temporal:
         ks = [t]
     else:
-        ks = [max(lo, k_user)] if k_user else list(range(max(lo, min(t - 1, CARRY_MAX_K)), lo - 1, -1))
+        top = max(lo, k_user if k_user else min(t - 1, CARRY_MAX_K))
+        ks = [k for k in range(top, lo - 1, -1) if k % desc.step == 0][: 1 if k_user else None]
     reason = (f"carried-context chunks: {desc.how} ({job.carry.family}; equal to the host's decode up to float "
               f"rounding)")
     alone = " (frame 0 alone)" if desc.first_alone and desc.temporal else ""
@@ -511,7 +513,7 @@ def plan_carry(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
             halo = _job_halo(job) if tile is not None else 0
             where = "whole frames" if tile is None else f"{tile[0]}x{tile[1]} latent px tiles (halo {halo})"
             for k in ks if tile is None else ks[-1:]:
-                found = Plan("carry", Chunking(k, tile), f"k = {k} latent frames/chunk{alone}, {where}",
+                found = Plan("carry", Chunking(k, tile), f"k = {k} {desc.unit}/chunk{alone}, {where}",
                              out_b + max(carry_chunk_peak(job, k, peaks, tile), post), reason=reason, halo=halo)
                 if found.planned <= budget:
                     return found
@@ -545,6 +547,9 @@ def off_formula(job: VideoJob, k: int) -> str | None:
     None: every chunk length of the plan must decode to the formula's frame count (CogVideoX's decoder gives
     ``4 l`` frames for an even ``l``, not ``4 l - 3``)."""
     t = int(job.z.shape[2])
+    if chunk_frames(job, t) != output_frames(job, t):
+        return (f"the clip's {t} latent frames decode to {chunk_frames(job, t)} frames, not the "
+                f"{output_frames(job, t)} of the VAE's frame formula")
     for length in sorted({b - a for a, b in overlap_chunks(t, k, 1)}):
         want = output_frames(job, length)
         got = chunk_frames(job, length)

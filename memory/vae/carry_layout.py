@@ -26,11 +26,16 @@ calls (HunyuanVideo 1.5's ``conv_carry_in``/``conv_carry_out`` lists) describes 
   tile decodes the whole clip. Its ``decode`` mixes fresh noise (``randn_like``, unseeded) into the latent first:
   the prefix draws it once on the whole latent, as the host does, so the result equals the host's decode for the
   same random state.
+* CogVideoX (``comfy.ldm.cogvideo.vae``, ComfyUI 0.33+): the host's decode is itself rolling: ``conv_in``, the mid
+  block and the temporal up blocks on the whole latent (GroupNorm over the clip: the prefix), then the spatial up
+  blocks in chunks of 4 frames with causal caches (GroupNorm per chunk): our chunks are whole numbers of its
+  chunks, its caches carried between them. Whole frames only (the per-chunk GroupNorm spans the frame).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import weakref
 from collections.abc import Callable
@@ -68,10 +73,17 @@ class Description:
     a family whose ``chunk`` carries its context itself)."""
     chunk: Chunk = _host_decode
     """One chunk: by default the host's ``decode`` of its latent frames."""
-    prefix: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
-    """The global part, run once per video on the whole latent (None: none)."""
+    prefix: Callable[[Any, torch.Tensor], Any] | None = None
+    """The global part, run once per video on the whole latent (None: none); its output is a tensor or a tuple of
+    tensors with one time axis (dim 2), which the chunks slice."""
     min_k: int = 1
-    """Fewest latent frames a chunk may have (the last excepted)."""
+    """Fewest units (:attr:`unit`) a chunk may have (the last excepted)."""
+    step: int = 1
+    """Chunks hold a multiple of ``step`` units (the last excepted): the host's own chunk grid."""
+    unit: str = "latent frames"
+    """What the chunks count: the time axis of the prefix's output (latent frames where it keeps the latent's)."""
+    check_t: int = 0
+    """Latent frames of the self-check's latent (0: enough for three chunks of ``min_k`` latent frames)."""
     first_alone: bool = True
     """The first chunk is latent frame 0 alone (else it has ``k`` frames like the others)."""
     temporal: bool = True
@@ -220,6 +232,62 @@ def _ltx_chunk(model: Any, x: torch.Tensor, states: dict) -> torch.Tensor:
     return model.decoder(x, timestep=t)
 
 
+COG_CHUNK = 4
+"""Frames per chunk of CogVideoX's rolling decode (a constant inside the host's ``_decode_rolling``; its GroupNorm
+statistics are per chunk, so ours hold a multiple of it: the self-check proves the grid)."""
+
+
+def _cog_reason(model: Any) -> str | None:
+    dec = getattr(model, "decoder", None)
+    if type(model).__name__ != "AutoencoderKLCogVideoX" or not type(model).__module__.endswith("cogvideo.vae"):
+        return "not a CogVideoX VAE (comfy.ldm.cogvideo.vae)"
+    if not callable(getattr(model, "_decode_rolling", None)) or _cog_interp(model) is None:
+        return "its VAE has no rolling decode (_decode_rolling, _interpolate_zq) to reproduce"
+    if dec is None or len(dec.up_blocks) <= _cog_split(model):
+        return "its decoder has no spatial-only up blocks after the temporal ones"
+    return None
+
+
+def _cog_interp(model: Any) -> Any:
+    return getattr(sys.modules.get(type(model).__module__), "_interpolate_zq", None)
+
+
+def _cog_split(model: Any) -> int:
+    """Up blocks with a temporal upsample (run on the whole clip by the host)."""
+    return int(round(math.log2(int(model.temporal_compression_ratio))))
+
+
+def _cog_prefix(model: Any, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_decode_rolling``'s first phase on the whole latent: ``conv_in``, the mid block and the temporal up
+    blocks (GroupNorm over the clip), with the latent expanded in time to their output's frames."""
+    dec = model.decoder
+    x, _ = dec.conv_in(z)
+    x, _ = dec.mid_block(x, None, z)
+    for i in range(_cog_split(model)):
+        x, _ = dec.up_blocks[i](x, None, z)
+    return x, _cog_interp(model)(z, (x.shape[2], z.shape[3], z.shape[4]))
+
+
+def _cog_chunk(model: Any, src: tuple[torch.Tensor, torch.Tensor], states: dict) -> torch.Tensor:
+    """Iterations of ``_decode_rolling``'s chunk loop (:data:`COG_CHUNK` frames each) over this chunk's frames;
+    ``states["cog"]``: the host's ``conv_caches`` between them (entries replaced, never changed)."""
+    dec, (x, zt) = model.decoder, src
+    caches = states.setdefault("cog", {})
+    if states["first"]:
+        caches.clear()
+    outs = []
+    for a in range(0, x.shape[2], COG_CHUNK):
+        xc, zc = x[:, :, a : a + COG_CHUNK], zt[:, :, a : a + COG_CHUNK]
+        for i in range(_cog_split(model), len(dec.up_blocks)):
+            zq = zc if zc.shape[-2:] == xc.shape[-2:] else F.interpolate(zc, size=(zc.shape[2], *xc.shape[-2:]))
+            xc, caches[f"up_block_{i}"] = dec.up_blocks[i](xc, None, zq, conv_cache=caches.get(f"up_block_{i}"))
+        zq = zc if zc.shape[-2:] == xc.shape[-2:] else F.interpolate(zc, size=(zc.shape[2], *xc.shape[-2:]))
+        xc, caches["norm_out"] = dec.norm_out(xc, zq, conv_cache=caches.get("norm_out"))
+        xc, caches["conv_out"] = dec.conv_out(dec.conv_act(xc), conv_cache=caches.get("conv_out"))
+        outs.append(xc)
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
 DESCRIPTIONS: tuple[Description, ...] = (
     Description("mochi", _mochi_reason, _mochi_forwards),
     Description("hunyuan_video15", _hv15_reason, chunk=_hv15_chunk, prefix=_hv15_prefix, min_k=2,
@@ -230,6 +298,10 @@ DESCRIPTIONS: tuple[Description, ...] = (
                 first_alone=False, tiles=True,
                 how="spatial tiles of the whole clip with a halo of the decoder's traced reach (the decode's noise "
                     "drawn once on the whole latent, as the host draws it)"),
+    Description("cogvideox", _cog_reason, chunk=_cog_chunk, prefix=_cog_prefix, min_k=COG_CHUNK, step=COG_CHUNK,
+                unit="frames", first_alone=False, check_t=3,
+                how=f"the host's rolling decode: its low-resolution phase once on the whole latent, then its chunks of "
+                    f"{COG_CHUNK} frames with their causal caches"),
 )
 
 

@@ -14,10 +14,12 @@ exists, never a crash, and approximate with the reason where not.
   frames of reach each side): spatial tiles of the whole clip with the traced halo; its decode mixes unseeded
   noise into the latent, drawn once on the whole latent as the host draws it: equal to VAE Decode from the same
   random state within 1e-4, at least 4 tiles.
-* CogVideoX (``comfy.ldm.cogvideo``, ComfyUI 0.33 only): a chunk of an even number of latent frames decodes to
-  ``4 l`` frames, not the ``4 l - 3`` of its ``upscale_ratio``; such chunks cannot be placed, so the node takes
-  the host's own decode (exact, equal to VAE Decode) and says why; odd chunks blend (approximate). Before, the
-  blend path crashed here (``decode_fn gave 8 frames for latent [0, 2)``).
+* CogVideoX (``comfy.ldm.cogvideo``, ComfyUI 0.33 only): the host's decode is itself rolling (its low-resolution
+  phase on the whole clip, then chunks of 4 frames with causal caches and per-chunk GroupNorm): the carried-context
+  executor runs that phase once and then whole numbers of the host's chunks with its caches: equal to VAE Decode
+  within 1e-4, 3 chunks. An even number of latent frames decodes to ``4 T`` frames, not the ``4 T - 3`` of its
+  ``upscale_ratio``: the output takes the host's count. (Before: an approximate overlap-blend of odd chunks, and
+  a shape error on an even latent.)
 """
 
 from __future__ import annotations
@@ -262,31 +264,58 @@ class TestLtxVideo:
 
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def cog(comfy, fixture_vaes):
     if not available("cogvideox"):
         pytest.skip("CogVideoX's VAE is not in this host (ComfyUI >= 0.33.0)")
-    return _case(comfy, fixture_vaes, "cogvideox", (1, 16, 3, 4, 4))
+    yield from _held_case(comfy, fixture_vaes, "cogvideox", (1, 16, 3, 4, 4))
 
 
-def test_cogvideox_even_chunks_take_the_host_decode(cog, video):
-    vae, z, ref = cog
-    r = video.decode(vae, {"samples": z}, frames_per_chunk=2)
-    text = r.report.text()
-    assert r.plan.path == "host", text
-    assert "overlap-blend chunks do not apply" in text and "decodes to 8 frames" in text, text
-    assert r.report.summary.startswith("exact"), text
-    assert (r.images - ref).abs().max().item() <= 1e-4, text
+class TestCogVideoX:
+    """CogVideoX's rolling decode reproduced in chunks of its own 4-frame grid (its VAE loaded for this class)."""
 
+    @pytest.mark.parametrize("k, chunks", [(4, 3), (8, 2)])
+    def test_cogvideox_carried_chunks_are_exact(self, cog, video, k, chunks):
+        vae, z, ref = cog
+        r = video.decode(vae, {"samples": z}, frames_per_chunk=k)
+        text = r.report.text()
+        assert r.plan.path == "carry" and r.plan.exact, text
+        assert r.stats["chunks"] == chunks and f"k = {k} frames/chunk" in text, text  # 9 frames: [4, 4, 1] / [8, 1]
+        assert r.report.summary.startswith("exact") and "carried chunks: self-check passed" in text, text
+        assert r.images.shape == ref.shape == (9, 32, 32, 3), (tuple(r.images.shape), tuple(ref.shape))
+        assert (r.images - ref).abs().max().item() <= 1e-4, text
 
-def test_cogvideox_odd_chunks_blend(comfy, fixture_vaes, cog, video):
-    vae, _, _ = cog
-    z = structured_latent((1, 16, 5, 4, 4), seed=6)
-    with torch.inference_mode():
-        ref = comfy.VAEDecode().decode(vae, {"samples": z})[0].clone()
-    r = video.decode(vae, {"samples": z}, frames_per_chunk=3)
-    text = r.report.text()
-    assert r.plan.path == "blend" and r.report.summary.startswith("approximate"), text
-    assert r.images.shape == ref.shape
-    log.info("cogvideox blend k=3 vs VAEDecode: PSNR %.1f dB, max abs %.3f", _psnr(r.images, ref),
-             (r.images - ref).abs().max().item())
+    def test_cogvideox_chunks_keep_the_hosts_grid(self, cog, video):
+        """A chunk size off the host's 4-frame grid (its GroupNorm statistics are per host chunk) is rounded to it."""
+        vae, z, ref = cog
+        r = video.decode(vae, {"samples": z}, frames_per_chunk=6)
+        text = r.report.text()
+        assert r.plan.config.k == 4 and r.stats["chunks"] == 3, text
+        assert (r.images - ref).abs().max().item() <= 1e-4, text
+
+    def test_cogvideox_even_latent_has_the_hosts_frame_count(self, comfy, cog, video):
+        """An even number of latent frames decodes to 4 T frames, not the 4 T - 3 of the VAE's upscale_ratio: the
+        output has the host's count, whole and in chunks (before: a shape error)."""
+        vae = cog[0]
+        z = structured_latent((1, 16, 4, 4, 4), seed=6)
+        with torch.inference_mode():
+            ref = comfy.VAEDecode().decode(vae, {"samples": z})[0].clone()
+        assert ref.shape[0] == 16
+        whole = video.decode(vae, {"samples": z})
+        assert whole.plan.path == "host" and whole.images.shape == ref.shape, whole.report.text()
+        assert (whole.images - ref).abs().max().item() <= 1e-4
+        r = video.decode(vae, {"samples": z}, frames_per_chunk=4)
+        text = r.report.text()
+        assert r.plan.path == "carry" and r.stats["chunks"] == 4 and r.images.shape == ref.shape, text
+        assert (r.images - ref).abs().max().item() <= 1e-4, text
+
+    def test_cogvideox_resumes_after_oom_on_the_grid(self, comfy, cog, video):
+        vae = cog[0]
+        z = structured_latent((1, 16, 4, 4, 4), seed=6)
+        with torch.inference_mode():
+            ref = comfy.VAEDecode().decode(vae, {"samples": z})[0].clone()
+        r, fired = _oom_in_second_chunk(video, vae, z, 8)
+        text = r.report.text()
+        # [0, 8) done, [8, 16) failed: k 8 halves to 4, [8, 12), [12, 16)
+        assert fired == [1] and r.stats["shrinks"] == 1 and r.stats["frames_per_chunk"] == 4, text
+        assert r.stats["chunks"] == 3 and (r.images - ref).abs().max().item() <= 1e-4, text
