@@ -11,10 +11,12 @@ size, in one process, CPU float32:
    times the decode, not the first-use check.
 
 ``--video``: the video VAEs of the carried-context executor (``--video-kinds``: Mochi, HunyuanVideo 1.5,
-LTX-Video) on a ``--frames``-latent-frame clip of ``--video-px``: the host's ``VAEDecode``, core
+LTX-Video, CogVideoX where the host has it) on a ``--frames``-latent-frame clip of ``--video-px``: the host's ``VAEDecode``, core
 ``VAEDecodeTiled`` with its defaults (tile 512 / overlap 64, temporal 64 / 8) and with temporal chunks of 24
 frames (overlap 8), and Temporal-Chunk Video Decode with ``frames_per_chunk`` 2 (exact carried chunks; LTX-Video:
-the whole clip) and, for the families that tile, 2x2 tiles. Every row draws the decode's noise (LTX-Video) from
+the whole clip; CogVideoX: 4 frames, its host's chunk), for the families that tile 2x2 tiles, and for the ones
+that chunk in time a ``budget_mb`` between the predictions with the carried context kept for a rollback and spent
+in place (the planner then spends it in place). Every row draws the decode's noise (LTX-Video) from
 one random state.
 
 Per row: wall seconds, the live-tensor peak (``PeakTracker`` dispatch: the same measure for all rows), PSNR
@@ -22,7 +24,7 @@ vs the reference, and ratios vs the reference (time, peak). Nothing is asserted;
 docs/BENCHMARKS.md::
 
     .cache/venv/bin/python bench/coverage.py [--kinds hunyuan_image dcae_sana] [--sizes 512] [--threads 2]
-                                             [--video [--video-kinds mochi hunyuan_video15 ltx_video] [--frames 8]
+                                             [--video [--video-kinds mochi hunyuan_video15 ltx_video cogvideox] [--frames 8]
                                               [--video-px 128]]
 """
 
@@ -104,7 +106,10 @@ def bench(nodes: Any, mod: Any, tracker_mod: Any, kind: str, px: int) -> list[di
     return rows
 
 
-VIDEO_KINDS = ("mochi", "hunyuan_video15", "ltx_video")
+VIDEO_KINDS = ("mochi", "hunyuan_video15", "ltx_video", "cogvideox")
+TILING_KINDS = ("hunyuan_video15", "ltx_video")
+CHUNK = {"cogvideox": 4}
+"""Chunk size of the exact rows (CogVideoX counts decoded frames on its host's 4-frame grid; others: 2)."""
 
 
 def _seeded(fn: Callable[[], Any]) -> Any:
@@ -114,13 +119,27 @@ def _seeded(fn: Callable[[], Any]) -> Any:
         return fn()
 
 
+def _carry_planned(video: Any, vae: Any, z: torch.Tensor, k: int, rollback: bool) -> int:
+    """Bytes the carried plan of ``k`` predicts, whole frames, with the context kept (``rollback``) or in place
+    (``video``: the node's module; the engine is imported from the same package)."""
+    pkg = video.__name__.rsplit(".nodes.", 1)[0]
+    job = importlib.import_module(f"{pkg}.memory.decode.video").make_job(vae, z, "cpu", frames_per_chunk=k)
+    pv = importlib.import_module(f"{pkg}.memory.plan.video")
+    frames, r = pv.output_geometry(job)
+    _, _, _, h, w = z.shape
+    return pv.out_bytes(job, frames, h * r, w * r) + pv.carry_chunk_peak(job, k, pv.PeakStore(), rollback=rollback)
+
+
 def bench_video(nodes: Any, tracker_mod: Any, kind: str, frames: int, px: int) -> list[dict[str, Any]]:
     """A carried-context video VAE: the host's decode, core's tiled decode (defaults; 24-frame temporal chunks)
     and exact chunks of 2 latent frames (LTX-Video: one whole-clip chunk), and, where the family tiles, 2x2
     tiles (``tile_size`` = half the frame)."""
-    from scripts.fixtures import FIXTURES, structured_latent
+    from scripts.fixtures import FIXTURES, available, structured_latent
     from scripts.host import core_decode_tiled
 
+    if not available(kind):
+        return [{"kind": kind, "px": f"{px}x{px}x{frames}", "decode": "-",
+                 "skipped": f"this host has no {FIXTURES[kind].module} (ComfyUI >= {FIXTURES[kind].min_comfyui})"}]
     video = sys.modules[nodes.NODE_CLASS_MAPPINGS["VRAMFit_TemporalChunkVideoDecode"].__module__]
     vae = _load(nodes, kind)
     spec = FIXTURES[kind]
@@ -134,10 +153,16 @@ def bench_video(nodes: Any, tracker_mod: Any, kind: str, frames: int, px: int) -
         t = _measure(tracker_mod, lambda args=args: _seeded(
             lambda: core_decode_tiled(nodes, vae, {"samples": z}, *args)))
         rows.append({"kind": kind, "px": size, "decode": label, **t, "psnr": _psnr(t["out"], ref["out"])})
-    video.decode(vae, {"samples": z[:, :, :5]}, frames_per_chunk=2)  # first use (self-check), untimed
-    runs = [({"frames_per_chunk": 2}, "k 2")]
-    if kind != "mochi":
-        runs.append(({"frames_per_chunk": 2, "tile_size": px // 2}, f"k 2, tile {px // 2} px"))
+    k = CHUNK.get(kind, 2)
+    video.decode(vae, {"samples": z[:, :, :5]}, frames_per_chunk=k)  # first use (self-check), untimed
+    runs = [({"frames_per_chunk": k}, f"k {k}")]
+    if kind in TILING_KINDS:
+        runs.append(({"frames_per_chunk": k, "tile_size": px // 2}, f"k {k}, tile {px // 2} px"))
+    if kind != "ltx_video":  # chunks in time: a budget between the two context modes' predictions
+        rb, inplace = (_carry_planned(video, vae, z, k, rollback) for rollback in (True, False))
+        if inplace < rb:
+            mid = (rb + inplace) / 2 / MiB
+            runs.append(({"frames_per_chunk": k, "budget_mb": int(mid)}, f"k {k}, budget {mid:.0f} MiB"))
     for kw, label in runs:
         w0 = time.perf_counter()
         r = _seeded(lambda kw=kw: video.decode(vae, {"samples": z}, **kw))

@@ -258,7 +258,7 @@ def decode_video(
         elif p.path == "carry":
             decode_carried(
                 model, job.carry, z, c.k, out=view, dtype=job.dtype, compute_device=job.device, tile=c.tile,
-                halo=p.halo, progress=bar,
+                halo=p.halo, rollback=c.rollback, progress=bar,
                 should_stop=env.should_stop,
                 fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
                 oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
@@ -310,6 +310,9 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
         if c.store is not None:
             cache += f"; global part of every frame stored on the {c.store}"
         r.add("cache", cache)
+    elif plan.path == "carry" and not c.rollback:
+        r.add("cache", "carried context spent in place, as the host (1x; an OOM decodes that tile again from its "
+                       "first chunk)")
     if job.wan or plan.planned:
         avail = budget.available
         pct = plan.planned / avail if avail else math.inf

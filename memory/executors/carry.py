@@ -6,7 +6,8 @@ decoder's global part) runs first, once per video on the whole latent; the chunk
 frame sees the inputs it sees in the whole decode: equal to it up to float rounding. Whole frames.
 
 An OOM inside a chunk restores the carried context saved at its start, halves ``k`` and resumes there
-(finished frames are kept); at the smallest ``k`` it propagates. Nothing here imports ComfyUI.
+(finished frames are kept); in place (``rollback`` False: no saved context, the host's memory) it decodes that
+tile again from its first chunk with the smaller ``k``; at the smallest ``k`` it propagates. Nothing here imports ComfyUI.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def decode_carried(
     compute_device: torch.device | str,
     tile: tuple[int, int] | None = None,
     halo: int = 0,
+    rollback: bool = True,
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], Any] | None = None,
     fault_hook: Callable[[int], None] | None = None,
@@ -72,7 +74,9 @@ def decode_carried(
     the whole clip where it does not chunk in time; ``k`` of the description's units, on its chunk grid, where
     its prefix changes the time axis); returns ``out``. ``tile``: spatial tiles of at most ``tile``
     (rows, cols) px of the chunks' input (the prefix's output), each extended by ``halo`` px and decoded through
-    every chunk with its own carried context (a description with ``tiles``; None: whole frames).
+    every chunk with its own carried context (a description with ``tiles``; None: whole frames). ``rollback``:
+    keep the context each chunk starts from (an OOM resumes there with a smaller ``k``); False: the chunks spend
+    it as the host does (less memory; an OOM decodes that tile again from its first chunk).
     ``progress(done, total)`` per chunk; ``should_stop()`` before each; ``fault_hook(step)`` inside each chunk
     attempt (tests)."""
     desc = layout.require().description
@@ -81,7 +85,7 @@ def decode_carried(
     driver = stop_driver(oom_types(oom_exceptions), should_stop, on_oom)
     b_total = int(z.shape[0])
     dev = torch.device(compute_device)
-    run = {"k": 0, "step": 0, "shrinks": 0, "chunks": 0, "pos": 0, "stop": 0, "done": 0}
+    run = {"k": 0, "step": 0, "shrinks": 0, "chunks": 0, "pos": 0, "stop": 0, "done": 0, "rollback": rollback}
     for b in range(b_total):
         src = z[b : b + 1]
         if desc.prefix is not None:
@@ -113,7 +117,7 @@ def decode_carried(
     if stats is not None:
         tiles = None if tile is None else len(grid)
         stats.update(exact=True, chunks=run["chunks"], units=run["chunks"], frames_per_chunk=run["k"],
-                     tile=tile, tiles=tiles, shrinks=run["shrinks"])
+                     tile=tile, tiles=tiles, shrinks=run["shrinks"], rollback=rollback)
     return out
 
 
@@ -122,10 +126,11 @@ def _chunks(model: Any, desc: Any, layout: CarryLayout, src: torch.Tensor, dst: 
             fault_hook: Callable[[int], None] | None, tick: Callable[[], None]) -> int:
     """Every chunk of one batch item's (tile's) latent frames ``src`` into ``dst``, with fresh carried
     context; returns the frames written."""
-    states: dict = {"first": True}
-    run["pos"], frame = 0, 0
+    rollback = run["rollback"]
+    states: dict = {"first": True, "rollback": rollback}
+    run["pos"], run["frame"], start_done = 0, 0, run["done"]
     while run["pos"] < t:
-        saved = _copy(states)
+        saved = _copy(states) if rollback else None
 
         def attempt() -> torch.Tensor:
             pos = run["pos"]
@@ -139,29 +144,36 @@ def _chunks(model: Any, desc: Any, layout: CarryLayout, src: torch.Tensor, dst: 
                 part = tuple(p.to(dtype).to(dev) for p in part) if isinstance(part, tuple) else part.to(dtype).to(dev)
                 return desc.chunk(model, part, states)[crop]
 
-        def recover(event: OomEvent, saved: dict = saved) -> None:
+        def recover(event: OomEvent, saved: dict | None = saved) -> None:
             states.clear()
-            states.update(_copy(saved))
+            if saved is not None:
+                states.update(_copy(saved))
+            else:  # in place: the chunk spent the carried context; this tile again from its first chunk
+                states.update(first=True, rollback=False)
+                run["pos"], run["frame"], run["done"] = 0, 0, start_done
             run["k"] = _fit(desc, run["k"] // 2)
             run["shrinks"] += 1
-            log.warning("carried chunks: out of memory (%s); resuming with %d %s per chunk",
-                        event.type_name, run["k"], desc.unit)
+            log.warning("carried chunks: out of memory (%s); %s with %d %s per chunk", event.type_name,
+                        "resuming" if rollback else "restarting the tile", run["k"], desc.unit)
 
-        frames = driver.run(attempt, can_recover=lambda e: desc.temporal and run["stop"] - run["pos"] > max(1, desc.min_k),
-                            recover=recover)
-        n = int(frames.shape[2])
+        def can_recover(event: OomEvent) -> bool:
+            smaller = run["stop"] - run["pos"] > max(1, desc.min_k) if rollback else run["k"] > desc.min_k
+            return desc.temporal and smaller
+
+        frames = driver.run(attempt, can_recover=can_recover, recover=recover)
+        n, frame = int(frames.shape[2]), run["frame"]
         if n == 0 or frame + n > dst.shape[2]:
             raise RuntimeError(f"chunk [{run['pos']}, {run['stop']}) decoded to {n} frames at frame "
                                f"{frame}; the output has {dst.shape[2]}")
         dst[:, :, frame : frame + n].copy_(frames)
         del frames
-        frame += n
+        run["frame"] = frame + n
         states["first"] = False
         run["chunks"] += 1
         run["done"] += int(run["stop"]) - int(run["pos"])
         run["pos"] = run["stop"]
         tick()
-    return frame
+    return run["frame"]
 
 
 def _fit(desc: Any, k: int) -> int:

@@ -450,17 +450,19 @@ def _job_halo(job: VideoJob) -> int:
     return carry_halo(job.vae.first_stage_model, job.carry, int(job.z.shape[1]), job.dtype, job.device)
 
 
-def carry_chunk_peak(job: VideoJob, k: int, peaks: PeakStore, tile: tuple[int, int] | None = None) -> int:
+def carry_chunk_peak(job: VideoJob, k: int, peaks: PeakStore, tile: tuple[int, int] | None = None,
+                     rollback: bool = True) -> int:
     """Meta-sized peak bytes of the carried-context executor, the output buffer left out: frame 0 and one chunk
     of ``k`` latent frames, or the whole clip for a family with a prefix (run on the whole latent); ``tile``:
-    spatial tiles (latent px) with :func:`carry_halo`. Persisted in ``peaks``."""
+    spatial tiles (latent px) with :func:`carry_halo`; ``rollback`` False: the context spent in place. Persisted
+    in ``peaks``."""
     b, c, t, h, w = (int(v) for v in job.z.shape)
     desc = job.carry.description
     kk = max(desc.min_k, min(int(k), t - 1) // desc.step * desc.step)
     sized = t if desc.prefix is not None else min(t, 1 + kk)
     halo = _job_halo(job) if tile is not None else 0
     key = (f"{model_key(job)}/{c}x{kk}x{h}x{w}/carry2" + (f"/t{t}" if desc.prefix is not None else "")
-           + (f"/tile{tile[0]}x{tile[1]}+{halo}" if tile is not None else ""))
+           + (f"/tile{tile[0]}x{tile[1]}+{halo}" if tile is not None else "") + ("" if rollback else "/inplace"))
     peak = peaks.get(key)
     if peak is None:
         n, r = chunk_frames(job, sized), blend_ratios(job.vae)[2]
@@ -469,7 +471,7 @@ def carry_chunk_peak(job: VideoJob, k: int, peaks: PeakStore, tile: tuple[int, i
             z = torch.empty((1, c, sized, h, w), dtype=job.dtype, device=job.device)
             out = torch.empty((1, 3, n, h * r, w * r), dtype=torch.float32, device=job.device)
             decode_carried(model, job.carry, z, kk, out=out, dtype=job.dtype, compute_device=job.device,
-                           tile=tile, halo=halo)
+                           tile=tile, halo=halo, rollback=rollback)
             out_b = out.numel() * out.element_size()
             del out, z
         peak = int(sizer.peak_bytes) - out_b
@@ -485,7 +487,8 @@ def _carry_tiles(h: int, w: int) -> list[tuple[int, int]]:
 
 def plan_carry(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Plan | None:
     """Carried-context chunks (exact): the largest ``k`` (at most :data:`CARRY_MAX_K`, or the user's) whose
-    meta-sized peak plus the output buffer fits ``budget``, whole frames; then, for a family whose chunks are
+    meta-sized peak plus the output buffer fits ``budget``, whole frames (each ``k`` with the context kept for
+    a rollback, then spent in place); then, for a family whose chunks are
     spatially local, the smallest ``k`` in the largest tiles that fit (or the user's ``tile_size``); the
     smallest, flagged, when none does. None when the executor cannot be meta-sized (logged: the caller
     blends)."""
@@ -513,10 +516,14 @@ def plan_carry(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
             halo = _job_halo(job) if tile is not None else 0
             where = "whole frames" if tile is None else f"{tile[0]}x{tile[1]} latent px tiles (halo {halo})"
             for k in ks if tile is None else ks[-1:]:
-                found = Plan("carry", Chunking(k, tile), f"k = {k} {desc.unit}/chunk{alone}, {where}",
-                             out_b + max(carry_chunk_peak(job, k, peaks, tile), post), reason=reason, halo=halo)
-                if found.planned <= budget:
-                    return found
+                for rollback in (True, False) if desc.temporal else (True,):
+                    cache = "" if rollback else ", context carried in place"
+                    found = Plan("carry", Chunking(k, tile, rollback=rollback),
+                                 f"k = {k} {desc.unit}/chunk{alone}, {where}{cache}",
+                                 out_b + max(carry_chunk_peak(job, k, peaks, tile, rollback), post), reason=reason,
+                                 halo=halo)
+                    if found.planned <= budget:
+                        return found
     except Exception as e:  # noqa: BLE001 - an op without a fake kernel: not planned this way
         log.warning("meta sizing of carried chunks of %s failed (%s: %s)", job.family, type(e).__name__, e)
         return None

@@ -175,12 +175,12 @@ def _hv15_prefix(model: Any, z: torch.Tensor) -> torch.Tensor:
 
 
 def _hv15_chunk(model: Any, x: torch.Tensor, states: dict) -> torch.Tensor:
-    """One iteration of ``Decoder.forward``'s chunk loop; ``states["hv15"]``: the previous chunk's carry list
-    (copied: the host pops from it), replaced by this chunk's."""
+    """One iteration of ``Decoder.forward``'s chunk loop; ``states["hv15"]``: the previous chunk's carry list,
+    replaced by this chunk's (copied when the executor keeps it for a rollback: the host pops from it)."""
     dec = model.decoder
     causal = _causal(dec)
     prev = None if states["first"] else states["hv15"]
-    cin, cout = (None if prev is None else list(prev)), []
+    cin, cout = (None if prev is None else list(prev) if states.get("rollback", True) else prev), []
     for stage in dec.up:
         for blk in stage.block:
             x = blk(x, conv_carry_in=cin, conv_carry_out=cout)

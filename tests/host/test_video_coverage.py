@@ -149,6 +149,32 @@ class TestHunyuanVideo15:
         assert "tile-chunks" in r.report.summary and r.report.summary.startswith("exact"), text
         assert (r.images - ref).abs().max().item() <= 1e-4, text
 
+    def test_hunyuan_video15_in_place_holds_less_and_is_exact(self, hv15, video):
+        """Context spent in place, as the host spends its carry lists: the same frames in less memory than with the
+        rollback copy (live tensor bytes), and the planner predicts the difference."""
+        from vramfit.memory.decode.video import make_job
+        from vramfit.memory.executors.carry import decode_carried
+        from vramfit.memory.measure.tracker import PeakTracker
+        from vramfit.memory.plan.video import PeakStore, carry_chunk_peak
+
+        vae, z, ref = hv15
+        model = vae.first_stage_model
+        job = make_job(vae, z, "cpu", frames_per_chunk=2)
+        peaks, outs = {}, {}
+        for rollback in (True, False):
+            out = torch.empty((1, 3, ref.shape[0], ref.shape[1], ref.shape[2]), dtype=torch.float32)
+            with PeakTracker("cpu") as t:
+                decode_carried(model, job.carry, z, 2, out=out, dtype=job.dtype, compute_device="cpu",
+                               rollback=rollback)
+            peaks[rollback], outs[rollback] = t.peak_bytes, out
+        assert torch.equal(outs[True], outs[False])
+        got = vae.process_output(outs[False])[0].permute(1, 2, 3, 0)  # (frames, H, W, 3), as VAE Decode
+        assert (got - ref).abs().max().item() <= 1e-4
+        predicted = {rb: carry_chunk_peak(job, 2, PeakStore(), rollback=rb) for rb in (True, False)}
+        log.info("hv15 carried chunks: tracked rollback %d / in place %d B; predicted %d / %d B", peaks[True],
+                 peaks[False], predicted[True], predicted[False])
+        assert peaks[False] < peaks[True] and predicted[False] < predicted[True], (peaks, predicted)
+
     def test_hunyuan_video15_resumes_after_oom_not_below_two_frames(self, hv15, video):
         vae, z, ref = hv15
         r, fired = _oom_in_second_chunk(video, vae, z, 3)

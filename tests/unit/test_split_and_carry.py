@@ -226,3 +226,21 @@ def test_carried_chunks_resume_after_oom(mochi):
                    fault_hook=_oom_at(2, fired), stats=stats)
     assert fired == [2] and stats["shrinks"] == 1 and stats["frames_per_chunk"] == 2
     assert (out - ref).abs().max().item() <= 1e-5
+
+
+def test_carried_chunks_in_place_restart_the_tile_after_oom(mochi):
+    """In place (``rollback`` False) no context is kept: an OOM in the third chunk decodes the clip again from its
+    first chunk with half the ``k``; same frames, and progress goes back to where the tile started."""
+    lay = carry_layout(mochi)
+    z = torch.randn(1, 3, 7, 3, 4)
+    with torch.no_grad():
+        ref = mochi.decode(z)
+    fired: list[int] = []
+    seen: list[int] = []
+    out, stats = torch.full_like(ref, float("nan")), {}
+    decode_carried(mochi, lay, z, 4, out=out, dtype=torch.float32, compute_device="cpu", rollback=False,
+                   fault_hook=_oom_at(2, fired), progress=lambda done, total: seen.append(done), stats=stats)
+    assert fired == [2] and stats["shrinks"] == 1 and stats["frames_per_chunk"] == 2 and not stats["rollback"]
+    # [0, 1), [1, 5) done; [5, 7) failed: again [0, 1), [1, 3), [3, 5), [5, 7)
+    assert stats["chunks"] == 6 and seen == [1, 5, 1, 3, 5, 7], seen
+    assert (out - ref).abs().max().item() <= 1e-5
