@@ -7,7 +7,8 @@ frame sees the inputs it sees in the whole decode: equal to it up to float round
 
 An OOM inside a chunk restores the carried context saved at its start, halves ``k`` and resumes there
 (finished frames are kept); in place (``rollback`` False: no saved context, the host's memory) it decodes that
-tile again from its first chunk with the smaller ``k``; at the smallest ``k`` it propagates. Nothing here imports ComfyUI.
+tile again from its first chunk with the smaller ``k``; at the smallest ``k`` it propagates. Nothing here imports
+ComfyUI.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ def _chunks(model: Any, desc: Any, layout: CarryLayout, src: torch.Tensor, dst: 
                 if fault_hook is not None:
                     fault_hook(run["step"] - 1)
                 part = _take(src, (slice(None), slice(None), slice(pos, stop)))
-                part = tuple(p.to(dtype).to(dev) for p in part) if isinstance(part, tuple) else part.to(dtype).to(dev)
+                part = tuple(p.to(dtype).to(dev) for p in part) if isinstance(part, tuple) else (
+                    part.to(dtype).to(dev))
                 return desc.chunk(model, part, states)[crop]
 
         def recover(event: OomEvent, saved: dict | None = saved) -> None:
