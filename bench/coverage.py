@@ -125,9 +125,7 @@ def _carry_planned(video: Any, vae: Any, z: torch.Tensor, k: int, rollback: bool
     pkg = video.__name__.rsplit(".nodes.", 1)[0]
     job = importlib.import_module(f"{pkg}.memory.decode.video").make_job(vae, z, "cpu", frames_per_chunk=k)
     pv = importlib.import_module(f"{pkg}.memory.plan.video")
-    frames, r = pv.output_geometry(job)
-    _, _, _, h, w = z.shape
-    return pv.out_bytes(job, frames, h * r, w * r) + pv.carry_chunk_peak(job, k, pv.PeakStore(), rollback=rollback)
+    return pv.carry_planned(job, k, pv.PeakStore(), rollback=rollback)
 
 
 def bench_video(nodes: Any, tracker_mod: Any, kind: str, frames: int, px: int) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ from ..plan.video import (
     VideoJob,
     blend_fn,
     blend_ratios,
+    carry_halo,
     chunk_frames,
     model_key,
     output_geometry,
@@ -116,8 +117,6 @@ def check_carried(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
     ``first_stage_model.decode`` and in chunks of the smallest ``k`` (three chunks) and one more; a family with
     spatial tiles also in 1x1-px tiles with its traced halo. Every run starts from the same random state (a
     decode that draws noise, LTX's, draws the same)."""
-    from ..plan.video import carry_halo
-
     model, desc = job.vae.first_stage_model, job.carry.description
     key = f"carry/{job.carry.family}/{model_key(job)}"
     c = int(job.z.shape[1])

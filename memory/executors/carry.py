@@ -93,10 +93,9 @@ def decode_carried(
             driver.check_stop()
             with torch.no_grad():
                 src = desc.prefix(model, src.to(dtype).to(dev))
-        lead = src[0] if isinstance(src, tuple) else src
-        t, h, w = (int(v) for v in lead.shape[2:])
+        t, h, w = (int(v) for v in (src[0] if isinstance(src, tuple) else src).shape[2:])
         if not run["k"]:
-            run["k"] = _fit(desc, int(k) if desc.temporal else t)
+            run["k"] = desc.fit(int(k) if desc.temporal else t)
         r = int(out.shape[-2]) // h
         th, tw = tile if tile is not None else (h, w)
         grid = [(ys, xs) for ys in spans(h, th, halo) for xs in spans(w, tw, halo)]
@@ -107,7 +106,7 @@ def decode_carried(
                 progress(run["done"], units)
 
         for (y0, y1, ya, yb), (x0, x1, xa, xb) in grid:
-            part = _take(src, (Ellipsis, slice(ya, yb), slice(xa, xb)))
+            part = _each(src, lambda s, ya=ya, yb=yb, xa=xa, xb=xb: s[..., ya:yb, xa:xb])
             crop = (slice(None), slice(None), slice(None),
                     slice((y0 - ya) * r, (y1 - ya) * r), slice((x0 - xa) * r, (x1 - xa) * r))
             dst = out[b : b + 1, :, :, y0 * r : y1 * r, x0 * r : x1 * r]
@@ -141,9 +140,7 @@ def _chunks(model: Any, desc: Any, layout: CarryLayout, src: torch.Tensor, dst: 
             with torch.no_grad(), carried(layout, states):
                 if fault_hook is not None:
                     fault_hook(run["step"] - 1)
-                part = _take(src, (slice(None), slice(None), slice(pos, stop)))
-                part = tuple(p.to(dtype).to(dev) for p in part) if isinstance(part, tuple) else (
-                    part.to(dtype).to(dev))
+                part = _each(src, lambda s: s[:, :, pos:stop].to(dtype).to(dev))
                 return desc.chunk(model, part, states)[crop]
 
         def recover(event: OomEvent, saved: dict | None = saved) -> None:
@@ -153,7 +150,7 @@ def _chunks(model: Any, desc: Any, layout: CarryLayout, src: torch.Tensor, dst: 
             else:  # in place: the chunk spent the carried context; this tile again from its first chunk
                 states.update(first=True, rollback=False)
                 run["pos"], run["frame"], run["done"] = 0, 0, start_done
-            run["k"] = _fit(desc, run["k"] // 2)
+            run["k"] = desc.fit(run["k"] // 2)
             run["shrinks"] += 1
             log.warning("carried chunks: out of memory (%s); %s with %d %s per chunk", event.type_name,
                         "resuming" if rollback else "restarting the tile", run["k"], desc.unit)
@@ -178,14 +175,9 @@ def _chunks(model: Any, desc: Any, layout: CarryLayout, src: torch.Tensor, dst: 
     return run["frame"]
 
 
-def _fit(desc: Any, k: int) -> int:
-    """``k`` units rounded down to the description's chunk grid (a multiple of ``step``, at least ``min_k``)."""
-    return max(desc.min_k, k // desc.step * desc.step)
-
-
-def _take(src: Any, index: tuple) -> Any:
-    """``src[index]`` of the prefix's output: a tensor or a tuple of tensors."""
-    return tuple(s[index] for s in src) if isinstance(src, tuple) else src[index]
+def _each(src: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` of the prefix's output: a tensor, or each of a tuple of tensors."""
+    return tuple(fn(s) for s in src) if isinstance(src, tuple) else fn(src)
 
 
 def _copy(states: dict) -> dict:

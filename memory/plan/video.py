@@ -458,7 +458,7 @@ def carry_chunk_peak(job: VideoJob, k: int, peaks: PeakStore, tile: tuple[int, i
     in ``peaks``."""
     b, c, t, h, w = (int(v) for v in job.z.shape)
     desc = job.carry.description
-    kk = max(desc.min_k, min(int(k), t - 1) // desc.step * desc.step)
+    kk = desc.fit(min(int(k), t - 1))
     sized = t if desc.prefix is not None else min(t, 1 + kk)
     halo = _job_halo(job) if tile is not None else 0
     key = (f"{model_key(job)}/{c}x{kk}x{h}x{w}/carry2" + (f"/t{t}" if desc.prefix is not None else "")
@@ -479,6 +479,16 @@ def carry_chunk_peak(job: VideoJob, k: int, peaks: PeakStore, tile: tuple[int, i
     return peak
 
 
+def carry_planned(job: VideoJob, k: int, peaks: PeakStore, tile: tuple[int, int] | None = None,
+                  rollback: bool = True) -> int:
+    """Planned bytes of carried chunks: the output buffer plus :func:`carry_chunk_peak`, at least the output's
+    post-processing (two float32 temporaries per frame)."""
+    b, _, _, h, w = (int(v) for v in job.z.shape)
+    frames, r = output_geometry(job)
+    post = 2 * b * 3 * h * w * r * r * 4
+    return out_bytes(job, frames, h * r, w * r) + max(carry_chunk_peak(job, k, peaks, tile, rollback), post)
+
+
 def _carry_tiles(h: int, w: int) -> list[tuple[int, int]]:
     """Tile cores (latent px) the auto plan tries, largest first: 2 to 16 tiles per side, at least 2 px."""
     sides = sorted({max(2, math.ceil(max(h, w) / n)) for n in range(2, 17)}, reverse=True)
@@ -492,17 +502,16 @@ def plan_carry(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
     spatially local, the smallest ``k`` in the largest tiles that fit (or the user's ``tile_size``); the
     smallest, flagged, when none does. None when the executor cannot be meta-sized (logged: the caller
     blends)."""
-    b, _, t, h, w = (int(v) for v in job.z.shape)
-    frames, r = output_geometry(job)
-    out_b = out_bytes(job, frames, h * r, w * r)
-    post = 2 * b * 3 * h * w * r * r * 4
+    _, _, t, h, w = (int(v) for v in job.z.shape)
+    r = output_geometry(job)[1]
     desc = job.carry.description
-    lo = desc.min_k
     if not desc.temporal:
         ks = [t]
+    elif k_user:
+        ks = [desc.fit(k_user)]
     else:
-        top = max(lo, k_user if k_user else min(t - 1, CARRY_MAX_K))
-        ks = [k for k in range(top, lo - 1, -1) if k % desc.step == 0][: 1 if k_user else None]
+        ks = sorted({desc.fit(k) for k in range(desc.min_k, min(t - 1, CARRY_MAX_K) + 1)} or {desc.min_k},
+                    reverse=True)
     reason = (f"carried-context chunks: {desc.how} ({job.carry.family}; equal to the host's decode up to float "
               f"rounding)")
     alone = " (frame 0 alone)" if desc.first_alone and desc.temporal else ""
@@ -520,8 +529,7 @@ def plan_carry(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
                     cache = "" if rollback else ", context carried in place"
                     found = Plan("carry", Chunking(k, tile, rollback=rollback),
                                  f"k = {k} {desc.unit}/chunk{alone}, {where}{cache}",
-                                 out_b + max(carry_chunk_peak(job, k, peaks, tile, rollback), post), reason=reason,
-                                 halo=halo)
+                                 carry_planned(job, k, peaks, tile, rollback), reason=reason, halo=halo)
                     if found.planned <= budget:
                         return found
     except Exception as e:  # noqa: BLE001 - an op without a fake kernel: not planned this way
@@ -554,9 +562,9 @@ def off_formula(job: VideoJob, k: int) -> str | None:
     None: every chunk length of the plan must decode to the formula's frame count (CogVideoX's decoder gives
     ``4 l`` frames for an even ``l``, not ``4 l - 3``)."""
     t = int(job.z.shape[2])
-    if chunk_frames(job, t) != output_frames(job, t):
-        return (f"the clip's {t} latent frames decode to {chunk_frames(job, t)} frames, not the "
-                f"{output_frames(job, t)} of the VAE's frame formula")
+    got, want = chunk_frames(job, t), output_frames(job, t)
+    if got != want:
+        return f"the clip's {t} latent frames decode to {got} frames, not the {want} of the VAE's frame formula"
     for length in sorted({b - a for a, b in overlap_chunks(t, k, 1)}):
         want = output_frames(job, length)
         got = chunk_frames(job, length)

@@ -94,6 +94,10 @@ class Description:
     how: str = "each causal convolution reads the previous chunk's last frames"
     """What carries the context, for the report."""
 
+    def fit(self, k: int) -> int:
+        """``k`` units rounded down to the chunk grid: a multiple of :attr:`step`, at least :attr:`min_k`."""
+        return max(self.min_k, int(k) // self.step * self.step)
+
 
 def _mochi_reason(model: Any) -> str | None:
     dec = getattr(model, "decoder", None)
@@ -278,11 +282,17 @@ def _cog_chunk(model: Any, src: tuple[torch.Tensor, torch.Tensor], states: dict)
     outs = []
     for a in range(0, x.shape[2], COG_CHUNK):
         xc, zc = x[:, :, a : a + COG_CHUNK], zt[:, :, a : a + COG_CHUNK]
+        zqs: dict = {}  # the latent at each resolution of this chunk (the host's z_spatial_cache)
+
+        def zq(hw: tuple[int, ...], zc: torch.Tensor = zc, zqs: dict = zqs) -> torch.Tensor:
+            if hw not in zqs:
+                zqs[hw] = zc if zc.shape[-2:] == hw else F.interpolate(zc, size=(zc.shape[2], *hw))
+            return zqs[hw]
+
         for i in range(_cog_split(model), len(dec.up_blocks)):
-            zq = zc if zc.shape[-2:] == xc.shape[-2:] else F.interpolate(zc, size=(zc.shape[2], *xc.shape[-2:]))
-            xc, caches[f"up_block_{i}"] = dec.up_blocks[i](xc, None, zq, conv_cache=caches.get(f"up_block_{i}"))
-        zq = zc if zc.shape[-2:] == xc.shape[-2:] else F.interpolate(zc, size=(zc.shape[2], *xc.shape[-2:]))
-        xc, caches["norm_out"] = dec.norm_out(xc, zq, conv_cache=caches.get("norm_out"))
+            xc, caches[f"up_block_{i}"] = dec.up_blocks[i](xc, None, zq(xc.shape[-2:]),
+                                                           conv_cache=caches.get(f"up_block_{i}"))
+        xc, caches["norm_out"] = dec.norm_out(xc, zq(xc.shape[-2:]), conv_cache=caches.get("norm_out"))
         xc, caches["conv_out"] = dec.conv_out(dec.conv_act(xc), conv_cache=caches.get("conv_out"))
         outs.append(xc)
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
