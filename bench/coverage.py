@@ -12,20 +12,25 @@ size, in one process, CPU float32:
 
 ``--video``: the video VAEs of the carried-context executor (``--video-kinds``: Mochi, HunyuanVideo 1.5,
 LTX-Video, CogVideoX where the host has it) on a ``--frames``-latent-frame clip of ``--video-px``: the host's ``VAEDecode``, core
-``VAEDecodeTiled`` with its defaults (tile 512 / overlap 64, temporal 64 / 8) and with temporal chunks of 24
-frames (overlap 8), and Temporal-Chunk Video Decode with ``frames_per_chunk`` 2 (exact carried chunks; LTX-Video:
+``VAEDecodeTiled`` with its defaults (tile 512 / overlap 64, temporal 64 / 8) and, for clips of more than 24
+frames, with temporal chunks of 24 frames (overlap 8), and Temporal-Chunk Video Decode with ``frames_per_chunk`` 2 (exact carried chunks; LTX-Video:
 the whole clip; CogVideoX: 4 frames, its host's chunk), for the families that tile 2x2 tiles, and for the ones
 that chunk in time a ``budget_mb`` between the predictions with the carried context kept for a rollback and spent
 in place (the planner then spends it in place). Every row draws the decode's noise (LTX-Video) from
 one random state.
+
+``--video --predict FRAMES``: nothing decoded; the planner's bfloat16 figures (meta sizing, within a few % of the
+measured peaks at the sizes above) for clips of FRAMES frames at 480p, 720p and 1080p: the host's decode, exact
+whole frames with the context kept and spent in place, exact 4x4 tiles, and the auto plan under 6 / 12 / 24 GiB
+with its cold planning time (what a shape's first decode spends planning).
 
 Per row: wall seconds, the live-tensor peak (``PeakTracker`` dispatch: the same measure for all rows), PSNR
 vs the reference, and ratios vs the reference (time, peak). Nothing is asserted; figures go to
 docs/BENCHMARKS.md::
 
     .cache/venv/bin/python bench/coverage.py [--kinds hunyuan_image dcae_sana] [--sizes 512] [--threads 2]
-                                             [--video [--video-kinds mochi hunyuan_video15 ltx_video cogvideox] [--frames 8]
-                                              [--video-px 128]]
+                                             [--video [--video-kinds mochi hunyuan_video15 ltx_video ltx_video_v0 cogvideox] [--frames 8]
+                                              [--video-px 128] [--predict 121]]
 """
 
 from __future__ import annotations
@@ -106,8 +111,8 @@ def bench(nodes: Any, mod: Any, tracker_mod: Any, kind: str, px: int) -> list[di
     return rows
 
 
-VIDEO_KINDS = ("mochi", "hunyuan_video15", "ltx_video", "cogvideox")
-TILING_KINDS = ("hunyuan_video15", "ltx_video")
+VIDEO_KINDS = ("mochi", "hunyuan_video15", "ltx_video", "ltx_video_v0", "cogvideox")
+TILING_KINDS = ("hunyuan_video15", "ltx_video", "ltx_video_v0")
 CHUNK = {"cogvideox": 4}
 """Chunk size of the exact rows (CogVideoX counts decoded frames on its host's 4-frame grid; others: 2)."""
 
@@ -146,8 +151,10 @@ def bench_video(nodes: Any, tracker_mod: Any, kind: str, frames: int, px: int) -
     size = f"{px}x{px}x{frames}"
     ref = _measure(tracker_mod, lambda: _seeded(lambda: nodes.VAEDecode().decode(vae, {"samples": z})[0]))
     rows = [{"kind": kind, "px": size, "decode": "host untiled (VAEDecode)", **ref, "psnr": math.inf}]
-    for args, label in (((512, 64, 64, 8), "core VAEDecodeTiled 512/64, 64/8 frames"),
-                        ((512, 64, 24, 8), "core VAEDecodeTiled 512/64, 24/8 frames")):
+    cores = [((512, 64, 64, 8), "core VAEDecodeTiled 512/64, 64/8 frames")]
+    if ref["out"].shape[0] > 24:  # a shorter clip is one temporal tile either way
+        cores.append(((512, 64, 24, 8), "core VAEDecodeTiled 512/64, 24/8 frames"))
+    for args, label in cores:
         t = _measure(tracker_mod, lambda args=args: _seeded(
             lambda: core_decode_tiled(nodes, vae, {"samples": z}, *args)))
         rows.append({"kind": kind, "px": size, "decode": label, **t, "psnr": _psnr(t["out"], ref["out"])})
@@ -156,7 +163,7 @@ def bench_video(nodes: Any, tracker_mod: Any, kind: str, frames: int, px: int) -
     runs = [({"frames_per_chunk": k}, f"k {k}")]
     if kind in TILING_KINDS:
         runs.append(({"frames_per_chunk": k, "tile_size": px // 2}, f"k {k}, tile {px // 2} px"))
-    if kind != "ltx_video":  # chunks in time: a budget between the two context modes' predictions
+    if not kind.startswith("ltx_video"):  # chunks in time: a budget between the two context modes' predictions
         rb, inplace = (_carry_planned(video, vae, z, k, rollback) for rollback in (True, False))
         if inplace < rb:
             mid = (rb + inplace) / 2 / MiB
@@ -168,6 +175,57 @@ def bench_video(nodes: Any, tracker_mod: Any, kind: str, frames: int, px: int) -
                      f"{r.stats.get('chunks')} chunks)", "out": r.images, "wall": time.perf_counter() - w0,
                      "peak": r.measured_peak or 0, "psnr": _psnr(r.images, ref["out"])})
         log.info("%s: %s", kind, r.report.text())
+    return rows
+
+
+PREDICT_CLIPS = ((848, 480), (1280, 720), (1920, 1088))
+PREDICT_BUDGETS_GIB = (6, 12, 24)
+
+
+def predict_video(nodes: Any, kind: str, frames: int, dtype: torch.dtype) -> list[str]:
+    """The planner's own figures at users' sizes (meta sizing, nothing decoded): per clip of ``frames`` video
+    frames, the host's decode, exact whole frames (context kept / in place) and exact tiles, and the auto
+    plan under each budget with its cold planning time (a fresh peak store: a shape's first decode)."""
+    import dataclasses
+
+    from scripts.fixtures import FIXTURES, available
+
+    if not available(kind):
+        return [f"| {kind} | - | this host has no {FIXTURES[kind].module} | | | | |"]
+    video = sys.modules[nodes.NODE_CLASS_MAPPINGS["VRAMFit_TemporalChunkVideoDecode"].__module__]
+    pkg = video.__name__.rsplit(".nodes.", 1)[0]
+    dv = importlib.import_module(f"{pkg}.memory.decode.video")
+    pv = importlib.import_module(f"{pkg}.memory.plan.video")
+    vae = _load(nodes, kind)
+    spec = FIXTURES[kind]
+    r_s, r_t = spec.spatial_ratio, spec.temporal_ratio
+    t = (frames - 1) // r_t + 1
+    rows = []
+    for w, h in PREDICT_CLIPS:
+        z = torch.zeros((1, spec.latent_channels, t, h // r_s, w // r_s))
+        job = dataclasses.replace(dv.make_job(vae, z, "cpu"), dtype=dtype)
+        desc = job.carry.description
+        k = t if not desc.temporal else desc.fit(CHUNK.get(kind, 2))
+        peaks = pv.PeakStore()
+        frames_out, r = pv.output_geometry(job)
+        host = pv.out_bytes(job, frames_out, h // r_s * r, w // r_s * r) + pv.host_decode_peak(job, peaks)
+        kept = pv.carry_planned(job, k, peaks, None, True)
+        spent = pv.carry_planned(job, k, peaks, None, False) if desc.temporal else kept
+        side = max(2, math.ceil(max(z.shape[-2:]) / 4))
+        tile = (min(side, z.shape[-2]), min(side, z.shape[-1]))
+        tiled = pv.carry_planned(job, k, peaks, tile, not desc.temporal) if desc.tiles else None
+        autos = []
+        for gib in PREDICT_BUDGETS_GIB:
+            t0 = time.perf_counter()
+            p = pv.plan(job, gib << 30, pv.PeakStore())
+            over = ", over" if p.over_budget else ""
+            autos.append(f"{gib} GiB: {p.path} {p.description} ({p.planned / 2**30:.1f} GiB{over}; "
+                         f"{time.perf_counter() - t0:.1f} s)")
+        tiles = (f"{tiled / 2**30:.2f} ({tile[0]}x{tile[1]} latent px, halo {pv._job_halo(job)})"
+                 if tiled is not None else "-")
+        rows.append(f"| {kind} | {w}x{h}x{frames_out} | {host / 2**30:.2f} | {kept / 2**30:.2f} | "
+                    f"{spent / 2**30:.2f} | {tiles} | {'<br>'.join(autos)} |")
+        log.info("%s", rows[-1])
     return rows
 
 
@@ -195,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--video-kinds", nargs="+", choices=VIDEO_KINDS, default=list(VIDEO_KINDS))
     parser.add_argument("--frames", type=int, default=8, help="--video: latent frames")
     parser.add_argument("--video-px", type=int, default=128, help="--video: frame side in px")
+    parser.add_argument("--predict", type=int, default=0, metavar="FRAMES",
+                        help="--video: the planner's bf16 predictions at 480p/720p/1080p clips of FRAMES frames "
+                             "instead of decodes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     if str(ROOT) not in sys.path:
@@ -206,6 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     mod = sys.modules[nodes.NODE_CLASS_MAPPINGS["VRAMFit_TiledVAEDecode"].__module__]
     tracker_mod = importlib.import_module(mod.__name__.rsplit(".nodes.", 1)[0] + ".memory.measure.tracker")
     t0 = time.perf_counter()
+    if args.video and args.predict:
+        head = ("| family | clip | host decode GiB | exact, whole frames GiB | in place GiB | exact, 4x4 tiles "
+                "GiB | auto plan (cold planning time) |\n|---|---|---|---|---|---|---|")
+        found = [r for kind in args.video_kinds for r in predict_video(nodes, kind, args.predict, torch.bfloat16)]
+        log.info("\n%s\n%s\n\nbf16 meta sizing, torch %s, %s, bench %.0f s", head, "\n".join(found),
+                 torch.__version__, platform.platform(), time.perf_counter() - t0)
+        return 0
     if args.video:
         rows = [r for kind in args.video_kinds for r in bench_video(nodes, tracker_mod, kind, args.frames,
                                                                      args.video_px)]

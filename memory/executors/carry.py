@@ -69,6 +69,7 @@ def decode_carried(
     oom_exceptions: tuple[type[BaseException], ...] | None = None,
     on_oom: Callable[[], None] | None = None,
     stats: dict | None = None,
+    sizing: bool = False,
 ) -> torch.Tensor:
     """Decode ``z`` ``(B, C, T, h, w)`` into ``out`` ``(B, 3, frames, H, W)`` (any dtype/device), one batch
     item at a time, in chunks of 1 then ``k`` latent frames (``k`` from the start where the description says so;
@@ -79,7 +80,10 @@ def decode_carried(
     keep the context each chunk starts from (an OOM resumes there with a smaller ``k``); False: the chunks spend
     it as the host does (less memory; an OOM decodes that tile again from its first chunk).
     ``progress(done, total)`` per chunk; ``should_stop()`` before each; ``fault_hook(step)`` inside each chunk
-    attempt (tests)."""
+    attempt (tests). ``sizing`` (meta sizing only: ``out`` is not a decode): one tile of each shape, and of its
+    chunks the first three and the last; the executor allocates the same for every tile of one shape and every
+    chunk of one length once the carried context is full (from the third), so the peak is the whole decode's in
+    a fraction of the runs."""
     desc = layout.require().description
     if tile is not None and not desc.tiles:
         raise ValueError(f"{layout.family}: its chunks are not spatially local (whole frames only)")
@@ -105,14 +109,19 @@ def decode_carried(
             if progress is not None:
                 progress(run["done"], units)
 
+        shapes = set()
         for (y0, y1, ya, yb), (x0, x1, xa, xb) in grid:
+            shape = (yb - ya, xb - xa, y1 - y0, x1 - x0)
+            if sizing and shape in shapes:
+                continue
+            shapes.add(shape)
             part = _each(src, lambda s, ya=ya, yb=yb, xa=xa, xb=xb: s[..., ya:yb, xa:xb])
             crop = (slice(None), slice(None), slice(None),
                     slice((y0 - ya) * r, (y1 - ya) * r), slice((x0 - xa) * r, (x1 - xa) * r))
             dst = out[b : b + 1, :, :, y0 * r : y1 * r, x0 * r : x1 * r]
             frames_done = _chunks(model, desc, layout, part, dst, crop, t, run, driver, dtype, dev, fault_hook,
-                                  tick)
-            if frames_done != out.shape[2]:
+                                  tick, sizing)
+            if frames_done != out.shape[2] and not sizing:
                 raise RuntimeError(f"carried chunks gave {frames_done} frames; the output has {out.shape[2]}")
     if stats is not None:
         tiles = None if tile is None else len(grid)
@@ -123,12 +132,12 @@ def decode_carried(
 
 def _chunks(model: Any, desc: Any, layout: CarryLayout, src: torch.Tensor, dst: torch.Tensor, crop: tuple,
             t: int, run: dict, driver: Any, dtype: torch.dtype, dev: torch.device,
-            fault_hook: Callable[[int], None] | None, tick: Callable[[], None]) -> int:
+            fault_hook: Callable[[int], None] | None, tick: Callable[[], None], sizing: bool = False) -> int:
     """Every chunk of one batch item's (tile's) latent frames ``src`` into ``dst``, with fresh carried
-    context; returns the frames written."""
+    context; returns the frames written. ``sizing``: the first three chunks and the last (see :func:`decode_carried`)."""
     rollback = run["rollback"]
     states: dict = {"first": True, "rollback": rollback}
-    run["pos"], run["frame"], start_done = 0, 0, run["done"]
+    run["pos"], run["frame"], start_done, start_chunks = 0, 0, run["done"], run["chunks"]
     while run["pos"] < t:
         saved = _copy(states) if rollback else None
 
@@ -161,6 +170,8 @@ def _chunks(model: Any, desc: Any, layout: CarryLayout, src: torch.Tensor, dst: 
 
         frames = driver.run(attempt, can_recover=can_recover, recover=recover)
         n, frame = int(frames.shape[2]), run["frame"]
+        if sizing:
+            frame = min(frame, int(dst.shape[2]) - n)
         if n == 0 or frame + n > dst.shape[2]:
             raise RuntimeError(f"chunk [{run['pos']}, {run['stop']}) decoded to {n} frames at frame "
                                f"{frame}; the output has {dst.shape[2]}")
@@ -171,6 +182,8 @@ def _chunks(model: Any, desc: Any, layout: CarryLayout, src: torch.Tensor, dst: 
         run["chunks"] += 1
         run["done"] += int(run["stop"]) - int(run["pos"])
         run["pos"] = run["stop"]
+        if sizing and run["chunks"] - start_chunks == 3:  # skip to the last chunk (k on the grid from here)
+            run["pos"] = max(run["pos"], run["pos"] + (t - run["pos"] - 1) // run["k"] * run["k"])
         tick()
     return run["frame"]
 

@@ -430,6 +430,9 @@ def blend_chunk_peak(job: VideoJob, k: int, peaks: PeakStore) -> int:
 
 CARRY_MAX_K = 8
 """Largest chunk the auto plan of the carried-context path considers (latent frames)."""
+FLAGGED_SAVING = 0.95
+"""When no carried plan fits, the flagged one is the fastest whose bytes are within 1 / this of the least a plan
+can hold (smaller chunks and tiles cost time; a plan that saves under 5 % is not worth it)."""
 
 
 def carry_halo(model: Any, layout: CarryLayout, channels: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -471,12 +474,33 @@ def carry_chunk_peak(job: VideoJob, k: int, peaks: PeakStore, tile: tuple[int, i
             z = torch.empty((1, c, sized, h, w), dtype=job.dtype, device=job.device)
             out = torch.empty((1, 3, n, h * r, w * r), dtype=torch.float32, device=job.device)
             decode_carried(model, job.carry, z, kk, out=out, dtype=job.dtype, compute_device=job.device,
-                           tile=tile, halo=halo, rollback=rollback)
+                           tile=tile, halo=halo, rollback=rollback, sizing=True)
             out_b = out.numel() * out.element_size()
             del out, z
         peak = int(sizer.peak_bytes) - out_b
         peaks.put(key, peak, write=False)
     return peak
+
+
+def carry_floor(job: VideoJob, peaks: PeakStore) -> int:
+    """Bytes every carried plan holds at least: the output buffer, plus the meta-sized peak of the description's
+    prefix on the whole latent (the first thing the executor runs). Persisted in ``peaks``."""
+    _, c, t, h, w = (int(v) for v in job.z.shape)
+    frames, r = output_geometry(job)
+    desc = job.carry.description
+    floor = out_bytes(job, frames, h * r, w * r)
+    if desc.prefix is None:
+        return floor
+    key = f"{model_key(job)}/{c}x{t}x{h}x{w}/carry-prefix"
+    peak = peaks.get(key)
+    if peak is None:
+        model = job.vae.first_stage_model
+        with torch.inference_mode(), MetaSizer([model], job.dtype, job.device) as sizer:
+            x = desc.prefix(model, torch.empty((1, c, t, h, w), dtype=job.dtype, device=job.device))
+            del x
+        peak = int(sizer.peak_bytes)
+        peaks.put(key, peak, write=False)
+    return floor + peak
 
 
 def carry_planned(job: VideoJob, k: int, peaks: PeakStore, tile: tuple[int, int] | None = None,
@@ -498,12 +522,19 @@ def _carry_tiles(h: int, w: int) -> list[tuple[int, int]]:
 def plan_carry(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Plan | None:
     """Carried-context chunks (exact): the largest ``k`` (at most :data:`CARRY_MAX_K`, or the user's) whose
     meta-sized peak plus the output buffer fits ``budget``, whole frames (each ``k`` with the context kept for
-    a rollback, then spent in place); then, for a family whose chunks are
-    spatially local, the smallest ``k`` in the largest tiles that fit (or the user's ``tile_size``); the
-    smallest, flagged, when none does. None when the executor cannot be meta-sized (logged: the caller
-    blends)."""
+    a rollback, then spent in place); then, for a family whose chunks are spatially local, the smallest ``k`` in
+    the largest tiles that fit (or the user's ``tile_size``; auto tiles at least as wide as the halo, and only
+    where the halo leaves part of the frame out); when none does, flagged, the first of them in that order within 1 / :data:`FLAGGED_SAVING` of the
+    smallest's bytes (smaller chunks and tiles cost time). None when the executor cannot be meta-sized (logged:
+    the caller blends).
+
+    Each candidate is one meta run of the executor (for a family with a prefix, on the whole clip), so the
+    search leans on the peak growing with ``k``, with the tile and with a kept context: the preferred candidate
+    first (the common case: one run); then :func:`carry_floor`, under every plan (when it does not fit, the
+    first whole-frame plan near it, if one is, without sizing a tile); then the smallest (when it does not fit,
+    nothing does); then a bisection of whole frames and of tiles: a few runs where a linear search took up to
+    ~40."""
     _, _, t, h, w = (int(v) for v in job.z.shape)
-    r = output_geometry(job)[1]
     desc = job.carry.description
     if not desc.temporal:
         ks = [t]
@@ -515,31 +546,82 @@ def plan_carry(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
     reason = (f"carried-context chunks: {desc.how} ({job.carry.family}; equal to the host's decode up to float "
               f"rounding)")
     alone = " (frame 0 alone)" if desc.first_alone and desc.temporal else ""
-    tiles: list[tuple[int, int] | None] = [None]
-    if desc.tiles:
-        user = max(1, int(job.tile_size) // r) if job.tile_size else 0
-        tiles = [(min(user, h), min(user, w))] if user else [None, *_carry_tiles(h, w)]
-    found = None
-    try:
-        for tile in tiles:
+    user = max(1, int(job.tile_size) // output_geometry(job)[1]) if job.tile_size and desc.tiles else 0
+    first = (min(user, h), min(user, w)) if user else None
+    listed: list[list[tuple[int, int] | None]] = []
+
+    def tiles() -> list[tuple[int, int] | None]:
+        """The user's tile; or whole frames, then (a family with tiles) the tiles at least as wide as the halo
+        (a tile reads at most 9x what it writes) whose halo leaves part of the frame out (the others hold what
+        whole frames hold). Traced on first use."""
+        if not listed:
+            halo = _job_halo(job) if desc.tiles and not user else 0
+            auto = [tl for tl in _carry_tiles(h, w)
+                    if max(tl) >= halo and (tl[0] + 2 * halo < h or tl[1] + 2 * halo < w)]
+            listed.append([first] if user else [None, *auto] if desc.tiles else [None])
+        return listed[0]
+
+    modes = (True, False) if desc.temporal else (True,)
+    sized: dict[tuple, Plan] = {}
+
+    def cand(k: int, tile: tuple[int, int] | None, rollback: bool) -> Plan:
+        if (k, tile, rollback) not in sized:
             halo = _job_halo(job) if tile is not None else 0
             where = "whole frames" if tile is None else f"{tile[0]}x{tile[1]} latent px tiles (halo {halo})"
-            for k in ks if tile is None else ks[-1:]:
-                for rollback in (True, False) if desc.temporal else (True,):
-                    cache = "" if rollback else ", context carried in place"
-                    found = Plan("carry", Chunking(k, tile, rollback=rollback),
-                                 f"k = {k} {desc.unit}/chunk{alone}, {where}{cache}",
-                                 carry_planned(job, k, peaks, tile, rollback), reason=reason, halo=halo)
-                    if found.planned <= budget:
-                        return found
+            cache = "" if rollback else ", context carried in place"
+            sized[k, tile, rollback] = Plan("carry", Chunking(k, tile, rollback=rollback),
+                                            f"k = {k} {desc.unit}/chunk{alone}, {where}{cache}",
+                                            carry_planned(job, k, peaks, tile, rollback), reason=reason, halo=halo)
+        return sized[k, tile, rollback]
+
+    def first_fit(seq: list[tuple[int, tuple[int, int] | None]], limit: float) -> Plan | None:
+        """The first of ``seq`` (preference order, peaks falling) within ``limit`` bytes, kept context before in
+        place."""
+        fits = [None] * len(seq)
+
+        def ok(i: int) -> bool:
+            if fits[i] is None:
+                fits[i] = cand(*seq[i], modes[-1]).planned <= limit
+            return fits[i]
+
+        if not seq or not ok(len(seq) - 1):
+            return None
+        lo, hi = 0, len(seq) - 1  # ok(hi)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+        return next(p for p in (cand(*seq[lo], m) for m in modes) if p.planned <= limit)
+
+    def search(limit: float, tiled: bool = True) -> Plan | None:
+        """The first candidate within ``limit``: whole frames, then (``tiled``) tiles."""
+        found = first_fit([(k, None) for k in ks] if first is None else [], limit)
+        if found is None and tiled:
+            found = first_fit([(ks[-1], tile) for tile in tiles() if tile is not None], limit)
+        return found
+
+    def flagged(p: Plan | None) -> Plan | None:
+        if p is not None:
+            p.over_budget = True
+        return p
+
+    try:
+        best = cand(ks[0] if first is None else ks[-1], first, True)  # tiles take the smallest k
+        if best.planned <= budget:
+            return best
+        floor = carry_floor(job, peaks)  # under every plan: when it does not fit, nothing does
+        if floor > budget:  # the fastest plan within FLAGGED_SAVING of the floor, if whole frames hold one
+            found = flagged(search(floor / FLAGGED_SAVING, tiled=False))
+            if found is not None:
+                return found
+        smallest = cand(ks[-1], tiles()[-1], modes[-1])
+        if smallest.planned > budget:  # nothing fits: the fastest plan within FLAGGED_SAVING of the smallest
+            return flagged(search(smallest.planned / FLAGGED_SAVING))
+        return search(budget)
     except Exception as e:  # noqa: BLE001 - an op without a fake kernel: not planned this way
         log.warning("meta sizing of carried chunks of %s failed (%s: %s)", job.family, type(e).__name__, e)
         return None
     finally:
         peaks.flush()
-    assert found is not None
-    found.over_budget = True
-    return found
 
 
 _CHUNK_FRAMES: dict[tuple[str, int, int, int], int] = {}

@@ -20,12 +20,12 @@ calls (HunyuanVideo 1.5's ``conv_carry_in``/``conv_carry_out`` lists) describes 
   block (attention over every latent voxel of the clip); suffix: the up path, RMS norms over channels and causal
   3x3x3 convolutions that carry their last 2 input frames (the host's own carry lists), in chunks of at least 2
   latent frames (the host decodes chunks of 2; a 1-frame chunk would carry 1 frame and pad differently).
-* LTX-Video (``comfy.ldm.lightricks.vae.causal_video_autoencoder``, 0.9.5+ decoders: timestep-conditioned, no
-  injected noise): its decoder is local in space (pixel norms, convolutions, depth-to-space) but symmetric in time
-  with a reach of ~20 latent frames each side, so it is not chunked in time (``temporal`` False): each spatial
-  tile decodes the whole clip. Its ``decode`` mixes fresh noise (``randn_like``, unseeded) into the latent first:
-  the prefix draws it once on the whole latent, as the host does, so the result equals the host's decode for the
-  same random state.
+* LTX-Video (``comfy.ldm.lightricks.vae.causal_video_autoencoder``, 0.9.0 and 0.9.5+ decoders: no injected
+  noise): its decoder is local in space (pixel norms, 0.9.0's LayerNorms over channels, convolutions,
+  depth-to-space) but symmetric in time with a reach of ~20 latent frames each side, so it is not chunked in time
+  (``temporal`` False): each spatial tile decodes the whole clip. A 0.9.5+ ``decode`` mixes fresh noise
+  (``randn_like``, unseeded) into the latent first: the prefix draws it once on the whole latent, as the host
+  does, so the result equals the host's decode for the same random state.
 * CogVideoX (``comfy.ldm.cogvideo.vae``, ComfyUI 0.33+): the host's decode is itself rolling: ``conv_in``, the mid
   block and the temporal up blocks on the whole latent (GroupNorm over the clip: the prefix), then the spatial up
   blocks in chunks of 4 frames with causal caches (GroupNorm per chunk): our chunks are whole numbers of its
@@ -306,8 +306,8 @@ DESCRIPTIONS: tuple[Description, ...] = (
                     "attention once on the whole latent"),
     Description("ltx_video", _ltx_reason, chunk=_ltx_chunk, prefix=_ltx_prefix, temporal=False,
                 first_alone=False, tiles=True,
-                how="spatial tiles of the whole clip with a halo of the decoder's traced reach (the decode's noise "
-                    "drawn once on the whole latent, as the host draws it)"),
+                how="spatial tiles of the whole clip with a halo of the decoder's traced reach (a 0.9.5+ decode's "
+                    "noise drawn once on the whole latent, as the host draws it)"),
     Description("cogvideox", _cog_reason, chunk=_cog_chunk, prefix=_cog_prefix, min_k=COG_CHUNK, step=COG_CHUNK,
                 unit="frames", first_alone=False, check_t=3,
                 how=f"the host's rolling decode: its low-resolution phase once on the whole latent, then its chunks of "

@@ -53,8 +53,12 @@ _NORMS_OVER_SPACE = (torch.nn.GroupNorm, torch.nn.LayerNorm, torch.nn.InstanceNo
 def is_global(m: Any) -> bool:
     """A module whose output at one pixel may depend on every pixel: attention (by class name, as
     :func:`..measure.reach.traced_reach`) or a norm with statistics that may span space (GroupNorm, LayerNorm,
-    InstanceNorm; per-pixel RMS norms are local)."""
+    InstanceNorm). Local: per-pixel RMS norms, and a LayerNorm over one axis of fixed length, which in a
+    convolutional decoder is the channel axis moved last (LTX-Video 0.9.0's ``LayerNorm``): over a spatial axis it
+    would fail on a tile of another size rather than differ (and the self-check proves every exact path)."""
     name = type(m).__name__.lower()
+    if isinstance(m, torch.nn.LayerNorm) and len(m.normalized_shape) == 1:
+        return False
     return "attn" in name or "attention" in name or isinstance(m, _NORMS_OVER_SPACE)
 
 

@@ -107,6 +107,9 @@ def test_loader_detects_the_real_architecture(loaded, fixture_vaes):
         assert fsm.decoder.conv_in.conv.weight.shape[1] == 16
     if spec.kind == "hunyuan_video15":  # comfy/sd.py's "decoder.conv_in.conv.weight" 32-channel branch
         assert fsm.decoder.conv_in.conv.weight.shape[1] == 32 and fsm.decoder.refiner_vae
+    if spec.kind == "ltx_video_v0":  # comfy/sd.py's lightricks branch: a 512-wide first up block -> version 0
+        assert fsm.decoder.up_blocks[0].res_blocks[0].conv1.conv.weight.shape[0] == 512
+        assert not fsm.timestep_conditioning and "decoder.up_blocks.4.norm3.norm.weight" in keys
     if spec.kind == "mochi":  # comfy/sd.py's genmo mochi branch, both halves prefixed (no prefix rewrite)
         assert "decoder.blocks.2.blocks.3.stack.5.weight" in keys
         assert "encoder.layers.4.layers.1.attn_block.attn.qkv.weight" in keys

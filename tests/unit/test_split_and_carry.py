@@ -19,7 +19,7 @@ from vramfit.memory.executors.carry import decode_carried
 from vramfit.memory.executors.split import decode_split
 from vramfit.memory.measure.reach import traced_reach
 from vramfit.memory.vae.carry_layout import carry_layout
-from vramfit.memory.vae.split_layout import split_layout
+from vramfit.memory.vae.split_layout import is_global, split_layout
 
 
 def _oom_at(step: int, fired: list[int]):
@@ -128,6 +128,18 @@ def test_split_resumes_after_oom_in_a_tile(dcae):
     out = decode_split(lay, z, 8, 6, fault_hook=_oom_at(2, fired), min_tile=2)
     assert fired == [2]
     assert (out - ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("module, expected", [
+    (torch.nn.LayerNorm(8), False),  # over one axis: the channels, moved last (LTX-Video 0.9.0)
+    (torch.nn.LayerNorm((8, 4, 4)), True),  # over channels and space
+    (torch.nn.GroupNorm(2, 8), True),
+    (torch.nn.InstanceNorm2d(8), True),
+    (ToyAttention(), True),
+    (torch.nn.Conv2d(8, 8, 3), False),
+])
+def test_is_global_knows_norms_over_space_from_norms_over_channels(module, expected):
+    assert is_global(module) is expected
 
 
 def test_a_decoder_without_a_description_has_no_split():
@@ -244,3 +256,91 @@ def test_carried_chunks_in_place_restart_the_tile_after_oom(mochi):
     # [0, 1), [1, 5) done; [5, 7) failed: again [0, 1), [1, 3), [3, 5), [5, 7)
     assert stats["chunks"] == 6 and seen == [1, 5, 1, 3, 5, 7], seen
     assert (out - ref).abs().max().item() <= 1e-5
+
+
+# ------------------------------------------------------------------------------------ carry planner
+
+
+def _linear_plan(ks, tiles, modes, peak, budget):
+    """The search plan_carry replaces, as a reference: every candidate in preference order, the first that fits;
+    else, flagged, the first within 1 / 0.95 of the last (the smallest)."""
+    order = [(k, tile, rollback) for tile in tiles for k in (ks if tile is None else ks[-1:]) for rollback in modes]
+    for limit, over in ((budget, False), (peak(*order[-1]) / 0.95, True)):
+        for c in order:
+            if peak(*c) <= limit:
+                return c, over
+
+
+@pytest.mark.parametrize("temporal, tiles_on, k_user, t, halo", [
+    (True, True, 0, 31, 8), (True, False, 0, 13, 8), (False, True, 0, 16, 8), (True, True, 3, 9, 8),
+    (True, True, 0, 2, 8), (True, True, 0, 31, 20)])
+def test_carry_planner_bisects_to_the_linear_searchs_choice(monkeypatch, temporal, tiles_on, k_user, t, halo):
+    """plan_carry's bisection picks what trying every candidate in order picks, for every budget, with peaks that
+    grow with k, the tile and a kept context, in at most a handful of meta runs (a linear search sizes up to ~40);
+    tiles narrower than the halo, or whose halo reaches across the frame (halo 20 on 34x60), are not candidates."""
+    import types
+
+    from vramfit.memory.plan import video as pv
+    from vramfit.memory.vae.carry_layout import Description
+
+    h, w = 34, 60
+    desc = Description("toy", lambda m: None, min_k=2, temporal=temporal, tiles=tiles_on)
+    job = types.SimpleNamespace(z=torch.empty(1, 4, t, h, w), family="toy", tile_size=0,
+                                carry=types.SimpleNamespace(description=desc, family="toy"))
+
+    def peak(k, tile, rollback):
+        area = (h * w) if tile is None else min(h, tile[0] + 2 * halo) * min(w, tile[1] + 2 * halo)
+        return 1000 + area * (k + (3 if rollback else 1)) + (k * 7 if rollback else 0)
+
+    calls = []
+    monkeypatch.setattr(pv, "carry_planned", lambda job, k, peaks, tile=None, rollback=True: calls.append(1) or
+                        peak(k, tile, rollback))
+    monkeypatch.setattr(pv, "_job_halo", lambda job: halo)
+    monkeypatch.setattr(pv, "carry_floor", lambda job, peaks: 0)
+    monkeypatch.setattr(pv, "output_geometry", lambda job: (0, 8))
+    ks = ([t] if not temporal else [desc.fit(k_user)] if k_user else
+          sorted({desc.fit(k) for k in range(2, min(t - 1, pv.CARRY_MAX_K) + 1)} or {2}, reverse=True))
+    tiles = [None, *(tl for tl in pv._carry_tiles(h, w)
+                     if max(tl) >= halo and (tl[0] + 2 * halo < h or tl[1] + 2 * halo < w))]
+    tiles = tiles if tiles_on else [None]
+    assert len(tiles) < len(pv._carry_tiles(h, w)) + 1 or halo == 8
+    modes = (True, False) if temporal else (True,)
+    budgets = sorted({peak(k, tile, m) + d for k in ks for tile in tiles for m in modes for d in (-1, 0)} | {0})
+    worst = 0
+    for budget in budgets:
+        calls.clear()
+        p = pv.plan_carry(job, budget, k_user, pv.PeakStore())
+        want, over = _linear_plan(ks, tiles, modes, peak, budget)
+        assert (p.config.k, p.config.tile, p.config.rollback) == want and p.over_budget == over, budget
+        worst = max(worst, len(calls))
+    assert worst <= 2 + 2 * (len(ks) * len(tiles)).bit_length() + 2, worst
+
+
+def test_carry_planner_stops_at_the_prefix_floor(monkeypatch):
+    """When nothing fits, the flagged plan is the fastest within 5 % of the least any plan holds: when the floor
+    (the prefix plus the output) does not fit and whole frames come within 5 % of it, no tile is sized; tiles that
+    save under 5 % are not taken; tiles that save more are."""
+    import types
+
+    from vramfit.memory.plan import video as pv
+    from vramfit.memory.vae.carry_layout import Description
+
+    desc = Description("toy", lambda m: None, min_k=2, tiles=True)
+    job = types.SimpleNamespace(z=torch.empty(1, 4, 9, 34, 60), family="toy", tile_size=0,
+                                carry=types.SimpleNamespace(description=desc, family="toy"))
+    calls, tiled, floor = [], [990], [980]
+    monkeypatch.setattr(pv, "carry_planned", lambda job, k, peaks, tile=None, rollback=True: calls.append(
+        (k, tile, rollback)) or (1000 + k if tile is None else tiled[0]))
+    monkeypatch.setattr(pv, "_job_halo", lambda job: 4)
+    monkeypatch.setattr(pv, "output_geometry", lambda job: (0, 8))
+    monkeypatch.setattr(pv, "carry_floor", lambda job, peaks: floor[0])
+    p = pv.plan_carry(job, 900, 0, pv.PeakStore())  # preferred 1008, within 5 % of the floor
+    assert p.over_budget and (p.config.k, p.config.tile, p.config.rollback) == (8, None, True), calls
+    assert all(tile is None for _, tile, _ in calls) and len(calls) <= 6, calls
+    calls.clear()
+    p = pv.plan_carry(job, 985, 0, pv.PeakStore())  # the floor fits; the smallest (990) saves under 5 %
+    assert p.over_budget and (p.config.k, p.config.tile, p.config.rollback) == (8, None, True), calls
+    calls.clear()
+    tiled[0], floor[0] = 600, 500
+    p = pv.plan_carry(job, 400, 0, pv.PeakStore())  # nothing fits; tiles hold 0.6x: the largest such, flagged
+    assert p.over_budget and p.config.tile == (30, 30) and p.planned == 600 and len(calls) <= 10, calls
