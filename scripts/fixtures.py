@@ -80,6 +80,7 @@ KINDS = (
     "hunyuan_video15",
     "ltx_video",
     "ltx_video_v0",
+    "ltx_video_v1",
 )
 COMFY_KINDS = tuple(k for k in KINDS if k != "dcae_sana")
 """The kinds ComfyUI's own ``VAELoader`` loads (``dcae_sana`` loads through ``scripts/sana_vae.py``)."""
@@ -225,6 +226,8 @@ class FixtureSpec:
             return {"version": 2}  # comfy/sd.py: conv1 1024 wide + encoder.down_blocks.1.conv.conv.bias -> 2
         if self.kind == "ltx_video_v0":
             return {"version": 0}  # comfy/sd.py: decoder.up_blocks.0.res_blocks.0.conv1 512 wide -> 0
+        if self.kind == "ltx_video_v1":
+            return {"version": 1}  # comfy/sd.py: conv1 1024 wide, no encoder.down_blocks.1.conv.conv.bias -> 1
         if self.kind == "hunyuan_video15":
             module = "comfy.ldm.hunyuan_video.vae_refiner"
             return {
@@ -451,6 +454,21 @@ FIXTURES: dict[str, FixtureSpec] = {
         example_output=(1, 9, 64, 64, 3),
         description="LTX-Video 0.9.0 VAE (z 128, 32x, 8x temporal; pixel norms and channel LayerNorms, no timestep "
                     "conditioning, symmetric in time)",
+    ),
+    "ltx_video_v1": _spec(
+        "ltx_video_v1",
+        torch.bfloat16,
+        latent_channels=128,
+        latent_dim=3,
+        spatial_ratio=32,
+        temporal_ratio=8,
+        model_class="VideoVAE",
+        module="comfy.ldm.lightricks.vae.causal_video_autoencoder",
+        params=(934_977_074, 934_976_690),  # see ltx_video
+        example_latent=(1, 128, 2, 2, 2),
+        example_output=(1, 9, 64, 64, 3),
+        description="LTX-Video 0.9.1 VAE (z 128, 32x, 8x temporal; pixel norms, timestep-conditioned decoder that "
+                    "injects fresh noise in its blocks)",
     ),
 }
 

@@ -65,6 +65,7 @@ def make_job(vae: Any, z: torch.Tensor, out_device: torch.device | str, *, frame
         z=z,
         layout=wan_layout(model) if wan else None,
         carry=carry if carry is not None and carry.reason is None else None,
+        carry_why=(carry.reason or "") if carry is not None else "",
         family=identify(vae) or model_name(vae),
         dtype=getattr(vae, "vae_dtype", torch.float32),
         device=torch.device(vae.device),

@@ -89,6 +89,8 @@ class VideoJob:
     """The chunked executor's self-check on this host (a :class:`.self_check.Verdict`; None: not checked)."""
     carry: CarryLayout | None = None
     """A causal decoder without a host cache (:mod:`..vae.carry_layout`): exact carried-context chunks."""
+    carry_why: str = ""
+    """Why there are no carried-context chunks (``carry`` None; "" for Wan), for the report."""
 
     @property
     def wan(self) -> bool:
@@ -667,7 +669,9 @@ def plan_blend(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
     out_b = out_bytes(job, frames, h * r, w * r)
     post = 2 * b * 3 * h * w * r * r * 4  # process_output per output frame: two float32 temporaries
     ks = [max(2, k_user)] if k_user else list(range(max(2, min(t, BLEND_MAX_K)), 1, -1))
-    reason = "overlapping temporal chunks decoded independently and cross-faded (not a causal Wan VAE)"
+    why_not = job.carry_why or ("the carried chunks failed their self-check on this host" if job.carry is not None
+                                else "no exact path for this VAE")
+    reason = f"overlapping temporal chunks decoded independently and cross-faded (no exact chunks: {why_not})"
     plan = None
     try:
         why = {k: off_formula(job, k) for k in ks}

@@ -347,8 +347,10 @@ def carry_layout(model: Any) -> CarryLayout:
                 found = CarryLayout(None, d.name, d.forwards(model), d)
                 break
             reasons.append(why)
-        else:
-            found = CarryLayout("; ".join(reasons))
+        else:  # the reasons of the descriptions that know this decoder's class, else none does
+            mine = [why for why in reasons if not why.startswith("not ")]
+            names = ", ".join(d.name for d in DESCRIPTIONS)
+            found = CarryLayout("; ".join(mine) or f"no carried-context description matches this decoder ({names})")
         try:
             _LAYOUTS[model] = found
         except TypeError:

@@ -110,6 +110,10 @@ def test_loader_detects_the_real_architecture(loaded, fixture_vaes):
     if spec.kind == "ltx_video_v0":  # comfy/sd.py's lightricks branch: a 512-wide first up block -> version 0
         assert fsm.decoder.up_blocks[0].res_blocks[0].conv1.conv.weight.shape[0] == 512
         assert not fsm.timestep_conditioning and "decoder.up_blocks.4.norm3.norm.weight" in keys
+    if spec.kind == "ltx_video_v1":  # a 1024-wide first up block without encoder.down_blocks.1.conv.conv.bias -> 1
+        assert fsm.decoder.up_blocks[0].res_blocks[0].conv1.conv.weight.shape[0] == 1024
+        assert fsm.timestep_conditioning and "encoder.down_blocks.1.conv.conv.bias" not in keys
+        assert any(getattr(m, "inject_noise", False) for m in fsm.decoder.modules())
     if spec.kind == "mochi":  # comfy/sd.py's genmo mochi branch, both halves prefixed (no prefix rewrite)
         assert "decoder.blocks.2.blocks.3.stack.5.weight" in keys
         assert "encoder.layers.4.layers.1.attn_block.attn.qkv.weight" in keys
