@@ -266,6 +266,13 @@ def _spec(kind: str, dtype: torch.dtype, **kw) -> FixtureSpec:
     return FixtureSpec(kind=kind, filename=f"vramfit_fixture_{kind}.safetensors", dtype=dtype, **kw)
 
 
+def _ltx_spec(kind: str, **kw) -> FixtureSpec:
+    """An LTX-Video VAE: the versions ``comfy/sd.py`` tells apart by their keys share everything but the weights."""
+    return _spec(kind, torch.bfloat16, latent_channels=128, latent_dim=3, spatial_ratio=32, temporal_ratio=8,
+                 model_class="VideoVAE", module="comfy.ldm.lightricks.vae.causal_video_autoencoder",
+                 example_latent=(1, 128, 2, 2, 2), example_output=(1, 9, 64, 64, 3), **kw)
+
+
 FIXTURES: dict[str, FixtureSpec] = {
     "kl_f8": _spec(
         "kl_f8",
@@ -424,49 +431,22 @@ FIXTURES: dict[str, FixtureSpec] = {
         description="HunyuanVideo 1.5 VAE (z 32, 16x, 4x temporal; causal convs with carried frames, RMS norms, "
                     "mid attention over the clip)",
     ),
-    "ltx_video": _spec(
+    "ltx_video": _ltx_spec(
         "ltx_video",
-        torch.bfloat16,
-        latent_channels=128,
-        latent_dim=3,
-        spatial_ratio=32,
-        temporal_ratio=8,
-        model_class="VideoVAE",
-        module="comfy.ldm.lightricks.vae.causal_video_autoencoder",
         # 0.3.75's per-channel statistics hold 3 more 128-wide buffers than 0.33's
         params=(1_246_914_162, 1_246_913_778),
-        example_latent=(1, 128, 2, 2, 2),
-        example_output=(1, 9, 64, 64, 3),
         description="LTX-Video 0.9.5+ VAE (z 128, 32x, 8x temporal; pixel norms, timestep-conditioned decoder, "
                     "symmetric in time)",
     ),
-    "ltx_video_v0": _spec(
+    "ltx_video_v0": _ltx_spec(
         "ltx_video_v0",
-        torch.bfloat16,
-        latent_channels=128,
-        latent_dim=3,
-        spatial_ratio=32,
-        temporal_ratio=8,
-        model_class="VideoVAE",
-        module="comfy.ldm.lightricks.vae.causal_video_autoencoder",
-        params=(419_194_289, 419_193_905),  # see ltx_video
-        example_latent=(1, 128, 2, 2, 2),
-        example_output=(1, 9, 64, 64, 3),
+        params=(419_194_289, 419_193_905),
         description="LTX-Video 0.9.0 VAE (z 128, 32x, 8x temporal; pixel norms and channel LayerNorms, no timestep "
                     "conditioning, symmetric in time)",
     ),
-    "ltx_video_v1": _spec(
+    "ltx_video_v1": _ltx_spec(
         "ltx_video_v1",
-        torch.bfloat16,
-        latent_channels=128,
-        latent_dim=3,
-        spatial_ratio=32,
-        temporal_ratio=8,
-        model_class="VideoVAE",
-        module="comfy.ldm.lightricks.vae.causal_video_autoencoder",
-        params=(934_977_074, 934_976_690),  # see ltx_video
-        example_latent=(1, 128, 2, 2, 2),
-        example_output=(1, 9, 64, 64, 3),
+        params=(934_977_074, 934_976_690),
         description="LTX-Video 0.9.1 VAE (z 128, 32x, 8x temporal; pixel norms, timestep-conditioned decoder that "
                     "injects fresh noise in its blocks)",
     ),
