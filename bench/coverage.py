@@ -112,7 +112,6 @@ def bench(nodes: Any, mod: Any, tracker_mod: Any, kind: str, px: int) -> list[di
 
 
 VIDEO_KINDS = ("mochi", "hunyuan_video15", "ltx_video", "ltx_video_v0", "cogvideox")
-TILING_KINDS = ("hunyuan_video15", "ltx_video", "ltx_video_v0")
 CHUNK = {"cogvideox": 4}
 """Chunk size of the exact rows (CogVideoX counts decoded frames on its host's 4-frame grid; others: 2)."""
 
@@ -124,13 +123,11 @@ def _seeded(fn: Callable[[], Any]) -> Any:
         return fn()
 
 
-def _carry_planned(video: Any, vae: Any, z: torch.Tensor, k: int, rollback: bool) -> int:
-    """Bytes the carried plan of ``k`` predicts, whole frames, with the context kept (``rollback``) or in place
-    (``video``: the node's module; the engine is imported from the same package)."""
+def _engine(video: Any) -> tuple[Any, Any]:
+    """``(memory.decode.video, memory.plan.video)`` of the package the node ``video`` (its module) comes from."""
     pkg = video.__name__.rsplit(".nodes.", 1)[0]
-    job = importlib.import_module(f"{pkg}.memory.decode.video").make_job(vae, z, "cpu", frames_per_chunk=k)
-    pv = importlib.import_module(f"{pkg}.memory.plan.video")
-    return pv.carry_planned(job, k, pv.PeakStore(), rollback=rollback)
+    return (importlib.import_module(f"{pkg}.memory.decode.video"),
+            importlib.import_module(f"{pkg}.memory.plan.video"))
 
 
 def bench_video(nodes: Any, tracker_mod: Any, kind: str, frames: int, px: int) -> list[dict[str, Any]]:
@@ -160,11 +157,13 @@ def bench_video(nodes: Any, tracker_mod: Any, kind: str, frames: int, px: int) -
         rows.append({"kind": kind, "px": size, "decode": label, **t, "psnr": _psnr(t["out"], ref["out"])})
     k = CHUNK.get(kind, 2)
     video.decode(vae, {"samples": z[:, :, :5]}, frames_per_chunk=k)  # first use (self-check), untimed
+    dv, pv = _engine(video)
+    job = dv.make_job(vae, z, "cpu", frames_per_chunk=k)
     runs = [({"frames_per_chunk": k}, f"k {k}")]
-    if kind in TILING_KINDS:
+    if job.carry.description.tiles:
         runs.append(({"frames_per_chunk": k, "tile_size": px // 2}, f"k {k}, tile {px // 2} px"))
-    if not kind.startswith("ltx_video"):  # chunks in time: a budget between the two context modes' predictions
-        rb, inplace = (_carry_planned(video, vae, z, k, rollback) for rollback in (True, False))
+    if job.carry.description.temporal:  # chunks in time: a budget between the two context modes' predictions
+        rb, inplace = (pv.carry_planned(job, k, pv.PeakStore(), rollback=rollback) for rollback in (True, False))
         if inplace < rb:
             mid = (rb + inplace) / 2 / MiB
             runs.append(({"frames_per_chunk": k, "budget_mb": int(mid)}, f"k {k}, budget {mid:.0f} MiB"))
@@ -192,10 +191,7 @@ def predict_video(nodes: Any, kind: str, frames: int, dtype: torch.dtype) -> lis
 
     if not available(kind):
         return [f"| {kind} | - | this host has no {FIXTURES[kind].module} | | | | |"]
-    video = sys.modules[nodes.NODE_CLASS_MAPPINGS["VRAMFit_TemporalChunkVideoDecode"].__module__]
-    pkg = video.__name__.rsplit(".nodes.", 1)[0]
-    dv = importlib.import_module(f"{pkg}.memory.decode.video")
-    pv = importlib.import_module(f"{pkg}.memory.plan.video")
+    dv, pv = _engine(sys.modules[nodes.NODE_CLASS_MAPPINGS["VRAMFit_TemporalChunkVideoDecode"].__module__])
     vae = _load(nodes, kind)
     spec = FIXTURES[kind]
     r_s, r_t = spec.spatial_ratio, spec.temporal_ratio
@@ -207,8 +203,8 @@ def predict_video(nodes: Any, kind: str, frames: int, dtype: torch.dtype) -> lis
         desc = job.carry.description
         k = t if not desc.temporal else desc.fit(CHUNK.get(kind, 2))
         peaks = pv.PeakStore()
-        frames_out, r = pv.output_geometry(job)
-        host = pv.out_bytes(job, frames_out, h // r_s * r, w // r_s * r) + pv.host_decode_peak(job, peaks)
+        frames_out = pv.output_geometry(job)[0]
+        host = pv.plan_host_decode(job, 1 << 62, peaks, "").planned
         kept = pv.carry_planned(job, k, peaks, None, True)
         spent = pv.carry_planned(job, k, peaks, None, False) if desc.temporal else kept
         side = max(2, math.ceil(max(z.shape[-2:]) / 4))

@@ -5,6 +5,7 @@ picks the path. Sized peaks persist in a :class:`PeakStore`."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -116,6 +117,14 @@ def out_bytes(job: VideoJob, frames: int, h: int, w: int) -> int:
     if job.out_device.type != job.device.type:
         return 0
     return int(job.z.shape[0]) * frames * h * w * 3 * 4
+
+
+def clip_out_bytes(job: VideoJob) -> tuple[int, int]:
+    """``(buffer, post)``: the node's output buffer for the whole clip (:func:`out_bytes`, non-Wan geometry) and the
+    floor of its post-processing (``process_output`` per output frame: two float32 temporaries)."""
+    b, _, _, h, w = (int(v) for v in job.z.shape)
+    frames, r = output_geometry(job)
+    return out_bytes(job, frames, h * r, w * r), 2 * b * 3 * h * w * r * r * 4
 
 
 def _t_meta(t: int, k: int) -> int:
@@ -354,9 +363,8 @@ def plan_host_decode(job: VideoJob, budget: int, peaks: PeakStore, reason: str) 
     """The host's own decode (exact by construction), if its peak (+ the output buffer) fits ``budget``; else
     None. Taken when the chunked executor failed its self-check (Wan; ``reason``: the verdict) and, for other
     video VAEs, before any overlap-blend (``reason``: it fits)."""
-    _, _, t, h, w = (int(v) for v in job.z.shape)
-    frames, r = output_geometry(job)
-    planned = out_bytes(job, frames, h * r, w * r) + host_decode_peak(job, peaks)
+    t = int(job.z.shape[2])
+    planned = clip_out_bytes(job)[0] + host_decode_peak(job, peaks)
     if planned > budget:
         return None
     return Plan("host", Chunking(max(1, t - 1)), "the host's own decode (first_stage_model.decode, as VAE Decode), "
@@ -488,9 +496,8 @@ def carry_floor(job: VideoJob, peaks: PeakStore) -> int:
     """Bytes every carried plan holds at least: the output buffer, plus the meta-sized peak of the description's
     prefix on the whole latent (the first thing the executor runs). Persisted in ``peaks``."""
     _, c, t, h, w = (int(v) for v in job.z.shape)
-    frames, r = output_geometry(job)
     desc = job.carry.description
-    floor = out_bytes(job, frames, h * r, w * r)
+    floor = clip_out_bytes(job)[0]
     if desc.prefix is None:
         return floor
     key = f"{model_key(job)}/{c}x{t}x{h}x{w}/carry-prefix"
@@ -509,10 +516,8 @@ def carry_planned(job: VideoJob, k: int, peaks: PeakStore, tile: tuple[int, int]
                   rollback: bool = True) -> int:
     """Planned bytes of carried chunks: the output buffer plus :func:`carry_chunk_peak`, at least the output's
     post-processing (two float32 temporaries per frame)."""
-    b, _, _, h, w = (int(v) for v in job.z.shape)
-    frames, r = output_geometry(job)
-    post = 2 * b * 3 * h * w * r * r * 4
-    return out_bytes(job, frames, h * r, w * r) + max(carry_chunk_peak(job, k, peaks, tile, rollback), post)
+    out_b, post = clip_out_bytes(job)
+    return out_b + max(carry_chunk_peak(job, k, peaks, tile, rollback), post)
 
 
 def _carry_tiles(h: int, w: int) -> list[tuple[int, int]]:
@@ -526,9 +531,9 @@ def plan_carry(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
     meta-sized peak plus the output buffer fits ``budget``, whole frames (each ``k`` with the context kept for
     a rollback, then spent in place); then, for a family whose chunks are spatially local, the smallest ``k`` in
     the largest tiles that fit (or the user's ``tile_size``; auto tiles at least as wide as the halo, and only
-    where the halo leaves part of the frame out); when none does, flagged, the first of them in that order within 1 / :data:`FLAGGED_SAVING` of the
-    smallest's bytes (smaller chunks and tiles cost time). None when the executor cannot be meta-sized (logged:
-    the caller blends).
+    where the halo leaves part of the frame out); when none does, flagged, the first of them in that order within
+    1 / :data:`FLAGGED_SAVING` of the smallest's bytes (smaller chunks and tiles cost time). None when the
+    executor cannot be meta-sized (logged: the caller blends).
 
     Each candidate is one meta run of the executor (for a family with a prefix, on the whole clip), so the
     search leans on the peak growing with ``k``, with the tile and with a kept context: the preferred candidate
@@ -550,18 +555,17 @@ def plan_carry(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
     alone = " (frame 0 alone)" if desc.first_alone and desc.temporal else ""
     user = max(1, int(job.tile_size) // output_geometry(job)[1]) if job.tile_size and desc.tiles else 0
     first = (min(user, h), min(user, w)) if user else None
-    listed: list[list[tuple[int, int] | None]] = []
 
+    @functools.cache
     def tiles() -> list[tuple[int, int] | None]:
-        """The user's tile; or whole frames, then (a family with tiles) the tiles at least as wide as the halo
-        (a tile reads at most 9x what it writes) whose halo leaves part of the frame out (the others hold what
-        whole frames hold). Traced on first use."""
-        if not listed:
-            halo = _job_halo(job) if desc.tiles and not user else 0
-            auto = [tl for tl in _carry_tiles(h, w)
-                    if max(tl) >= halo and (tl[0] + 2 * halo < h or tl[1] + 2 * halo < w)]
-            listed.append([first] if user else [None, *auto] if desc.tiles else [None])
-        return listed[0]
+        """The user's tile, or whole frames; then (a family with tiles, auto) the tiles at least as wide as the
+        halo (a tile reads at most 9x what it writes) whose halo leaves part of the frame out (the others hold
+        what whole frames hold). Traced on first use."""
+        if user or not desc.tiles:
+            return [first]
+        halo = _job_halo(job)
+        return [None, *(tl for tl in _carry_tiles(h, w)
+                        if max(tl) >= halo and (tl[0] + 2 * halo < h or tl[1] + 2 * halo < w))]
 
     modes = (True, False) if desc.temporal else (True,)
     sized: dict[tuple, Plan] = {}
@@ -579,12 +583,9 @@ def plan_carry(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
     def first_fit(seq: list[tuple[int, tuple[int, int] | None]], limit: float) -> Plan | None:
         """The first of ``seq`` (preference order, peaks falling) within ``limit`` bytes, kept context before in
         place."""
-        fits = [None] * len(seq)
 
         def ok(i: int) -> bool:
-            if fits[i] is None:
-                fits[i] = cand(*seq[i], modes[-1]).planned <= limit
-            return fits[i]
+            return cand(*seq[i], modes[-1]).planned <= limit  # cand sizes each candidate once
 
         if not seq or not ok(len(seq) - 1):
             return None
@@ -664,10 +665,8 @@ def plan_blend(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
     fails: the largest chunk, not predicted (``planned`` 0). Chunk sizes whose chunks do not decode to the
     VAE's frame formula (:func:`off_formula`) are skipped; when none is left, the host's own decode (exact),
     flagged when over budget."""
-    b, _, t, h, w = (int(v) for v in job.z.shape)
-    frames, r = output_geometry(job)
-    out_b = out_bytes(job, frames, h * r, w * r)
-    post = 2 * b * 3 * h * w * r * r * 4  # process_output per output frame: two float32 temporaries
+    t = int(job.z.shape[2])
+    out_b, post = clip_out_bytes(job)
     ks = [max(2, k_user)] if k_user else list(range(max(2, min(t, BLEND_MAX_K)), 1, -1))
     why_not = job.carry_why or ("the carried chunks failed their self-check on this host" if job.carry is not None
                                 else "no exact path for this VAE")
