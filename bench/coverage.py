@@ -29,7 +29,7 @@ vs the reference, and ratios vs the reference (time, peak). Nothing is asserted;
 docs/BENCHMARKS.md::
 
     .cache/venv/bin/python bench/coverage.py [--kinds hunyuan_image dcae_sana] [--sizes 512] [--threads 2]
-                                             [--video [--video-kinds mochi hunyuan_video15 ltx_video ltx_video_v0 cogvideox] [--frames 8]
+                                             [--video [--video-kinds mochi hunyuan_video15 ltx_video ltx_video_v0 ltx_video_v1 cogvideox] [--frames 8]
                                               [--video-px 128] [--predict 121]]
 """
 
@@ -111,7 +111,7 @@ def bench(nodes: Any, mod: Any, tracker_mod: Any, kind: str, px: int) -> list[di
     return rows
 
 
-VIDEO_KINDS = ("mochi", "hunyuan_video15", "ltx_video", "ltx_video_v0", "cogvideox")
+VIDEO_KINDS = ("mochi", "hunyuan_video15", "ltx_video", "ltx_video_v0", "ltx_video_v1", "cogvideox")
 CHUNK = {"cogvideox": 4}
 """Chunk size of the exact rows (CogVideoX counts decoded frames on its host's 4-frame grid; others: 2)."""
 

@@ -105,7 +105,7 @@ class TemporalChunkVideoDecode(io.ComfyNode):
             description=(
                 "Decodes a video latent within a memory budget, a few latent frames at a time. Wan 2.1/2.2, "
                 "HunyuanVideo 1.5, Mochi and CogVideoX decode exactly (causal context carried across chunks: same "
-                "frames as VAE Decode, no blinking at chunk borders), LTX-Video 0.9.0/0.9.5+ exactly in spatial tiles of "
+                "frames as VAE Decode, no blinking at chunk borders), LTX-Video exactly in spatial tiles of "
                 "the whole clip; other video VAEs take their own decode when it fits, else overlapping chunks "
                 "(approximate, said in the report)."
             ),
@@ -113,7 +113,7 @@ class TemporalChunkVideoDecode(io.ComfyNode):
                 io.Latent.Input("samples", tooltip="The video latent to decode (5-D: batch, channels, frames, "
                                 "height, width). Image latents: use Tiled VAE Decode (VRAM Fit)."),
                 io.Vae.Input("vae", tooltip="The video VAE used for decoding (Wan 2.1/2.2, HunyuanVideo 1.5, "
-                             "Mochi and CogVideoX exact in chunks, LTX-Video 0.9.0/0.9.5+ in tiles; others exact only when "
+                             "Mochi and CogVideoX exact in chunks, LTX-Video in tiles; others exact only when "
                              "their whole decode fits, else approximate)."),
                 io.Int.Input("frames_per_chunk", default=0, min=0, max=4096, step=1,
                              tooltip="Latent frames decoded per step after the first (each gives 4 video "

@@ -80,7 +80,8 @@ def decode_carried(
     keep the context each chunk starts from (an OOM resumes there with a smaller ``k``); False: the chunks spend
     it as the host does (less memory; an OOM decodes that tile again from its first chunk).
     ``progress(done, total)`` per chunk; ``should_stop()`` before each; ``fault_hook(step)`` inside each chunk
-    attempt (tests). ``sizing`` (meta sizing only: ``out`` is not a decode): one tile of each shape, and of its
+    attempt (tests). A description's ``draws`` (the host's random draws inside the chunks, replayed by each tile)
+    are made once per batch item, after its prefix. ``sizing`` (meta sizing only: ``out`` is not a decode): one tile of each shape, and of its
     chunks the first three and the last; the executor allocates the same for every tile of one shape and every
     chunk of one length once the carried context is full (from the third), so the peak is the whole decode's in
     a fraction of the runs."""
@@ -97,6 +98,7 @@ def decode_carried(
             driver.check_stop()
             with torch.no_grad():
                 src = desc.prefix(model, src.to(dtype).to(dev))
+        draws = desc.draws(model, src) if desc.draws is not None else None
         t, h, w = (int(v) for v in (src[0] if isinstance(src, tuple) else src).shape[2:])
         if not run["k"]:
             run["k"] = desc.fit(int(k) if desc.temporal else t)
@@ -120,7 +122,7 @@ def decode_carried(
                     slice((y0 - ya) * r, (y1 - ya) * r), slice((x0 - xa) * r, (x1 - xa) * r))
             dst = out[b : b + 1, :, :, y0 * r : y1 * r, x0 * r : x1 * r]
             frames_done = _chunks(model, desc, layout, part, dst, crop, t, run, driver, dtype, dev, fault_hook,
-                                  tick, sizing)
+                                  tick, sizing, {"draws": draws, "at": (ya, xa)})
             if frames_done != out.shape[2] and not sizing:
                 raise RuntimeError(f"carried chunks gave {frames_done} frames; the output has {out.shape[2]}")
     if stats is not None:
@@ -132,11 +134,13 @@ def decode_carried(
 
 def _chunks(model: Any, desc: Any, layout: CarryLayout, src: torch.Tensor, dst: torch.Tensor, crop: tuple,
             t: int, run: dict, driver: Any, dtype: torch.dtype, dev: torch.device,
-            fault_hook: Callable[[int], None] | None, tick: Callable[[], None], sizing: bool = False) -> int:
+            fault_hook: Callable[[int], None] | None, tick: Callable[[], None], sizing: bool = False,
+            given: dict | None = None) -> int:
     """Every chunk of one batch item's (tile's) latent frames ``src`` into ``dst``, with fresh carried
-    context; returns the frames written. ``sizing``: the first three chunks and the last (see :func:`decode_carried`)."""
+    context; returns the frames written. ``sizing``: the first three chunks and the last (see :func:`decode_carried`).
+    ``given``: entries of ``states`` every chunk reads (the description's draws, the tile's origin)."""
     rollback = run["rollback"]
-    states: dict = {"first": True, "rollback": rollback}
+    states: dict = {**(given or {}), "first": True, "rollback": rollback}
     run["pos"], run["frame"], start_done, start_chunks = 0, 0, run["done"], run["chunks"]
     while run["pos"] < t:
         saved = _copy(states) if rollback else None
@@ -157,7 +161,7 @@ def _chunks(model: Any, desc: Any, layout: CarryLayout, src: torch.Tensor, dst: 
             if saved is not None:
                 states.update(_copy(saved))
             else:  # in place: the chunk spent the carried context; this tile again from its first chunk
-                states.update(first=True, rollback=False)
+                states.update(given or {}, first=True, rollback=False)
                 run["pos"], run["frame"], run["done"] = 0, 0, start_done
             run["k"] = desc.fit(run["k"] // 2)
             run["shrinks"] += 1

@@ -20,12 +20,16 @@ calls (HunyuanVideo 1.5's ``conv_carry_in``/``conv_carry_out`` lists) describes 
   block (attention over every latent voxel of the clip); suffix: the up path, RMS norms over channels and causal
   3x3x3 convolutions that carry their last 2 input frames (the host's own carry lists), in chunks of at least 2
   latent frames (the host decodes chunks of 2; a 1-frame chunk would carry 1 frame and pad differently).
-* LTX-Video (``comfy.ldm.lightricks.vae.causal_video_autoencoder``, 0.9.0 and 0.9.5+ decoders: no injected
-  noise): its decoder is local in space (pixel norms, 0.9.0's LayerNorms over channels, convolutions,
-  depth-to-space) but symmetric in time with a reach of ~20 latent frames each side, so it is not chunked in time
-  (``temporal`` False): each spatial tile decodes the whole clip. A 0.9.5+ ``decode`` mixes fresh noise
+* LTX-Video (``comfy.ldm.lightricks.vae.causal_video_autoencoder``, 0.9.0, 0.9.1 and 0.9.5+): its decoder is
+  local in space (pixel norms, 0.9.0's LayerNorms over channels, convolutions, depth-to-space) but symmetric in
+  time with a reach of ~20 latent frames each side, so it is not chunked in time (``temporal`` False): each
+  spatial tile decodes the whole clip. A timestep-conditioned ``decode`` (0.9.1, 0.9.5+) mixes fresh noise
   (``randn_like``, unseeded) into the latent first: the prefix draws it once on the whole latent, as the host
-  does, so the result equals the host's decode for the same random state.
+  does (one clip per call: the host's timestep embedding has batch 1, so a batch decodes only clip by clip).
+  0.9.1's blocks then add a fresh ``randn(H, W)`` field per call (``_feed_spatial_noise``), at the shape of what
+  they decode, which on 0.33 is each of ``run_up``'s temporal chunks, sized by bytes: :func:`_ltx_draws` records
+  the host's calls for the whole clip on fake tensors, draws their fields in the host's order, and every tile adds
+  its crop of them (:class:`Draws`). The result equals the host's decode for the same random state.
 * CogVideoX (``comfy.ldm.cogvideo.vae``, ComfyUI 0.33+): the host's decode is itself rolling: ``conv_in``, the mid
   block and the temporal up blocks on the whole latent (GroupNorm over the clip: the prefix), then the spatial up
   blocks in chunks of 4 frames with causal caches (GroupNorm per chunk): our chunks are whole numbers of its
@@ -34,16 +38,18 @@ calls (HunyuanVideo 1.5's ``conv_carry_in``/``conv_carry_out`` lists) describes 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..measure.sizing import MetaSizer
 from .split_layout import is_global
 
 __all__ = ["CarryLayout", "Description", "DESCRIPTIONS", "carry_layout"]
@@ -93,6 +99,10 @@ class Description:
     a halo of their traced reach are exact too."""
     how: str = "each causal convolution reads the previous chunk's last frames"
     """What carries the context, for the report."""
+    draws: Callable[[Any, torch.Tensor], Draws | None] | None = None
+    """The host's random draws inside the chunked part, made once per video (batch item) on the prefix's output,
+    before any chunk, and replayed by the chunks (``states["draws"]``; ``states["at"]``: the tile's origin in px of
+    the chunks' input). Only for whole-clip chunks (``temporal`` False)."""
 
     def fit(self, k: int) -> int:
         """``k`` units rounded down to the chunk grid: a multiple of :attr:`step`, at least :attr:`min_k`."""
@@ -202,9 +212,8 @@ def _ltx_reason(model: Any) -> str | None:
     if dec is None or getattr(model, "per_channel_statistics", None) is None:
         return "its VAE has no decoder or per-channel statistics"
     for m in dec.modules():
-        if getattr(m, "inject_noise", False):
-            return ("its decoder injects fresh noise in its blocks on every call (LTX 0.9.1): no two decodes agree, "
-                    "the host's own included")
+        if getattr(m, "inject_noise", False) and not callable(getattr(m, "_feed_spatial_noise", None)):
+            return "its decoder injects noise in its blocks other than by _feed_spatial_noise (not replayable)"
         if is_global(m):
             return f"its decoder has a global {type(m).__name__}"
     return None
@@ -230,10 +239,119 @@ def _ltx_prefix(model: Any, z: torch.Tensor) -> torch.Tensor:
     return model.per_channel_statistics.un_normalize(z)
 
 
-def _ltx_chunk(model: Any, x: torch.Tensor, states: dict) -> torch.Tensor:
-    """The host's decoder on one tile of the whole clip."""
+def _ltx_decoder(model: Any, x: torch.Tensor) -> torch.Tensor:
     t = _ltx_defaults(model)[0] if getattr(model, "timestep_conditioning", False) else None
     return model.decoder(x, timestep=t)
+
+
+def _ltx_chunk(model: Any, x: torch.Tensor, states: dict) -> torch.Tensor:
+    """The host's decoder on one tile of the whole clip, adding its crop of the host's block noise (0.9.1)."""
+    draws = states.get("draws")
+    if draws is None:
+        return _ltx_decoder(model, x)
+    with draws.replayed(states.get("at", (0, 0))):
+        return _ltx_decoder(model, x)
+
+
+def _noisy(model: Any) -> list:
+    return [m for m in model.decoder.modules() if getattr(m, "inject_noise", False)]
+
+
+@contextlib.contextmanager
+def _feeding(noisy: list, feed: Callable[[Any, tuple[int, int], torch.Tensor, torch.Tensor], torch.Tensor]
+             ) -> Iterator[None]:
+    """Inside: each block's ``_feed_spatial_noise(h, scale)`` is ``feed(block, (id, slot), h, scale)``; ``slot``:
+    the block's first or second noise of a call (it feeds two, in that order)."""
+    calls: dict = {}
+    try:
+        for m in noisy:
+            def fed(h: torch.Tensor, scale: torch.Tensor, m: Any = m) -> torch.Tensor:
+                n = calls[id(m)] = calls.get(id(m), 0) + 1
+                return feed(m, (id(m), (n - 1) % 2), h, scale)
+
+            m._feed_spatial_noise = fed
+        yield
+    finally:
+        for m in noisy:
+            m.__dict__.pop("_feed_spatial_noise", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Draws:
+    """The host's block noise for one video: for each block's noise slot, the frames ``[a, b)`` of its input
+    stream each of the host's calls covered and the field it drew, on the whole frame (``hw``: the chunks' input
+    px)."""
+
+    noisy: list
+    hw: tuple[int, int]
+    spans: dict
+
+    @contextlib.contextmanager
+    def replayed(self, at: tuple[int, int]) -> Iterator[None]:
+        """Inside: the blocks add, instead of a fresh draw, the crop of the host's fields at the tile whose origin
+        is ``at`` (px of the chunks' input), frame by frame as the host's calls covered them."""
+        pos: dict = {}
+
+        def feed(m: Any, key: tuple[int, int], h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            t0 = pos.get(key, 0)
+            t1 = pos[key] = t0 + int(h.shape[2])
+            rows, cols = (int(v) for v in h.shape[-2:])
+            pieces = []
+            for a, b, field in self.spans.get(key, ()):
+                if min(b, t1) > max(a, t0):
+                    s = int(field.shape[-2]) // self.hw[0]
+                    crop = field[at[0] * s : at[0] * s + rows, at[1] * s : at[1] * s + cols]
+                    if tuple(crop.shape) != (rows, cols):
+                        raise RuntimeError(f"noise replay: a {rows}x{cols} tile at {at} leaves the host's "
+                                           f"{tuple(field.shape)} field")
+                    pieces.append((min(b, t1) - max(a, t0), crop))
+            if sum(n for n, _ in pieces) != t1 - t0:
+                raise RuntimeError(f"noise replay: frames [{t0}, {t1}) of a {type(m).__name__} were not in the "
+                                   "host's calls")
+            if len(pieces) == 1:  # one host call: its field broadcast over time, as the host adds it
+                return h + (pieces[0][1][None] * scale)[None, :, None, ...]
+            if not pieces:
+                return h
+            frames = torch.cat([crop[None].expand(n, -1, -1) for n, crop in pieces])
+            return h + (frames[None] * scale[:, None])[None]
+
+        with _feeding(self.noisy, feed):
+            yield
+
+
+_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _ltx_draws(model: Any, x: torch.Tensor) -> Draws | None:
+    """0.9.1's block noise for the whole clip ``x`` (the prefix's output): the host decoder's
+    calls recorded on fake tensors (cached per shape), then their fields drawn as the host draws them, in its
+    order, from the current random state (fake fields in a sizing run)."""
+    noisy = _noisy(model)
+    if not noisy:
+        return None
+    key = (tuple(x.shape), x.dtype, x.device)
+    calls = _CALLS.setdefault(model, {}).get(key)
+    if calls is None:
+        calls = []
+        pos: dict = {}
+
+        def record(m: Any, k: tuple[int, int], h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            t0 = pos.get(k, 0)
+            pos[k] = t0 + int(h.shape[2])
+            calls.append((k, t0, pos[k], tuple(int(v) for v in h.shape[-2:]), h.dtype, h.device))
+            return h
+
+        fake = isinstance(x, torch._subclasses.fake_tensor.FakeTensor)
+        with contextlib.ExitStack() as stack:
+            if not fake:
+                stack.enter_context(MetaSizer([model], x.dtype, x.device))
+            stack.enter_context(_feeding(noisy, record))
+            _ltx_decoder(model, torch.empty(x.shape, dtype=x.dtype, device=x.device))
+        _CALLS[model][key] = calls
+    spans: dict = {}
+    for k, a, b, hw, dtype, device in calls:
+        spans.setdefault(k, []).append((a, b, torch.randn(hw, device=device, dtype=dtype)))
+    return Draws(noisy, (int(x.shape[-2]), int(x.shape[-1])), spans)
 
 
 COG_CHUNK = 4
@@ -305,9 +423,10 @@ DESCRIPTIONS: tuple[Description, ...] = (
                 how="the host's causal carries (2 frames per convolution), after conv_in and the mid block's "
                     "attention once on the whole latent"),
     Description("ltx_video", _ltx_reason, chunk=_ltx_chunk, prefix=_ltx_prefix, temporal=False,
-                first_alone=False, tiles=True,
-                how="spatial tiles of the whole clip with a halo of the decoder's traced reach (a 0.9.5+ decode's "
-                    "noise drawn once on the whole latent, as the host draws it)"),
+                first_alone=False, tiles=True, draws=_ltx_draws,
+                how="spatial tiles of the whole clip with a halo of the decoder's traced reach; any noise the "
+                    "host's decode draws is drawn as the host draws it (into the whole latent; 0.9.1's blocks': on "
+                    "whole frames, each tile adding its crop)"),
     Description("cogvideox", _cog_reason, chunk=_cog_chunk, prefix=_cog_prefix, min_k=COG_CHUNK, step=COG_CHUNK,
                 unit="frames", first_alone=False, check_t=3,
                 how=f"the host's rolling decode: its low-resolution phase once on the whole latent, then its chunks of "

@@ -6,6 +6,10 @@
 * carry (``vae/carry_layout.py``, ``executors/carry.py``): a Mochi-shaped causal decoder (replicate-padded
   causal convs, a temporal depth-to-space that drops the clip's first frames): chunks of 1 + k latent frames
   equal the whole decode for every k, also after an OOM inside a chunk.
+* draws (LTX-Video 0.9.1's block noise): a decoder whose blocks add a fresh ``randn(H, W)`` per call and which
+  splits time by bytes, as 0.33's ``run_up`` does: tiles that replay the recorded whole-frame draws equal the whole
+  decode from one random state, bit for bit, and leave the generator where the host leaves it; tiles drawing their
+  own do not.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch.nn.functional as F
 from vramfit.memory.executors.carry import decode_carried
 from vramfit.memory.executors.split import decode_split
 from vramfit.memory.measure.reach import traced_reach
-from vramfit.memory.vae.carry_layout import carry_layout
+from vramfit.memory.vae.carry_layout import _ltx_draws, carry_layout
 from vramfit.memory.vae.split_layout import is_global, split_layout
 
 
@@ -344,3 +348,71 @@ def test_carry_planner_stops_at_the_prefix_floor(monkeypatch):
     tiled[0], floor[0] = 600, 500
     p = pv.plan_carry(job, 400, 0, pv.PeakStore())  # nothing fits; tiles hold 0.6x: the largest such, flagged
     assert p.over_budget and p.config.tile == (30, 30) and p.planned == 600 and len(calls) <= 10, calls
+
+
+class _NoisyBlock(torch.nn.Module):
+    """LTX 0.9.1's noise: a fresh field per call, after each of two operations, scaled per channel."""
+
+    inject_noise = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale1, self.scale2 = (torch.nn.Parameter(torch.randn(2, 1, 1)) for _ in range(2))
+
+    def _feed_spatial_noise(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        field = torch.randn(h.shape[-2:], device=h.device, dtype=h.dtype)[None]
+        return h + (field * scale)[None, :, None, ...]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._feed_spatial_noise(x, self.scale1)
+        return self._feed_spatial_noise(x * 2, self.scale2)
+
+
+class _NoisyDecoder(torch.nn.Module):
+    """Two noisy blocks around a 2x up-sampling; the second runs on chunks in time of at most 600 bytes each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_NoisyBlock(), _NoisyBlock()])
+
+    def forward(self, x: torch.Tensor, timestep: object = None) -> torch.Tensor:
+        x = F.interpolate(self.blocks[0](x), scale_factor=(1, 2, 2))
+        n = max(1, x.numel() * x.element_size() // 600)
+        return torch.cat([self.blocks[1](c) for c in torch.chunk(x, n, dim=2)], dim=2)
+
+
+class _NoisyVae(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = _NoisyDecoder()
+
+
+def test_tiles_replaying_the_hosts_draws_equal_its_decode():
+    torch.manual_seed(3)
+    model, x = _NoisyVae(), torch.randn(1, 2, 5, 4, 6)
+
+    def tiled(replay: bool) -> torch.Tensor:
+        out = torch.empty(1, 2, 5, 8, 12)
+        draws = _ltx_draws(model, x) if replay else None
+        for ya in (0, 2):
+            for xa in (0, 3):  # 2x3 tiles: one chunk in time each, where the whole frame makes five
+                if draws is None:
+                    y = model.decoder(x[..., ya : ya + 2, xa : xa + 3])
+                else:
+                    with draws.replayed((ya, xa)):
+                        y = model.decoder(x[..., ya : ya + 2, xa : xa + 3])
+                out[..., 2 * ya : 2 * ya + 4, 2 * xa : 2 * xa + 6] = y
+        return out
+
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(0)
+        ref, after = model.decoder(x), torch.randn(3)
+        torch.manual_seed(0)
+        replayed, after_replay = tiled(True), torch.randn(3)
+        torch.manual_seed(0)
+        fresh = tiled(False)
+    assert torch.equal(replayed, ref) and torch.equal(after_replay, after)
+    assert not torch.allclose(fresh, ref, atol=1e-3)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="leaves the host's"):
+        with _ltx_draws(model, x).replayed((3, 0)):
+            model.decoder(x[..., 2:4, 0:3])
