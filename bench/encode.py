@@ -6,8 +6,9 @@ FLUX.1 / FLUX.2):
 1. core ``VAEEncode`` (untiled): the reference latent;
 2. core ``VAEEncodeTiled`` with its defaults (tile 512, overlap 64);
 3. Tiled VAE Encode at auto (free memory: the encoder's own forward when it fits);
-4. Tiled VAE Encode under a budget of 0.8x the untiled encode's measured peak (exact tiles; warmed first so
-   the row times the encode, not the first-use check).
+4. Tiled VAE Encode under each ``--budgets`` fraction of the untiled encode's measured peak (default 0.8; exact
+   tiles where the encoder's own forward does not fit; warmed first so the row times the encode, not the
+   first-use check).
 
 Per row: wall seconds, the live-tensor peak (``PeakTracker`` dispatch, the same measure for all rows), the
 latent's max abs difference from the reference, and the PSNR of its round trip (``VAEDecode`` of the row's
@@ -15,7 +16,7 @@ latent vs ``VAEDecode`` of the reference latent; a latent within 1e-4 of the ref
 latent"), with ratios vs the reference. Each row is logged as it finishes. Nothing is asserted; figures go
 to docs/BENCHMARKS.md::
 
-    .cache/venv/bin/python bench/encode.py [--sizes 1024 2048] [--kinds kl_f8] [--threads 2]
+    .cache/venv/bin/python bench/encode.py [--sizes 1024 2048] [--kinds kl_f8] [--budgets 0.8 0.3] [--threads 2]
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def _add(rows: list[dict[str, Any]], row: dict[str, Any]) -> None:
     log.info("row: %s | %s | %.2f s | %.1f MiB", row["case"], row["encode"], row["wall"], row["peak"] / MiB)
 
 
-def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int) -> list[dict[str, Any]]:
+def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int,
+          budgets: tuple[float, ...] = (0.8,)) -> list[dict[str, Any]]:
     from scripts.fixtures import make_models
     from scripts.host import HostConfig
 
@@ -91,19 +93,26 @@ def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int) -> lis
             "out": auto["out"].latent,
         }
     )
-    budget = max(1, int(0.8 * ref["peak"] / MiB))
     with torch.inference_mode():
         enc_mod.encode(vae, pixels[:, :64, :64], tile_size=32)  # first use (self-check) outside the row
-    tiled = _measure(tracker_mod, lambda: enc_mod.encode(vae, pixels, budget_mb=budget))
-    _add(
-        rows,
-        {
-            "case": case,
-            "encode": f"Tiled VAE Encode, {budget} MiB ({tiled['out'].plan.description})",
-            **tiled,
-            "out": tiled["out"].latent,
-        }
-    )
+    for frac in budgets:
+        budget = max(1, int(frac * ref["peak"] / MiB))
+        try:
+            tiled = _measure(tracker_mod, lambda budget=budget: enc_mod.encode(vae, pixels, budget_mb=budget))
+        except Exception as e:  # the node's input error: no plan fits (the tiles' floor is above the budget)
+            if type(e).__name__ != "NodeInputError":
+                raise
+            log.info("row: %s | %s MiB (%gx) refused: %s", case, f"{budget:,}", frac, e)
+            continue
+        _add(
+            rows,
+            {
+                "case": case,
+                "encode": f"Tiled VAE Encode, {budget:,} MiB ({frac:g}x; {tiled['out'].plan.description})",
+                **tiled,
+                "out": tiled["out"].latent,
+            }
+        )
     with torch.inference_mode():
         (img_ref,) = nodes.VAEDecode().decode(vae, {"samples": ref["out"]})
         for r in rows:
@@ -138,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--kinds", nargs="+", default=["kl_f8"])
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.8],
+                        help="budgets of the tiled rows, as fractions of the untiled encode's measured peak")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
@@ -153,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     t0 = time.perf_counter()
     rows = [
-        r for kind in args.kinds for px in args.sizes for r in bench(nodes, enc_mod, tracker_mod, kind, px)
+        r for kind in args.kinds for px in args.sizes for r in bench(nodes, enc_mod, tracker_mod, kind, px, tuple(args.budgets))
     ]
     try:
         load = " ".join(pathlib.Path("/proc/loadavg").read_text().split()[:3])

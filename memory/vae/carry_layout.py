@@ -320,6 +320,8 @@ class Draws:
 
 
 _CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Model -> {(shape, dtype, device): the host's noise calls}: they depend on the shapes alone (and, on 0.33, on the
+device's total memory, which sets ``run_up``'s chunk size)."""
 
 
 def _ltx_draws(model: Any, x: torch.Tensor) -> Draws | None:
@@ -341,9 +343,10 @@ def _ltx_draws(model: Any, x: torch.Tensor) -> Draws | None:
             calls.append((k, t0, pos[k], tuple(int(v) for v in h.shape[-2:]), h.dtype, h.device))
             return h
 
-        fake = isinstance(x, torch._subclasses.fake_tensor.FakeTensor)
+        from torch._subclasses.fake_tensor import FakeTensor
+
         with contextlib.ExitStack() as stack:
-            if not fake:
+            if not isinstance(x, FakeTensor):  # in a sizing run the model is fake already
                 stack.enter_context(MetaSizer([model], x.dtype, x.device))
             stack.enter_context(_feeding(noisy, record))
             _ltx_decoder(model, torch.empty(x.shape, dtype=x.dtype, device=x.device))
