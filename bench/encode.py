@@ -13,10 +13,12 @@ FLUX.1 / FLUX.2):
 Per row: wall seconds, the live-tensor peak (``PeakTracker`` dispatch, the same measure for all rows), the
 latent's max abs difference from the reference, and the PSNR of its round trip (``VAEDecode`` of the row's
 latent vs ``VAEDecode`` of the reference latent; a latent within 1e-4 of the reference is not decoded: "same
-latent"), with ratios vs the reference. Each row is logged as it finishes. Nothing is asserted; figures go
+latent"), with ratios vs the reference. ``--f64``: also each latent's max abs difference from a float64 copy of the
+encoder (how far the host's own float32 encode is from the exact latent, and the rows from it). Each row is
+logged as it finishes. Nothing is asserted; figures go
 to docs/BENCHMARKS.md::
 
-    .cache/venv/bin/python bench/encode.py [--sizes 1024 2048] [--kinds kl_f8] [--budgets 0.8 0.3] [--threads 2]
+    .cache/venv/bin/python bench/encode.py [--sizes 1024 2048] [--kinds kl_f8] [--budgets 0.8 0.3] [--f64] [--threads 2]
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def _add(rows: list[dict[str, Any]], row: dict[str, Any]) -> None:
 
 
 def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int,
-          budgets: tuple[float, ...] = (0.8,)) -> list[dict[str, Any]]:
+          budgets: tuple[float, ...] = (0.8,), f64: bool = False) -> list[dict[str, Any]]:
     from scripts.fixtures import make_models
     from scripts.host import HostConfig
 
@@ -126,8 +128,26 @@ def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int,
             r["psnr"] = _psnr(img, img_ref)
             log.info("row: %s | %s | latent max abs %.2g | round-trip PSNR %.1f dB", r["case"], r["encode"],
                      r["max_abs"], r["psnr"])
+    if f64:
+        _vs_float64(vae, pixels, rows)
     log.info("\n%s", table(rows))
     return rows
+
+
+def _vs_float64(vae: Any, pixels: torch.Tensor, rows: list[dict[str, Any]]) -> None:
+    """Log each row's latent max abs difference from the encoder's float64 copy (the same image, ComfyUI's
+    ``[0, 1] -> [-1, 1]`` mapping; the regularizer's mean)."""
+    import copy
+
+    with torch.inference_mode():
+        model = copy.deepcopy(vae.first_stage_model).double()
+        exact = model.encode(pixels.movedim(-1, 1).double() * 2.0 - 1.0)
+        exact = exact[0] if isinstance(exact, tuple) else exact
+        del model
+    for r in rows:
+        diff = (r["out"].double() - exact).abs().max().item()
+        log.info("row: %s | %s | latent max abs vs float64 %.2g (latent max %.2g)", r["case"], r["encode"], diff,
+                 exact.abs().max().item())
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -149,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", nargs="+", default=["kl_f8"])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.8],
                         help="budgets of the tiled rows, as fractions of the untiled encode's measured peak")
+    parser.add_argument("--f64", action="store_true", help="also log each latent's distance to a float64 encode")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
@@ -164,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     t0 = time.perf_counter()
     rows = [
-        r for kind in args.kinds for px in args.sizes for r in bench(nodes, enc_mod, tracker_mod, kind, px, tuple(args.budgets))
+        r for kind in args.kinds for px in args.sizes for r in bench(nodes, enc_mod, tracker_mod, kind, px, tuple(args.budgets), args.f64)
     ]
     try:
         load = " ".join(pathlib.Path("/proc/loadavg").read_text().split()[:3])
