@@ -144,10 +144,10 @@ def _vs_float64(vae: Any, pixels: torch.Tensor, rows: list[dict[str, Any]]) -> N
         exact = model.encode(pixels.movedim(-1, 1).double() * 2.0 - 1.0)
         exact = exact[0] if isinstance(exact, tuple) else exact
         del model
+    top = exact.abs().max().item()
     for r in rows:
         diff = (r["out"].double() - exact).abs().max().item()
-        log.info("row: %s | %s | latent max abs vs float64 %.2g (latent max %.2g)", r["case"], r["encode"], diff,
-                 exact.abs().max().item())
+        log.info("row: %s | %s | latent max abs vs float64 %.2g (latent max %.2g)", r["case"], r["encode"], diff, top)
 
 
 def table(rows: list[dict[str, Any]]) -> str:

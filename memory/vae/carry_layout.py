@@ -257,17 +257,25 @@ def _noisy(model: Any) -> list:
     return [m for m in model.decoder.modules() if getattr(m, "inject_noise", False)]
 
 
+Feed = Callable[[Any, tuple[int, int], int, int, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``feed(block, key, t0, t1, h, scale)``: a block's noise call on frames ``[t0, t1)`` of its slot's stream."""
+
+
 @contextlib.contextmanager
-def _feeding(noisy: list, feed: Callable[[Any, tuple[int, int], torch.Tensor, torch.Tensor], torch.Tensor]
-             ) -> Iterator[None]:
-    """Inside: each block's ``_feed_spatial_noise(h, scale)`` is ``feed(block, (id, slot), h, scale)``; ``slot``:
-    the block's first or second noise of a call (it feeds two, in that order)."""
+def _feeding(noisy: list, feed: Feed) -> Iterator[None]:
+    """Inside: each block's ``_feed_spatial_noise(h, scale)`` is ``feed(block, (id, slot), t0, t1, h, scale)``;
+    ``slot``: the block's first or second noise of a call (it feeds two, in that order); ``[t0, t1)``: the frames
+    of that slot's input stream this call holds (counted from the context's start)."""
     calls: dict = {}
+    frames: dict = {}
     try:
         for m in noisy:
             def fed(h: torch.Tensor, scale: torch.Tensor, m: Any = m) -> torch.Tensor:
                 n = calls[id(m)] = calls.get(id(m), 0) + 1
-                return feed(m, (id(m), (n - 1) % 2), h, scale)
+                key = (id(m), (n - 1) % 2)
+                t0 = frames.get(key, 0)
+                t1 = frames[key] = t0 + int(h.shape[2])
+                return feed(m, key, t0, t1, h, scale)
 
             m._feed_spatial_noise = fed
         yield
@@ -290,11 +298,8 @@ class Draws:
     def replayed(self, at: tuple[int, int]) -> Iterator[None]:
         """Inside: the blocks add, instead of a fresh draw, the crop of the host's fields at the tile whose origin
         is ``at`` (px of the chunks' input), frame by frame as the host's calls covered them."""
-        pos: dict = {}
-
-        def feed(m: Any, key: tuple[int, int], h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-            t0 = pos.get(key, 0)
-            t1 = pos[key] = t0 + int(h.shape[2])
+        def feed(m: Any, key: tuple[int, int], t0: int, t1: int, h: torch.Tensor, scale: torch.Tensor
+                 ) -> torch.Tensor:
             rows, cols = (int(v) for v in h.shape[-2:])
             pieces = []
             for a, b, field in self.spans.get(key, ()):
@@ -335,12 +340,10 @@ def _ltx_draws(model: Any, x: torch.Tensor) -> Draws | None:
     calls = _CALLS.setdefault(model, {}).get(key)
     if calls is None:
         calls = []
-        pos: dict = {}
 
-        def record(m: Any, k: tuple[int, int], h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-            t0 = pos.get(k, 0)
-            pos[k] = t0 + int(h.shape[2])
-            calls.append((k, t0, pos[k], tuple(int(v) for v in h.shape[-2:]), h.dtype, h.device))
+        def record(m: Any, k: tuple[int, int], t0: int, t1: int, h: torch.Tensor, scale: torch.Tensor
+                   ) -> torch.Tensor:
+            calls.append((k, t0, t1, tuple(int(v) for v in h.shape[-2:]), h.dtype, h.device))
             return h
 
         from torch._subclasses.fake_tensor import FakeTensor
