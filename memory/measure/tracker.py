@@ -30,11 +30,12 @@ All figures are bytes *above the baseline at entry*: ``peak_bytes`` (highest liv
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
@@ -164,6 +165,23 @@ class _StorageCounter(TorchDispatchMode):
             end = self.current
             self._live.clear()
         return end
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Inside: the dispatch counters of this thread's trackers count nothing new. For bookkeeping that is no
+    part of the block's memory: a fake run that only records the shapes of a decoder's calls, which a sizing run
+    would otherwise count as if it were allocated."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    counters = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, _StorageCounter) and m.active]
+    for c in counters:
+        c.active = False
+    try:
+        yield
+    finally:
+        for c in counters:
+            c.active = True
 
 
 def _has_storage(t: torch.Tensor) -> bool:

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ..measure.sizing import MetaSizer
+from ..measure.tracker import uncounted
 from .split_layout import is_global
 
 __all__ = ["CarryLayout", "Description", "DESCRIPTIONS", "carry_layout"]
@@ -349,6 +350,7 @@ def _ltx_draws(model: Any, x: torch.Tensor) -> Draws | None:
         from torch._subclasses.fake_tensor import FakeTensor
 
         with contextlib.ExitStack() as stack:
+            stack.enter_context(uncounted())  # a sizing run's peak is the decode's, not this recording's
             if not isinstance(x, FakeTensor):  # in a sizing run the model is fake already
                 stack.enter_context(MetaSizer([model], x.dtype, x.device))
             stack.enter_context(_feeding(noisy, record))

@@ -7,7 +7,13 @@ import mmap
 
 import pytest
 import torch
-from vramfit.memory.measure.tracker import PeakTracker, measure_peak, rss_supported, tracker_factory
+from vramfit.memory.measure.tracker import (
+    PeakTracker,
+    measure_peak,
+    rss_supported,
+    tracker_factory,
+    uncounted,
+)
 
 F32 = 4
 
@@ -80,6 +86,19 @@ def test_nested_trackers_and_after_exit() -> None:
     with pytest.raises(RuntimeError):
         with outer:
             pass
+
+
+def test_uncounted_work_is_left_out_of_every_tracker_and_counting_resumes() -> None:
+    with PeakTracker() as outer:
+        x = torch.empty(100)  # 400
+        with PeakTracker() as inner:
+            with uncounted():
+                y = torch.empty(1000)  # 4000, not counted
+                del y
+            z = torch.empty(50)  # 200
+    assert (inner.peak_bytes, inner.end_bytes) == (200, 200)
+    assert (outer.peak_bytes, outer.end_bytes) == (600, 600)
+    del x, z
 
 
 def test_meta_device_counts_without_memory() -> None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from vramfit.memory.executors.carry import decode_carried
 from vramfit.memory.executors.split import decode_split
 from vramfit.memory.measure.reach import traced_reach
+from vramfit.memory.measure.sizing import MetaSizer
 from vramfit.memory.vae.carry_layout import _ltx_draws, carry_layout
 from vramfit.memory.vae.split_layout import is_global, split_layout
 
@@ -416,3 +417,15 @@ def test_tiles_replaying_the_hosts_draws_equal_its_decode():
     with torch.no_grad(), pytest.raises(RuntimeError, match="leaves the host's"):
         with _ltx_draws(model, x).replayed((3, 0)):
             model.decoder(x[..., 2:4, 0:3])
+
+
+def test_a_sizing_run_counts_the_draws_not_their_recording():
+    """The draws record the host's calls with a fake run of the whole decoder; a sizing run (the planner's) must
+    count the fields it keeps, not that run's activations, or every tiled plan would be sized at least as the
+    whole frame."""
+    model = _NoisyVae()
+    with torch.no_grad(), MetaSizer([model], torch.float32) as sizer:
+        x = torch.empty(1, 2, 5, 16, 24)
+        draws = _ltx_draws(model, x)
+        fields = sum(f.numel() * f.element_size() for spans in draws.spans.values() for _, _, f in spans)
+    assert sizer.peak_bytes == x.numel() * x.element_size() + fields
