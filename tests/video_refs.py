@@ -57,3 +57,54 @@ def tiny_wan(version: str, seed: int = 0) -> torch.nn.Module:
         torch.manual_seed(seed)
         fixtures._materialise(model, torch.float32)
     return model.eval()
+
+
+def _tiny(build: Any, seed: int) -> torch.nn.Module:
+    """``build()`` on the meta device, materialised as the fixture generator does (seeded)."""
+    from scripts import fixtures
+
+    with torch.device("meta"):
+        model = build()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        fixtures._materialise(model, torch.float32)
+    return model.eval()
+
+
+TINY_LTX_RATIO = 8
+"""Image px per latent px of :func:`tiny_ltx` (2x2 patchify, a strided and a space-to-depth downsample)."""
+
+
+def tiny_ltx(seed: int = 0) -> torch.nn.Module:
+    """A tiny LTX-Video ``VideoVAE`` from the host's own class (pixel norms, causal convolutions, a 2x2x2 strided
+    and a 1x2x2 space-to-depth downsample, 2x2 patchify: 8x in space, 2x in time; 8-32 channels, 128 latent
+    channels as the host's latent statistics have)."""
+    import importlib
+
+    ltx = importlib.import_module("comfy.ldm.lightricks.vae.causal_video_autoencoder")
+    enc = [["res_x", {"num_layers": 1}], ["compress_all_x_y", {"multiplier": 2}], ["res_x", {"num_layers": 1}],
+           ["compress_space_res", {"multiplier": 2}], ["res_x", {"num_layers": 1}]]
+    cfg = {"dims": 3, "latent_channels": 128, "encoder_blocks": enc, "decoder_blocks": [["res_x", {"num_layers": 1}]],
+           "patch_size": 2, "norm_layer": "pixel_norm", "causal_decoder": False, "encoder_base_channels": 8,
+           "decoder_base_channels": 8, "latent_log_var": "uniform"}
+    return _tiny(lambda: ltx.VideoVAE(config=cfg), seed)
+
+
+TINY_HV15_RATIO = 4
+"""Image px per latent px of :func:`tiny_hv15`."""
+
+
+def tiny_hv15(seed: int = 0) -> torch.nn.Module:
+    """A tiny HunyuanVideo 1.5 ``first_stage_model`` from the host's own classes (``vae_refiner`` at 8-16
+    channels: RMS norms, carried causal convolutions, space-to-depth in space and time, mid attention; 4x in
+    space, 2x in time)."""
+    from comfy.ldm.models.autoencoder import AutoencodingEngine
+
+    module = "comfy.ldm.hunyuan_video.vae_refiner"
+    dd = {"block_out_channels": [8, 16, 16], "in_channels": 3, "out_channels": 3, "num_res_blocks": 1,
+          "ffactor_spatial": 4, "ffactor_temporal": 2, "downsample_match_channel": True,
+          "upsample_match_channel": True, "z_channels": 4}
+    return _tiny(lambda: AutoencodingEngine(
+        regularizer_config={"target": "comfy.ldm.models.autoencoder.EmptyRegularizer"},
+        encoder_config={"target": f"{module}.Encoder", "params": dd},
+        decoder_config={"target": f"{module}.Decoder", "params": dd}), seed)

@@ -1,7 +1,8 @@
 """An encode from job to report (Tiled VAE Encode, Temporal-Chunk Video Encode): self-check, offload and
 budget, plan, execute with out-of-memory re-plans, report. The twin of :mod:`.image` for the other direction;
 the planning is :mod:`..plan.encode`, the executors :func:`..executors.kl_exact.encode_exact` (images) and
-:func:`..executors.wan_encode.encode_wan_tiled` (Wan videos). Design: docs/ENCODE.md."""
+:func:`..executors.split_encode.encode_split_tiled` (videos: Wan, LTX-Video, HunyuanVideo 1.5). Design:
+docs/ENCODE.md."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import torch
 
 from ..cost.observed import observed_key, ratio_text
 from ..executors import kl_exact as te
-from ..executors import wan_encode as we
+from ..executors import split_encode as se
 from ..oom import oom_types
-from ..plan.encode import EncodeJob, plan, smaller
+from ..plan.encode import EncodeJob, latent_frames, plan, smaller, temporal_ratio
 from ..plan.grid import ImpossibleBudgetError
 from ..plan.types import Plan
 from ..report import (
@@ -28,6 +29,8 @@ from ..report import (
     peak_verdict,
     summary_line,
 )
+from ..tiles import spans
+from ..vae.encode_split import encode_split
 from ..vae.families import identify, model_name
 from ..vae.kl_layout import kl_layout
 from .env import DecodeEnv, load_weights, measured, prepare
@@ -44,12 +47,26 @@ CHECK_HW = (64, 96)
 """Pixels of the walker's self-check: 4x6 tiles of :data:`CHECK_TILE` px at full resolution."""
 CHECK_TILE = 16
 CHECK_VIDEO = (13, 1, 32)
-"""Frames and latent px (h, w) of the Wan split's self-check, in tiles of :data:`CHECK_VIDEO_TILE` latent px: 4
-latent frames (suffix calls [0, 1), [1, 3), [3, 4): the last reads the caches a 2-frame call left), 1x6 tiles
-(``split_even(32, 6)``), the fourth ([16, 21)) reading [6, 31): no image edge on either side at the encoder's
-reach of 10 latent px (one latent row: no interior tile vertically; the halo is the same on both axes)."""
+"""Frames and latent px (h, w) of a video split's self-check, in tiles of :data:`CHECK_VIDEO_TILE` latent px:
+Wan's 4 latent frames (suffix calls [0, 1), [1, 3), [3, 4): the last reads the caches a 2-frame call left), 1x6
+tiles (``split_even(32, 6)``), the fourth ([16, 21)) reading [6, 31): no image edge on either side at the
+encoder's reach of 10 latent px (one latent row: no interior tile vertically; the halo is the same on both axes).
+A wider reach takes three wider tiles (:func:`_check_geometry`)."""
+CHECK_FRAMES = 9
+"""Frames of the other video families' self-check: LTX-Video's 1 + 8 (0.3.75 refuses other counts), HunyuanVideo
+1.5's first frame and one chunk of 8 (its carried frames cross the chunks' border)."""
 CHECK_VIDEO_TILE = 6
 MAX_REPLANS = 6
+
+
+def _check_geometry(halo: int) -> tuple[int, int]:
+    """(latent px across, tile core in latent px) of the video self-check: :data:`CHECK_VIDEO`'s width in tiles
+    of :data:`CHECK_VIDEO_TILE` where one of them reads no image edge on either side at ``halo``, else three tiles
+    of ``halo + 1`` (the middle one reads no edge): a reach the halo misses shows in the check."""
+    w = CHECK_VIDEO[2]
+    if any(a > halo and b + halo < w for a, b, _, _ in spans(w, CHECK_VIDEO_TILE, 0)):
+        return w, CHECK_VIDEO_TILE
+    return 3 * (halo + 1), halo + 1
 
 
 def make_job(
@@ -57,11 +74,19 @@ def make_job(
 ) -> EncodeJob:
     """The job of ``x`` (the host's cropped, processed pixels (B, 3, H, W) in the VAE's dtype) on ``vae``;
     ``pixels``: the node's IMAGE as given (the host's own encode takes it, for encoders the walker cannot
-    run). A video: ``x`` (1, 3, T, H, W), encoded exactly by the Wan split (others: the host's encode)."""
+    run). A video: ``x`` (1, 3, T, H, W), encoded exactly by its family's prefix/suffix split
+    (:mod:`..vae.encode_split`; others: the host's encode)."""
     model = vae.first_stage_model
+    dtype, device = getattr(vae, "vae_dtype", x.dtype), torch.device(getattr(vae, "device", x.device))
+    split, halo = None, 0
     if x.ndim == 5:
-        reason = we.wan_encode_reason(model)
+        split, reason = encode_split(model)
         down = int(vae.spacial_compression_encode()) if reason is None else 1
+        if split is not None:
+            try:
+                halo = se.split_halo(model, split, down, int(x.shape[1]), dtype, device)
+            except ValueError as e:
+                split, reason = None, str(e)
     else:
         layout = kl_layout(model, direction="encode")
         reason, down = layout.reason, layout.ratio
@@ -71,13 +96,15 @@ def make_job(
         vae,
         x,
         identify(vae) or model_name(vae),
-        getattr(vae, "vae_dtype", x.dtype),
-        torch.device(getattr(vae, "device", x.device)),
+        dtype,
+        device,
         torch.device(out_device),
         code_fingerprint(model),
         int(tile_size),
         reason,
         pixels=pixels,
+        split=split if reason is None else None,
+        halo=halo,
     )
 
 
@@ -91,20 +118,22 @@ def check_encode(
     """Self-check of the exact tiles' encode for this encoder on this host: a tiny random image
     (:data:`CHECK_HW`) through ``first_stage_model.encode`` and through
     :func:`..executors.kl_exact.encode_exact` in tiles of :data:`CHECK_TILE` px; a video (:data:`CHECK_VIDEO`)
-    through :func:`..executors.wan_encode.encode_wan_tiled` in tiles of :data:`CHECK_VIDEO_TILE` latent px."""
+    through :func:`..executors.split_encode.encode_split_tiled` in tiles of :data:`CHECK_VIDEO_TILE` latent px."""
     model = job.vae.first_stage_model
     cls = type(model)
     key = (
-        f"{'wan-encode' if job.video else 'kl-exact-encode'}/{cls.__module__}.{cls.__qualname__}/"
+        f"{f'{job.split.name}-encode' if job.video and job.split else 'kl-exact-encode'}/{cls.__module__}."
+        f"{cls.__qualname__}/"
         f"{code_fingerprint(model)}/exact-{job.executor_version}/{str(job.dtype).removeprefix('torch.')}/"
         f"{job.device.type}"
     )
     g = torch.Generator().manual_seed(0)
     if job.video:
         r = job.ratio
-        t, h, w = CHECK_VIDEO
+        (t, h, _), (w, core) = CHECK_VIDEO, _check_geometry(job.halo)
+        t = t if job.split is not None and job.split.wan else CHECK_FRAMES
         shape: tuple[int, ...] = (1, int(job.x.shape[1]), t, h * r, w * r)
-        tile, name = CHECK_VIDEO_TILE * r, f"tiles of {CHECK_VIDEO_TILE} latent px"
+        tile, name = core * r, f"tiles of {core} latent px"
     else:
         shape, tile, name = (1, int(job.x.shape[1]), *CHECK_HW), CHECK_TILE, f"tiles of {CHECK_TILE} px"
     x = (torch.rand(shape, generator=g) * 2 - 1).to(job.device, job.dtype)
@@ -290,18 +319,16 @@ def _report(
     frames = f"{b} x "
     if job.video:
         t = int(job.x.shape[2])
-        used = 1 + (t - 1) // 4 * 4 if job.exact_reason is None else t  # Wan encodes 1 + 4k frames, as VAE Encode
+        k = temporal_ratio(job.vae)
+        used = 1 + (latent_frames(job.vae, t) - 1) * k if job.exact_reason is None else t  # as VAE Encode trims
         frames = f"{t} frames{f' ({used} encoded, as VAE Encode)' if used != t else ''} of "
     r.add("vae", f"{job.family} ({str(job.dtype).removeprefix('torch.')}); {frames}{h}x{w} px")
     if p.path == "untiled":
         path = ("exact: the encoder's own forward (it fits the budget), its mid block's split attention sliced to "
                 "the budget (equal to VAE Encode up to float rounding)")
-    elif p.path == "exact" and job.video:
-        path = (
-            "exact: the encoder's local part (to its middle) in spatial tiles extended by its reach, each "
-            "through the host's own causal chunk loop; the middle (per-frame attention) on whole latent "
-            "frames, caches carried (equal to VAE Encode up to float rounding)"
-        )
+    elif p.path == "exact" and job.video and job.split is not None:
+        path = f"exact: {job.split.how}, tiles extended by its reach of {job.halo} latent px (equal to VAE Encode " \
+               "up to float rounding)"
     elif p.path == "exact":
         path = (
             "exact: layer-synchronous tiles, shared GroupNorm statistics, mid block on the whole latent "

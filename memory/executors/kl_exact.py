@@ -33,6 +33,7 @@ from ..vae.kl_layout import (
     read_span,
     whole_output,
 )
+from ..vae.swap import swapped
 
 log = logging.getLogger("vramfit.memory.executors.kl_exact")
 
@@ -564,7 +565,8 @@ class _ExactRun:
             ly0, ly1, lx0, lx1 = self._read_region(info, xn, r)
             t = self._load(xn, r.b, ly0, ly1, lx0, lx1)
             self._hook(step)
-            return seg.module(t), None
+            t = seg.module(t)
+            return (self._crop(t, ly0 // 2, lx0 // 2, r) if info.halo else t), None
         if kind == "upsample":
             (xn,) = info.inputs
             ly0, ly1, lx0, lx1 = self._read_region(info, xn, r)
@@ -661,7 +663,8 @@ class _Tail(torch.nn.Module):
     """Stands in for ``model.encoder`` while the host's own ``encode`` runs on the down path's output: the
     encoder's mid block, ``norm_out`` and ``conv_out`` (as ``Encoder.forward`` ends), after which the host's
     ``encode`` does what it does after its encoder (``quant_conv``, the regularizer, FLUX.2's latent
-    batch-norm)."""
+    batch-norm). Hunyuan Image 2.1's: its own ``Encoder.forward`` with ``conv_in`` and ``down`` swapped out (its
+    end adds a channel-mean shortcut of the mid block's output)."""
 
     def __init__(self, enc: Any) -> None:
         super().__init__()
@@ -669,6 +672,9 @@ class _Tail(torch.nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         enc = self.enc
+        if getattr(enc, "num_resolutions", None) is None:  # Hunyuan Image 2.1 (the walk checked its structure)
+            with swapped((enc, "conv_in", torch.nn.Identity()), (enc, "down", torch.nn.ModuleList())):
+                return enc(h)
         h = enc.mid.block_1(h, None)
         h = enc.mid.attn_1(h)
         h = enc.mid.block_2(h, None)

@@ -37,12 +37,14 @@ import torch
 log = logging.getLogger("vramfit.memory.measure.reach")
 
 __all__ = [
+    "EncoderReach",
     "GroupNormFreezer",
     "ReachReport",
     "conv_radius",
     "default_halo",
     "impulse_extent",
     "structural_reach",
+    "traced_encoder_reach",
     "traced_reach",
 ]
 
@@ -327,3 +329,61 @@ class GroupNormFreezer:
         finally:
             for h in handles:
                 h.remove()
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderReach:
+    """What one traced run of an encoder's local part found: its spatial reach in latent px and the modules
+    that ran whose output may depend on every pixel (then the reach does not bound it)."""
+
+    reach: float
+    global_ops: tuple[str, ...]
+
+    @property
+    def halo(self) -> int:
+        """Latent px a tile's core is extended by: the reach, rounded up."""
+        return int(math.ceil(self.reach - 1e-9))
+
+
+def traced_encoder_reach(module: torch.nn.Module, run: Callable[[], Any], latent_h: int,
+                         is_global: Callable[[Any], bool] = _is_attention) -> EncoderReach:
+    """Reach of an encoder's local part from one run (``run()`` encodes pixels ``latent_h`` latent px high; one
+    chunk in time, so each convolution runs once). A convolution at ``s`` input px per latent px (its input's
+    height over ``latent_h``, rounded to a power of two: a convolution padded by its caller sees a few more px)
+    adds ``dilation * (k - 1) / 2 / s`` latent px, a strided one ``dilation * (k - 1) / s`` (its padding may be
+    one-sided, as Wan's). Parallel branches are summed: an upper bound. ``is_global(m)``: a module that breaks
+    locality (attention, norms over space), reported by its name when it runs."""
+    total = 0.0
+    found: list[str] = []
+    handles = []
+
+    def conv_hook(conv: Any) -> Callable[..., None]:
+        def hook(_m: Any, inputs: tuple[Any, ...]) -> None:
+            nonlocal total
+            x = inputs[0]
+            s = 2.0 ** round(math.log2(max(x.shape[-2] / latent_h, 1e-9)))
+            k, d, st = (tuple(conv.kernel_size)[-2:], tuple(conv.dilation)[-2:], tuple(conv.stride)[-2:])
+            px = max(di * (ki - 1) / (1 if si > 1 else 2) for ki, di, si in zip(k, d, st, strict=True))
+            total += px / s
+
+        return hook
+
+    def global_hook(name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            if name not in found:
+                found.append(name)
+
+        return hook
+
+    try:
+        for name, m in module.named_modules():
+            if isinstance(m, _CONV_TYPES):
+                handles.append(m.register_forward_pre_hook(conv_hook(m)))
+            elif name and is_global(m):
+                handles.append(m.register_forward_pre_hook(global_hook(name)))
+        with torch.no_grad():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return EncoderReach(total, tuple(found))

@@ -1,6 +1,6 @@
 """Planning an encode (Tiled VAE Encode, Temporal-Chunk Video Encode): the host's own encode when it fits,
 else exact tiles with the largest tile whose peak fits: the KL walker (:func:`..executors.kl_exact.encode_exact`)
-for images, the Wan prefix/suffix split (:func:`..executors.wan_encode.encode_wan_tiled`) for videos.
+for images, the prefix/suffix split (:func:`..executors.split_encode.encode_split_tiled`) for videos.
 
 Peaks are meta-sized (fake tensors, live-tensor bytes) for one batch item and kept in the video planner's
 :class:`.video.PeakStore` (the nodes persist it), so a shape is sized once per machine. An encoder the walker
@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from ..executors import kl_exact as te
-from ..executors import wan_encode as we
+from ..executors import split_encode as se
 from ..measure.sizing import MetaSizer
 from ..report import fmt_bytes
+from ..vae.encode_split import EncodeSplit
 from ..vae.kl_layout import KlLayout, kl_layout
 from .grid import ImpossibleBudgetError, scaled
 from .image import ATTENTION_MIN
@@ -85,6 +86,10 @@ class EncodeJob:
     pixels: Any = None
     """The node's IMAGE (B, H, W, C) as given, for the ``host`` path (``VAE.encode`` crops and processes
     it)."""
+    split: EncodeSplit | None = None
+    """A video encoder's prefix/suffix description (:mod:`..vae.encode_split`)."""
+    halo: int = 0
+    """Latent px the split's tiles extend their cores by (the prefix's traced reach)."""
 
     @property
     def video(self) -> bool:
@@ -107,25 +112,28 @@ class EncodeJob:
 
     @property
     def tile_step(self) -> int:
-        """Tiles are multiples of this many px: whole latent px for the Wan split, any px for the KL walker."""
+        """Tiles are multiples of this many px: whole latent px for the video split, any px for the KL walker."""
         return self.ratio if self.video else 1
 
     @property
     def min_tile(self) -> int:
         """The smallest tile (px) the OOM fallback shrinks to."""
-        return we.MIN_TILE * self.ratio if self.video else te.MIN_TILE
+        return se.MIN_TILE * self.ratio if self.video else te.MIN_TILE
 
     @property
     def executor_version(self) -> str:
         """The version of this job's executor, part of the keys of its sized peaks and self-check verdicts."""
-        return f"wan-{we.EXECUTOR_VERSION}" if self.video else te.EXECUTOR_VERSION
+        if self.video:
+            return f"{self.split.name if self.split else 'split'}-{se.EXECUTOR_VERSION}"
+        return te.EXECUTOR_VERSION
 
     def run_tiles(self, x: torch.Tensor, tile: int, **kw: Any) -> torch.Tensor:
         """The exact tiled executor of this job's kind on ``x`` with tiles of ``tile`` px."""
         model = self.vae.first_stage_model
         if self.video:
             kw.pop("norm_params", None)
-            return we.encode_wan_tiled(model, x, tile // self.ratio, self.ratio, **kw)
+            assert self.split is not None, self.exact_reason
+            return se.encode_split_tiled(model, x, tile // self.ratio, self.ratio, self.split, halo=self.halo, **kw)
         return te.encode_exact(model, x, tile, **kw)
 
 
@@ -172,13 +180,14 @@ latent frames beyond add :func:`_sizing_shape`'s bytes per frame."""
 
 
 def _sizing_shape(job: EncodeJob, cfg: ExactEncode | None) -> tuple[tuple[int, ...], int]:
-    """The input shape to meta-size and the bytes to add for the frames it leaves out: their pixels, and per
-    latent frame three latent-sized copies in ``encode`` (the chunks, their concatenation, ``conv1``'s output);
-    on the tiled path also two of the prefix's features (the host's concatenation and the tile's result, at
-    most the whole frame's) and the store's (on the device)."""
+    """The input shape to meta-size and the bytes to add for the frames it leaves out (Wan only: its chunk loop
+    peaks within a few frames; images and the other video families are sized whole): their pixels, and per latent
+    frame three latent-sized copies in ``encode`` (the chunks, their concatenation, ``conv1``'s output); on the
+    tiled path also two of the prefix's features (the host's concatenation and the tile's result, at most the
+    whole frame's) and the store's (on the device)."""
     shape = (1, *job.x.shape[1:])
-    if not job.video or shape[2] <= SIZING_FRAMES:
-        return shape, 0
+    if not job.video or not (job.split is not None and job.split.wan) or shape[2] <= SIZING_FRAMES:
+        return shape, 0  # images, and the other video families: sized whole
     model = job.vae.first_stage_model
     h, w = job.hw[0] // job.ratio, job.hw[1] // job.ratio
     per = 3 * int(model.conv1.weight.shape[0]) * h * w  # conv1: 2 x z_dim channels
@@ -222,13 +231,28 @@ def candidates(job: EncodeJob) -> list[ExactEncode]:
     return [ExactEncode(t, s) for t in tiles for s in stores]
 
 
+def latent_frames(vae: Any, frames: int) -> int:
+    """Latent frames of a ``frames``-frame video: the host's own formula (``VAE.downscale_ratio``'s first
+    entry), else Wan's 1 + 4k."""
+    f = getattr(vae, "downscale_ratio", None)
+    if isinstance(f, tuple) and callable(f[0]):
+        return int(f[0](frames))
+    return (frames - 1) // 4 + 1
+
+
+def temporal_ratio(vae: Any) -> int:
+    """Frames per latent frame of a video VAE (Wan and HunyuanVideo 1.5: 4, LTX-Video: 8), from
+    :func:`latent_frames`."""
+    return 8192 // max(1, latent_frames(vae, 8193) - 1)
+
+
 def _out_bytes(job: EncodeJob) -> int:
     """The float32 latent output when it lives on the compute device's type."""
     if job.out_device.type != job.device.type:
         return 0
     down = job.ratio
     b, (h, w) = int(job.x.shape[0]), job.hw
-    frames = (int(job.x.shape[2]) - 1) // 4 + 1 if job.video else 1  # Wan: 1 + 4k frames per latent frame
+    frames = latent_frames(job.vae, int(job.x.shape[2])) if job.video else 1
     return b * frames * int(getattr(job.vae, "latent_channels", 16)) * (h // down) * (w // down) * 4
 
 

@@ -196,6 +196,23 @@ def _is_down_conv(m: Any) -> bool:
             and tuple(m.padding) == (0, 0) and tuple(m.dilation) == (1, 1) and m.groups == 1)
 
 
+def _is_pixel_shuffle_down(m: Any) -> bool:
+    """Hunyuan Image 2.1's downsample (``comfy.ldm.hunyuan_video.vae.PixelShuffle2D``): a 3x3 conv to a quarter of
+    the output channels at the high resolution, then space-to-depth 2x, plus the input's space-to-depth averaged
+    over channel groups."""
+    return type(m).__name__ == "PixelShuffle2D" and _is_conv2d(getattr(m, "conv", None), 3) \
+        and isinstance(getattr(m, "ratio", None), int)
+
+
+def _downsamples(enc: Any) -> list[bool]:
+    """Per level of the down path: a downsample after its blocks (SD KL: every level but the last; Hunyuan Image
+    2.1: the levels that have one)."""
+    n = len(enc.down)
+    if _hunyuan_image(enc):
+        return [getattr(enc.down[i], "downsample", None) is not None for i in range(n)]
+    return [i != n - 1 for i in range(n)]
+
+
 def _encoder_reason(model: Any) -> str | None:
     """Why the exact executor cannot encode with ``model`` (a ``first_stage_model``), or None."""
     bn = getattr(model, "bn", None)
@@ -204,8 +221,9 @@ def _encoder_reason(model: Any) -> str | None:
     enc = getattr(model, "encoder", None)
     if enc is None or not callable(getattr(model, "encode", None)):
         return "no encoder"
-    if getattr(enc, "num_resolutions", None) is None:
-        return "not the SD/FLUX KL Encoder (no num_resolutions)"
+    hunyuan = _hunyuan_image(enc)
+    if getattr(enc, "num_resolutions", None) is None and not hunyuan:
+        return "not the SD/FLUX KL or Hunyuan Image 2.1 Encoder (no num_resolutions, no block_out_channels)"
     for name in ("conv_in", "down", "mid", "norm_out", "conv_out"):
         if getattr(enc, name, None) is None:
             return f"encoder has no {name}"
@@ -217,14 +235,19 @@ def _encoder_reason(model: Any) -> str | None:
         return "mid has no block_1/attn_1/block_2"
     if getattr(getattr(model, "regularization", None), "sample", False):
         return "the regularizer samples the posterior (a random latent per call)"
-    levels = len(enc.down)
-    for i in range(levels):
+    if hunyuan and not isinstance(getattr(enc, "z_channels", None), int):
+        return "Hunyuan Image 2.1 encoder without z_channels (its output's channel-mean shortcut)"
+    for i, has_down in enumerate(_downsamples(enc)):
         level = enc.down[i]
         reason = _level_reason(level, f"down[{i}]", "down path")
         if reason:
             return reason
-        if i != levels - 1:
+        if has_down:
             down = getattr(level, "downsample", None)
+            if hunyuan:
+                if not _is_pixel_shuffle_down(down):
+                    return f"down[{i}].downsample is not Hunyuan Image 2.1's 3x3 conv + space-to-depth"
+                continue
             conv = getattr(down, "conv", None)
             if down is None or not getattr(down, "with_conv", False) or not _is_down_conv(conv):
                 return f"down[{i}].downsample is not a padded 3x3 stride-2 Conv2d"
@@ -284,7 +307,9 @@ class SegmentInfo:
     decoder itself (``out``) or the encoder itself (``in``)."""
     stride: int = 1
     """Input px per output px (2 for an encoder's ``downsample``: output ``[a, b)`` reads input rows
-    ``[2a, 2b + 1)``, the module's own asymmetric zero pad supplying the row past a map's last one)."""
+    ``[2a, 2b + 1)``, the module's own asymmetric zero pad supplying the row past a map's last one; with
+    ``halo`` 2, Hunyuan Image 2.1's conv-then-space-to-depth, ``[2a - 2, 2b + 2)``: whole 2x2 cells around the
+    conv's 1-px reach)."""
 
 
 def module_at(dec: Any, path: str) -> Any:
@@ -383,19 +408,22 @@ def _build_segments(dec: Any, recompute: bool) -> tuple[list[SegmentInfo], dict[
 def _build_encoder_segments(enc: Any, recompute: bool) -> tuple[list[SegmentInfo], dict[str, str]]:
     """The encoder's segments (``conv_in`` and the down path; the mid block and the output convolution run
     whole, in the tail) and the GroupNorm consuming each activation but the last (the tail's own)."""
-    levels = len(enc.down)
-    b = _Builder("x", recompute, 2 ** (levels - 1))
+    downs = _downsamples(enc)
+    b = _Builder("x", recompute, 2 ** sum(downs))
     ch = int(enc.conv_in.out_channels)
     b.add("in", "in", ("x",), "a0", True, int(enc.conv_in.in_channels), ch, 1, "")
     b.cur = "a0"
-    for i in range(levels):
+    for i, has_down in enumerate(downs):
         blocks = enc.down[i].block
         for j in range(len(blocks)):
             b.block(blocks[j], f"down.{i}.block.{j}")
-        if i != levels - 1:
+        if has_down:
             c = int(blocks[len(blocks) - 1].conv2.out_channels)
+            down = enc.down[i].downsample
+            shuffle = _is_pixel_shuffle_down(down)
+            c_out, halo = (int(down.conv.out_channels) * 4, 2) if shuffle else (c, 0)
             b.scale //= 2
-            b.add(f"down.{i}.downsample", "downsample", (b.cur,), f"d{i}", True, c, c, 0,
+            b.add(f"down.{i}.downsample", "downsample", (b.cur,), f"d{i}", True, c, c_out, halo,
                   f"down.{i}.downsample", stride=2)
             b.cur = f"d{i}"
     b.consumer.pop(b.cur, None)
@@ -413,6 +441,8 @@ def read_span(info: SegmentInfo, name: str, a: int, b: int, n_in: int) -> tuple[
     halo = 0 if name == info.inplace_of else info.halo
     if info.kind == "upsample":
         return max(0, (a - halo) // 2), min(n_in, (b - 1 + halo) // 2 + 1)
+    if info.kind == "downsample" and halo:  # conv at the input resolution, then whole 2x2 cells (Hunyuan Image)
+        return max(0, 2 * a - halo), min(n_in, 2 * b + halo)
     if info.kind == "downsample":
         return 2 * a, min(n_in, 2 * b + 1)
     return max(0, a - halo), min(n_in, b + halo)
@@ -720,7 +750,7 @@ def _walk_encoder(model: Any, recompute: bool) -> KlLayout:
         direction="encode",
         pre_scale=2 if isinstance(getattr(model, "bn", None), torch.nn.BatchNorm2d) else 1,
         mid_channels=int(enc.conv_out.in_channels),
-        levels=len(enc.down),
+        levels=1 + sum(_downsamples(enc)),
         segments=tuple(segs),
         consumer=consumer,
         last_use=last_use,

@@ -6,7 +6,7 @@
   measured live-tensor peak within the budget, the report saying exact with the self-check;
 * an OOM inside a tile resumes from the finished tiles (same latent within 1e-5); one outside a tile (the
   untiled pass) re-plans to tiles;
-* a VAE the walker cannot run (Hunyuan Image 2.1's 32x encoder) takes the host's own encode (``torch.equal``);
+* a VAE the walker cannot run (attention in its down path) takes the host's own encode (``torch.equal``);
 * bad input names the node and the value.
 """
 
@@ -114,12 +114,17 @@ def test_oom_inside_a_tile_and_outside_resume(mod, kl_vae, case):
 
 
 def test_an_encoder_the_walker_cannot_run_takes_the_hosts_encode(comfy, fixture_vaes, mod):
-    vae = comfy.VAELoader().load_vae(fixture_vaes["hunyuan_image"])[0]
+    """A KL encoder with attention in its down path (an identity here, so the latent is the fixture's): the walker
+    refuses it, with the reason, and the host's own encode runs."""
+    vae = comfy.VAELoader().load_vae(fixture_vaes["kl_f8"])[0]  # a fresh model object: walked after the change
+    enc = vae.first_stage_model.encoder
+    enc.down[0].attn = torch.nn.ModuleList([torch.nn.Identity() for _ in enc.down[0].block])
     pixels = torch.cat([_pixels(1, 64, 64, seed=6), torch.ones(1, 64, 64, 1)], dim=-1)  # RGBA, as LoadImage can
     with torch.inference_mode():
         (ref,) = comfy.VAEEncode().encode(vae, pixels)
     r = _encode(mod, vae, pixels)
-    assert r.plan.path == "host" and "does not support" in dict(r.report.rows)["path"]
+    rows = dict(r.report.rows)
+    assert r.plan.path == "host" and "does not support" in rows["path"] and "attention" in rows["path"], rows
     assert torch.equal(r.latent, ref["samples"])
 
 

@@ -1,5 +1,6 @@
 """Exact tiled encode (``executors.kl_exact.encode_exact``, issue 24's engine) on the real ComfyUI KL encoders
-(random-weight fixtures: SD KL, FLUX.1, FLUX.2 with its latent batch-norm) vs ComfyUI's own ``VAEEncode``.
+(random-weight fixtures: SD KL, FLUX.1, FLUX.2 with its latent batch-norm, Hunyuan Image 2.1's 32x encoder with
+its conv-then-space-to-depth downsamples and channel-mean shortcut) vs ComfyUI's own ``VAEEncode``.
 
 The layout walks the encoder the other way round from the decoder (``kl_layout(..., direction="encode")``):
 ``conv_in`` and the down path in segments and tiles with shared GroupNorm statistics, then the mid block, the
@@ -46,13 +47,17 @@ def _exact(vae, pixels: torch.Tensor, **kw) -> torch.Tensor:
         return te.encode_exact(vae.first_stage_model, x, TILE, **kw).float().clone()
 
 
-@pytest.mark.parametrize("kind", ["kl_f8", "flux", "flux2"])
+DOWNSAMPLES = {"kl_f8": 3, "flux": 3, "flux2": 3, "hunyuan_image": 5}
+
+
+@pytest.mark.parametrize("kind", list(DOWNSAMPLES))
 def test_exact_tiles_equal_vae_encode(comfy, fixture_vaes, kind):
     vae = _vae(comfy, fixture_vaes, kind)
     model = vae.first_stage_model
     layout = kll.kl_layout(model, direction="encode")
     assert layout.reason is None, layout.reason
-    assert layout.segments[0].kind == "in" and sum(s.kind == "downsample" for s in layout.segments) == 3
+    assert layout.segments[0].kind == "in" and sum(s.kind == "downsample" for s in layout.segments) == DOWNSAMPLES[kind]
+    assert layout.ratio == int(vae.spacial_compression_encode())  # FLUX.2: 8x, then its latent 2x2 shuffle
     pixels = _pixels(2, *PX, seed=1)
     with torch.inference_mode():
         (ref,) = comfy.VAEEncode().encode(vae, pixels)
@@ -106,3 +111,17 @@ def test_an_unsupported_encoder_says_why(comfy, fixture_vaes):
     assert reason is not None
     with pytest.raises(ValueError, match="exact tiled encode does not support"):
         te.encode_exact(vae.first_stage_model, torch.zeros(1, 3, 16, 16), TILE)
+
+
+def test_hunyuan_image_tiles_need_the_downsamples_context(comfy, fixture_vaes, monkeypatch):
+    """Hunyuan Image 2.1's downsample reads whole 2x2 cells around its conv's 1-px reach; reading the core's cells
+    only (no context) differs, so the exact test above can fail."""
+    vae = _vae(comfy, fixture_vaes, "hunyuan_image")
+    pixels = _pixels(1, *PX, seed=4)
+    with torch.inference_mode():
+        (ref,) = comfy.VAEEncode().encode(vae, pixels)
+    real = kll.read_span
+    monkeypatch.setattr(te, "read_span", lambda info, name, a, b, n: (
+        (2 * a, 2 * b) if info.kind == "downsample" and info.halo else real(info, name, a, b, n)))
+    diff = (_exact(vae, pixels) - ref["samples"].float()).abs().max().item()
+    assert diff > 1e-3, diff

@@ -1,4 +1,4 @@
-"""Temporal-Chunk Video Encode (issue 24): the Wan prefix/suffix split (``executors.wan_encode``) on the host's own
+"""Temporal-Chunk Video Encode (issue 24): the Wan prefix/suffix split (``executors.split_encode``) on the host's own
 Wan 2.1 / 2.2 classes, and the node as ComfyUI runs it, vs the host's own encode.
 
 * The split: the encoder's local part (``conv1``, ``downsamples``) in spatial tiles extended by its reach, each
@@ -20,7 +20,8 @@ import sys
 import pytest
 import torch
 from vramfit.memory.decode.encode import VIDEO_REPORT_NODE
-from vramfit.memory.executors import wan_encode as we
+from vramfit.memory.executors import split_encode as se
+from vramfit.memory.vae import encode_split as es
 
 from tests.host.test_tiled_encode_exact import _pixels
 from tests.video_refs import tiny_wan
@@ -31,6 +32,12 @@ log = logging.getLogger("vramfit.tests.video_encode")
 NODE_ID = "VRAMFit_TemporalChunkVideoEncode"
 RATIO = {"2.1": 8, "2.2": 16}
 MiB = 2**20
+WAN = es.DESCRIPTIONS[0]
+
+
+def _halo(m, ratio: int) -> int:
+    """The Wan prefix's traced reach (latent px)."""
+    return se.split_halo(m, WAN, ratio, 3, torch.float32, torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +58,12 @@ def test_split_equals_the_hosts_encode(tiny, version, frames):
     calls = []
     hook = m.encoder.register_forward_hook(lambda *a: calls.append(1))
     try:
-        out = we.encode_wan_tiled(m, x, 3, RATIO[version], progress=lambda d, t: calls.append(0))
+        out = se.encode_split_tiled(m, x, 3, RATIO[version], WAN, progress=lambda d, t: calls.append(0))
     finally:
         hook.remove()
     ref = m.encode(x)
     n_tiles = 2 * 10  # spans(4, 3) x spans(28, 3)
-    suffix = 1 + -(-(out.shape[2] - 1) // we.SUFFIX_FRAMES)  # the suffix's calls: [0, 1), then 2 at a time
+    suffix = 1 + -(-(out.shape[2] - 1) // es.SUFFIX_FRAMES)  # the suffix's calls: [0, 1), then 2 at a time
     chunks = (sum(calls) - suffix) / n_tiles  # the host's encoder calls per tile
     diff = (out - ref).abs().max().item()
     log.info("Wan %s, %d frames: split vs encode max abs %.2e, %.1f chunks per tile", version, frames, diff, chunks)
@@ -64,11 +71,10 @@ def test_split_equals_the_hosts_encode(tiny, version, frames):
     assert calls.count(0) == n_tiles >= 4 and chunks >= 3
 
 
-def test_a_halo_below_the_reach_differs(tiny, monkeypatch):
+def test_a_halo_below_the_reach_differs(tiny):
     m, x = tiny["2.1"], _x("2.1", 9, 4, 28)
-    assert we.prefix_halo(m, 8) == 10
-    monkeypatch.setattr(we, "prefix_halo", lambda model, ratio: 3)
-    diff = (we.encode_wan_tiled(m, x, 4, 8) - m.encode(x)).abs().max().item()
+    assert _halo(m, 8) == 10
+    diff = (se.encode_split_tiled(m, x, 4, 8, WAN, halo=3) - m.encode(x)).abs().max().item()
     assert diff > 1e-3, diff
 
 
@@ -76,8 +82,8 @@ def test_reach_of_the_real_encoders(comfy, fixture_vaes):
     for kind, ratio in (("wan21", 8), ("wan22", 16)):
         vae = comfy.VAELoader().load_vae(fixture_vaes[kind])[0]
         assert int(vae.spacial_compression_encode()) == ratio
-        assert we.wan_encode_reason(vae.first_stage_model) is None
-        assert we.prefix_halo(vae.first_stage_model, ratio) == 10
+        assert es.encode_split(vae.first_stage_model) == (WAN, None)
+        assert _halo(vae.first_stage_model, ratio) == 10
 
 
 def test_oom_inside_a_tile_splits_it_and_resumes(tiny):
@@ -88,7 +94,7 @@ def test_oom_inside_a_tile_splits_it_and_resumes(tiny):
         if k == 2:
             raise torch.OutOfMemoryError("injected")
 
-    out = we.encode_wan_tiled(m, x, 6, 16, fault_hook=fault, on_oom=lambda: ooms.append(1))
+    out = se.encode_split_tiled(m, x, 6, 16, WAN, fault_hook=fault, on_oom=lambda: ooms.append(1))
     assert ooms == [1]
     assert (out - m.encode(x)).abs().max().item() <= 1e-5
 
@@ -101,7 +107,7 @@ def test_oom_at_the_smallest_tile_raises_the_original_error(tiny):
         raise torch.OutOfMemoryError(f"injected {k}")
 
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
-        we.encode_wan_tiled(m, x, 6, 16, fault_hook=fault, on_oom=lambda: ooms.append(1))
+        se.encode_split_tiled(m, x, 6, 16, WAN, fault_hook=fault, on_oom=lambda: ooms.append(1))
     assert ooms == [1]  # the 4x6 tile split once (into 4x3 halves); the first half fails again and ends it
 
 
