@@ -1,7 +1,8 @@
 """Encode bench: Tiled VAE Encode (exact tiles) vs core ``VAEEncode`` and ``VAEEncodeTiled``, one run.
 
 For each image size, in one process, CPU float32, the random-weight SD/SDXL KL fixture (``--kinds`` for
-FLUX.1 / FLUX.2):
+FLUX.1 / FLUX.2 / Hunyuan Image; with ``--frames N`` a video fixture, ``wan21``, ``ltx_video``,
+``hunyuan_video15``: N frames of the size, through Temporal-Chunk Video Encode's engine):
 
 1. core ``VAEEncode`` (untiled): the reference latent;
 2. core ``VAEEncodeTiled`` with its defaults (tile 512, overlap 64);
@@ -19,6 +20,7 @@ logged as it finishes. Nothing is asserted; figures go
 to docs/BENCHMARKS.md::
 
     .cache/venv/bin/python bench/encode.py [--sizes 1024 2048] [--kinds kl_f8] [--budgets 0.8 0.3] [--f64] [--threads 2]
+    .cache/venv/bin/python bench/encode.py --kinds hunyuan_video15 --frames 17 --sizes 256 --budgets 0.5
 """
 
 from __future__ import annotations
@@ -72,14 +74,14 @@ def _add(rows: list[dict[str, Any]], row: dict[str, Any]) -> None:
 
 
 def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int,
-          budgets: tuple[float, ...] = (0.8,), f64: bool = False) -> list[dict[str, Any]]:
+          budgets: tuple[float, ...] = (0.8,), f64: bool = False, frames: int = 1) -> list[dict[str, Any]]:
     from scripts.fixtures import make_models
     from scripts.host import HostConfig
 
     path = make_models(HostConfig.load().models_dir / "vae", seed=0, kinds=[kind])[kind]
     vae = nodes.VAELoader().load_vae(path.name)[0]
-    pixels = smooth_image(px)
-    case = f"{kind} {px}²"
+    pixels = smooth_image(px) if frames <= 1 else smooth_video(frames, px)
+    case = f"{kind} {px}²" + (f" x {frames} frames" if frames > 1 else "")
     rows = []
     ref = _measure(tracker_mod, lambda: nodes.VAEEncode().encode(vae, pixels)[0]["samples"])
     _add(rows, {"case": case, "encode": "core VAEEncode (untiled)", **ref})
@@ -95,8 +97,9 @@ def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int,
             "out": auto["out"].latent,
         }
     )
-    with torch.inference_mode():
-        enc_mod.encode(vae, pixels[:, :64, :64], tile_size=32)  # first use (self-check) outside the row
+    with torch.inference_mode():  # first use (self-check) outside the rows: 2x2 tiles of a corner
+        r = int(vae.spacial_compression_encode()) if frames > 1 else 32
+        enc_mod.encode(vae, pixels[:9, : 4 * r, : 4 * r], tile_size=2 * r)
     for frac in budgets:
         budget = max(1, int(frac * ref["peak"] / MiB))
         try:
@@ -134,6 +137,12 @@ def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int,
     return rows
 
 
+def smooth_video(frames: int, px: int) -> torch.Tensor:
+    """``frames`` frames of :func:`smooth_image`, each shifted 3 px further (a slow pan): (frames, px, px, 3)."""
+    img = smooth_image(px)
+    return torch.cat([torch.roll(img, shifts=3 * t, dims=2) for t in range(frames)])
+
+
 def _vs_float64(vae: Any, pixels: torch.Tensor, rows: list[dict[str, Any]]) -> None:
     """Log each row's latent max abs difference from the encoder's float64 copy (the same image, ComfyUI's
     ``[0, 1] -> [-1, 1]`` mapping; the regularizer's mean)."""
@@ -148,6 +157,33 @@ def _vs_float64(vae: Any, pixels: torch.Tensor, rows: list[dict[str, Any]]) -> N
     for r in rows:
         diff = (r["out"].double() - exact).abs().max().item()
         log.info("row: %s | %s | latent max abs vs float64 %.2g (latent max %.2g)", r["case"], r["encode"], diff, top)
+
+
+def predict(nodes: Any, enc_mod: Any, kind: str, px: int, frames: int, least: int = 128) -> list[str]:
+    """The planner's meta-sized peaks (no encode runs) of one item: the encoder's own forward and the exact tiles
+    of every candidate side down to ``least`` px, as table rows (``--predict``)."""
+    from scripts.fixtures import make_models
+    from scripts.host import HostConfig
+
+    pe = importlib.import_module(enc_mod.__name__.rsplit(".nodes.", 1)[0] + ".memory.plan.encode")
+    path = make_models(HostConfig.load().models_dir / "vae", seed=0, kinds=[kind])[kind]
+    vae = nodes.VAELoader().load_vae(path.name)[0]
+    pixels = smooth_image(px) if frames <= 1 else smooth_video(frames, px)
+    job = enc_mod._validate(vae, pixels, 0)
+    case = f"{kind} {px}²" + (f" x {frames} frames" if frames > 1 else "")
+    peaks = pe.PeakStore()
+    w0 = time.perf_counter()
+    whole = pe.encode_peak(job, None, peaks, 1 << 30)
+    rows = [f"| {case} | the encoder's own forward | {whole / MiB:,.1f} | 1.00x |"]
+    for cfg in pe.candidates(job):
+        if cfg.store != "device" or cfg.tile < least:
+            continue
+        peak = pe.encode_peak(job, cfg, peaks, 1 << 30)
+        rows.append(f"| {case} | exact tiles of {cfg.tile} px (halo {job.halo} latent px) | {peak / MiB:,.1f} | "
+                    f"{peak / whole:.2f}x |")
+        log.info("%s", rows[-1])
+    log.info("predicted %s in %.0f s", case, time.perf_counter() - w0)
+    return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -170,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.8],
                         help="budgets of the tiled rows, as fractions of the untiled encode's measured peak")
     parser.add_argument("--f64", action="store_true", help="also log each latent's distance to a float64 encode")
+    parser.add_argument("--frames", type=int, default=1, help="a video of this many frames (video kinds)")
+    parser.add_argument("--predict", action="store_true",
+                        help="only the planner's meta-sized peaks (untiled and tiles of at least 128 px), no encode")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
@@ -184,8 +223,17 @@ def main(argv: list[str] | None = None) -> int:
         enc_mod.__name__.rsplit(".nodes.", 1)[0] + ".memory.measure.tracker"
     )
     t0 = time.perf_counter()
+    if args.predict:
+        lines = ["| case | plan | predicted peak (MiB) | vs untiled |", "|---|---|---|---|"]
+        for kind in args.kinds:
+            for px in args.sizes:
+                lines += predict(nodes, enc_mod, kind, px, args.frames)
+        log.info("\n%s\n\nmeta-sized, %s, torch %s, %.0f s", "\n".join(lines), platform.platform(),
+                 torch.__version__, time.perf_counter() - t0)
+        return 0
     rows = [
-        r for kind in args.kinds for px in args.sizes for r in bench(nodes, enc_mod, tracker_mod, kind, px, tuple(args.budgets), args.f64)
+        r for kind in args.kinds for px in args.sizes
+        for r in bench(nodes, enc_mod, tracker_mod, kind, px, tuple(args.budgets), args.f64, args.frames)
     ]
     try:
         load = " ".join(pathlib.Path("/proc/loadavg").read_text().split()[:3])

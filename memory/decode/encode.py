@@ -85,8 +85,9 @@ def make_job(
         if split is not None:
             try:
                 halo = se.split_halo(model, split, down, int(x.shape[1]), dtype, device)
-            except ValueError as e:
-                split, reason = None, str(e)
+            except Exception as e:  # noqa: BLE001 - a prefix that runs a global module, or a trace that fails
+                split, reason = None, f"its reach could not be bounded: {e}"
+                log.warning("%s: %s", VIDEO_REPORT_NODE, reason)
     else:
         layout = kl_layout(model, direction="encode")
         reason, down = layout.reason, layout.ratio
