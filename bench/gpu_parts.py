@@ -51,6 +51,13 @@ VIDEO_CASES = {
              ("wan22", (1, 48, 21, 30, 52), "832x480x81"), ("wan22", (1, 48, 21, 45, 80), "1280x720x81")],
     "small": [("wan21", (1, 16, 2, 6, 6), "48x48x5")],
 }  # fmt: skip
+ENCODE_VIDEO_CASES = {
+    "full": [(kind, label) for kind, _, label in VIDEO_CASES["full"]]
+    + [("ltx_video", "1920x1088x121"), ("hunyuan_video15", "1280x720x121")],
+    "small": [("wan21", "48x48x5"), ("hunyuan_video15", "64x64x9")],
+}
+"""The encode part's video cases (``--models`` picks): Wan's decode sizes, LTX-Video at 1080p (its 16-latent-px
+reach leaves tiles only across the width), HunyuanVideo 1.5 at 720p."""
 SCENE_SIZES = {
     # (PixArt depth, DC-AE latent, FLUX double/single blocks, FLUX latent, bf16 Loader weight dtype)
     "full": (75, (2, 32, 64, 64), (19, 38), (1, 16, 128, 128), "fp8_e4m3fn"),
@@ -324,16 +331,16 @@ def part_encode(host: Host, rows: Rows, size: str, sizes: list[int] | None = Non
 
 
 def part_encode_video(host: Host, rows: Rows, size: str, models: list[str]) -> None:
-    """Wan video encode (``--models``) at the video part's sizes: core VAEEncode (the reference), Temporal-Chunk
-    Video Encode auto and at 40 % of core's peak; latent max abs vs the reference."""
-    for kind, _, label in VIDEO_CASES[size]:
+    """Video encode (``--models``: Wan, LTX-Video, HunyuanVideo 1.5) at :data:`ENCODE_VIDEO_CASES`: core VAEEncode
+    (the reference), Temporal-Chunk Video Encode auto and at 40 % of core's peak; latent max abs vs the reference."""
+    for kind, label in ENCODE_VIDEO_CASES[size]:
         if kind not in models:
             continue
         host.unload_all()
         vae = host.vae(kind)
         r = int(vae.spacial_compression_encode())
-        with torch.inference_mode():  # first use (the self-check) outside the rows
-            host.tiled_encode.encode(vae, torch.rand(5, 2 * r, 4 * r, 3), tile_size=2 * r)
+        with torch.inference_mode():  # first use (the self-check) outside the rows; 9 frames: LTX takes 1 + 8n
+            host.tiled_encode.encode(vae, torch.rand(9, 2 * r, 4 * r, 3), tile_size=2 * r)
         w, h, t = (int(v) for v in label.split("x"))
         pixels = torch.rand((t, h, w, 3), generator=torch.Generator().manual_seed(0))
         common = {"case": f"{kind} {label}", "dtype": str(vae.vae_dtype).removeprefix("torch.")}
