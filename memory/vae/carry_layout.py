@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from ..measure.sizing import MetaSizer
 from ..measure.tracker import uncounted
+from .describe import first_fit
 from .split_layout import is_global
 
 __all__ = ["CarryLayout", "Description", "DESCRIPTIONS", "carry_layout"]
@@ -467,17 +468,8 @@ def carry_layout(model: Any) -> CarryLayout:
     except TypeError:
         found = None
     if found is None:
-        reasons = []
-        for d in DESCRIPTIONS:
-            why = d.reason(model)
-            if why is None:
-                found = CarryLayout(None, d.name, d.forwards(model), d)
-                break
-            reasons.append(why)
-        else:  # the reasons of the descriptions that know this decoder's class, else none does
-            mine = [why for why in reasons if not why.startswith("not ")]
-            names = ", ".join(d.name for d in DESCRIPTIONS)
-            found = CarryLayout("; ".join(mine) or f"no carried-context description matches this decoder ({names})")
+        d, why = first_fit(DESCRIPTIONS, model, "carried-context description matches this decoder")
+        found = CarryLayout(why) if d is None else CarryLayout(None, d.name, d.forwards(model), d)
         try:
             _LAYOUTS[model] = found
         except TypeError:

@@ -34,6 +34,7 @@ import torch
 
 from ..measure.reach import EncoderReach, traced_encoder_reach
 from ..measure.sizing import MetaSizer
+from .describe import first_fit
 from .split_layout import is_global
 from .swap import swapped
 
@@ -236,17 +237,7 @@ def encode_split(model: Any) -> tuple[EncodeSplit | None, str | None]:
     except TypeError:
         found = None
     if found is None:
-        reasons = []
-        for d in DESCRIPTIONS:
-            why = d.reason(model)
-            if why is None:
-                found = (d, None)
-                break
-            reasons.append(why)
-        else:
-            mine = [why for why in reasons if not why.startswith("not ")]
-            names = ", ".join(d.name for d in DESCRIPTIONS)
-            found = (None, "; ".join(mine) or f"no split description matches this encoder ({names})")
+        found = first_fit(DESCRIPTIONS, model, "split description matches this encoder")
         with contextlib.suppress(TypeError):
             _FOUND[model] = found
     return found
