@@ -141,10 +141,10 @@ class TiledVAEEncode(io.ComfyNode):
         return encode_schema(
             NODE_ID,
             DISPLAY_NAME,
-            "Encodes images within a memory budget. GroupNorm KL VAEs (SD1.x/SD2/SDXL/SD3, FLUX.1/FLUX.2) encode "
-            "exactly (same latent as VAE Encode, proven once per host by a self-check) in tiles sized from free "
-            "memory, with GroupNorm statistics shared across tiles; Wan encodes as Temporal-Chunk Video Encode; "
-            "other VAEs take their own encode.",
+            "Encodes images within a memory budget. GroupNorm KL VAEs (SD1.x/SD2/SDXL/SD3, FLUX.1/FLUX.2) and "
+            "Hunyuan Image 2.1 encode exactly (same latent as VAE Encode, proven once per host by a self-check) in "
+            "tiles sized from free memory, with GroupNorm statistics shared across tiles; video VAEs (Wan, "
+            "LTX-Video, HunyuanVideo 1.5) encode as Temporal-Chunk Video Encode; other VAEs take their own encode.",
             pixels="The images to encode (as VAE Encode takes them).",
             vae="The VAE used for encoding.",
             tile="Tile side in pixels (at every encoder level). 0 = auto: the encoder's own forward when it fits "
