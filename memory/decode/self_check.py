@@ -99,12 +99,12 @@ class Verdict:
         return "passed" if self.ok else ("failed" if self.conclusive else "inconclusive")
 
     def describe(self) -> str:
-        what = f"vs the host's own decode of a tiny latent, checked in {fmt_seconds(self.seconds)}"
+        what = f"vs the host's own result on a tiny input, checked in {fmt_seconds(self.seconds)}"
         if self.ok:
             return f"self-check passed on this host (max abs diff {self.max_diff:.1e} <= {self.tolerance:.0e} {what})"
         if not self.conclusive:
             return (f"self-check could not conclude on this host ({self.detail}): exactness is unverified "
-                    "for this run; not cached, checked again at the next decode")
+                    "for this run; not cached, checked again at the next run")
         diff = "" if math.isinf(self.max_diff) else f"max abs diff {self.max_diff:.3g} > {self.tolerance:.0e} "
         extra = f" ({self.detail})" if self.detail else ""
         again = f"; {RECHECK_HINT}" if self.cached else ""
