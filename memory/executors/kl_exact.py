@@ -29,6 +29,7 @@ from ..vae.kl_layout import (
     bands_in,
     block_shortcut,
     dying_inputs,
+    hunyuan_image,
     kl_layout,
     read_span,
     whole_output,
@@ -672,7 +673,7 @@ class _Tail(torch.nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         enc = self.enc
-        if getattr(enc, "num_resolutions", None) is None:  # Hunyuan Image 2.1 (the walk checked its structure)
+        if hunyuan_image(enc):  # the walk checked its structure
             with swapped((enc, "conv_in", torch.nn.Identity()), (enc, "down", torch.nn.ModuleList())):
                 return enc(h)
         h = enc.mid.block_1(h, None)

@@ -17,7 +17,8 @@ Three measurements:
   input during one small run, giving the scale of each conv; contributions are summed in execution
   order. Parallel branches are summed too, so this is an upper bound (exact for decoders whose
   shortcuts are 1x1 convs or identities). Modules whose class name contains ``Attn``/``Attention``
-  are reported as global.
+  are reported as global. :func:`traced_encoder_reach`: the same for an encoder's local part, a strided
+  convolution counting its whole kernel (one-sided padding), norms over space reported as global too.
 * :func:`impulse_extent` (+ :class:`GroupNormFreezer`): empirical check. Perturb one pixel of an
   activation, decode with GroupNorm statistics frozen to the unperturbed run, and measure how far
   the output changed.
@@ -42,6 +43,7 @@ __all__ = [
     "ReachReport",
     "conv_radius",
     "default_halo",
+    "encoder_radius",
     "impulse_extent",
     "structural_reach",
     "traced_encoder_reach",
@@ -180,6 +182,8 @@ def traced_reach(
     run: Callable[[], Any],
     latent_hw: tuple[int, int],
     up_path_from: str | None = None,
+    radius: Callable[[Any], float] = conv_radius,
+    is_global: Callable[[Any], bool] = _is_attention,
 ) -> ReachReport:
     """Reach of any decoder from one small run: ``run()`` must decode a latent of spatial size ``latent_hw``.
 
@@ -187,7 +191,9 @@ def traced_reach(
     integer: a convolution whose caller pads its input first sees a few more px); it adds ``conv_radius / s``.
     ``up_path_from``: name of the submodule whose output starts the "up path" (e.g. ``"decoder.mid"``);
     contributions after it count as ``up_path``, before it as ``pre_up``.
-    Without it everything counts as ``up_path``. Upper bound when branches run in parallel.
+    Without it everything counts as ``up_path``. Upper bound when branches run in parallel. ``radius(conv)``: px
+    of its input a convolution reaches (default :func:`conv_radius`); ``is_global(m)``: a module reported in
+    ``global_ops`` when it runs (default: attention by class name).
     """
     lh = float(latent_hw[0])
     records: list[tuple[str, float]] = []
@@ -201,7 +207,7 @@ def traced_reach(
             if isinstance(x, torch.Tensor) and x.ndim >= 3:
                 s = x.shape[-2] / lh if x.ndim >= 4 else x.shape[-1] / lh
                 s = float(round(s)) if s >= 1 else s  # a conv padded by its caller (CarriedConv3d) sees more px
-                records.append((name, conv_radius(conv) / max(s, 1e-9)))
+                records.append((name, radius(conv) / max(s, 1e-9)))
 
         return hook
 
@@ -219,7 +225,7 @@ def traced_reach(
         for name, m in module.named_modules():
             if isinstance(m, _CONV_TYPES + _CONVT_TYPES):
                 handles.append(m.register_forward_pre_hook(conv_hook(name, m)))
-            elif _is_attention(m) and name:
+            elif name and is_global(m):
                 handles.append(m.register_forward_pre_hook(attn_hook(name)))
             if up_path_from is not None and name == up_path_from:
                 handles.append(m.register_forward_hook(mark_hook))
@@ -345,45 +351,19 @@ class EncoderReach:
         return int(math.ceil(self.reach - 1e-9))
 
 
+def encoder_radius(conv: Any) -> float:
+    """Spatial px of its input an encoder's convolution reaches: :func:`conv_radius`, but ``dilation * (k - 1)``
+    for a strided one (its padding may be one-sided, as Wan's: output ``j`` reads ``[s j, s j + k)``)."""
+    k, d, st = tuple(conv.kernel_size)[-2:], tuple(conv.dilation)[-2:], tuple(conv.stride)[-2:]
+    return max(di * (ki - 1) / (1 if si > 1 else 2) for ki, di, si in zip(k, d, st, strict=True))
+
+
 def traced_encoder_reach(module: torch.nn.Module, run: Callable[[], Any], latent_h: int,
                          is_global: Callable[[Any], bool] = _is_attention) -> EncoderReach:
     """Reach of an encoder's local part from one run (``run()`` encodes pixels ``latent_h`` latent px high; one
-    chunk in time, so each convolution runs once). A convolution at ``s`` input px per latent px (its input's
-    height over ``latent_h``, rounded to a power of two: a convolution padded by its caller sees a few more px)
-    adds ``dilation * (k - 1) / 2 / s`` latent px, a strided one ``dilation * (k - 1) / s`` (its padding may be
-    one-sided, as Wan's). Parallel branches are summed: an upper bound. ``is_global(m)``: a module that breaks
-    locality (attention, norms over space), reported by its name when it runs."""
-    total = 0.0
-    found: list[str] = []
-    handles = []
-
-    def conv_hook(conv: Any) -> Callable[..., None]:
-        def hook(_m: Any, inputs: tuple[Any, ...]) -> None:
-            nonlocal total
-            x = inputs[0]
-            s = 2.0 ** round(math.log2(max(x.shape[-2] / latent_h, 1e-9)))
-            k, d, st = (tuple(conv.kernel_size)[-2:], tuple(conv.dilation)[-2:], tuple(conv.stride)[-2:])
-            px = max(di * (ki - 1) / (1 if si > 1 else 2) for ki, di, si in zip(k, d, st, strict=True))
-            total += px / s
-
-        return hook
-
-    def global_hook(name: str) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
-            if name not in found:
-                found.append(name)
-
-        return hook
-
-    try:
-        for name, m in module.named_modules():
-            if isinstance(m, _CONV_TYPES):
-                handles.append(m.register_forward_pre_hook(conv_hook(m)))
-            elif name and is_global(m):
-                handles.append(m.register_forward_pre_hook(global_hook(name)))
-        with torch.no_grad():
-            run()
-    finally:
-        for h in handles:
-            h.remove()
-    return EncoderReach(total, tuple(found))
+    chunk in time, so each convolution runs once): :func:`traced_reach` with :func:`encoder_radius`, each
+    convolution's reach over its input px per latent px; parallel branches summed (an upper bound).
+    ``is_global(m)``: a module that breaks locality (attention, norms over space), reported by its name when it
+    runs."""
+    r = traced_reach(module, run, (latent_h, latent_h), radius=encoder_radius, is_global=is_global)
+    return EncoderReach(r.total, r.global_ops)

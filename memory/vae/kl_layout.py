@@ -31,6 +31,7 @@ __all__ = [
     "SegmentInfo",
     "axis_extents",
     "find_decoder",
+    "hunyuan_image",
     "kl_layout",
     "exact_geometry",
     "store_schedule",
@@ -113,7 +114,7 @@ def _is_pixel_shuffle_up(m: Any) -> bool:
         and isinstance(getattr(m, "scale", None), int)
 
 
-def _hunyuan_image(dec: Any) -> bool:
+def hunyuan_image(dec: Any) -> bool:
     """Hunyuan Image 2.1's decoder (``block_out_channels``, no ``num_resolutions``), not the SD KL one."""
     return getattr(dec, "num_resolutions", None) is None and \
         getattr(dec, "block_out_channels", None) is not None
@@ -124,14 +125,14 @@ def stage_order(dec: Any) -> list[tuple[int, bool]]:
     ``up`` from the deepest level, upsampling after every level but 0; Hunyuan Image 2.1's runs ``up`` in list
     order, upsampling where a level has one."""
     n = len(dec.up)
-    if _hunyuan_image(dec):
+    if hunyuan_image(dec):
         return [(i, getattr(dec.up[i], "upsample", None) is not None) for i in range(n)]
     return [(i, i > 0) for i in reversed(range(n))]
 
 
 def in_shortcut_repeats(dec: Any) -> int:
     """Channel repeats of the latent added to ``conv_in``'s output (Hunyuan Image 2.1's decoder); 0: none."""
-    if not _hunyuan_image(dec):
+    if not hunyuan_image(dec):
         return 0
     return int(dec.block_out_channels[0]) // int(dec.z_channels)
 
@@ -208,7 +209,7 @@ def _downsamples(enc: Any) -> list[bool]:
     """Per level of the down path: a downsample after its blocks (SD KL: every level but the last; Hunyuan Image
     2.1: the levels that have one)."""
     n = len(enc.down)
-    if _hunyuan_image(enc):
+    if hunyuan_image(enc):
         return [getattr(enc.down[i], "downsample", None) is not None for i in range(n)]
     return [i != n - 1 for i in range(n)]
 
@@ -221,7 +222,7 @@ def _encoder_reason(model: Any) -> str | None:
     enc = getattr(model, "encoder", None)
     if enc is None or not callable(getattr(model, "encode", None)):
         return "no encoder"
-    hunyuan = _hunyuan_image(enc)
+    hunyuan = hunyuan_image(enc)
     if getattr(enc, "num_resolutions", None) is None and not hunyuan:
         return "not the SD/FLUX KL or Hunyuan Image 2.1 Encoder (no num_resolutions, no block_out_channels)"
     for name in ("conv_in", "down", "mid", "norm_out", "conv_out"):
