@@ -1,7 +1,8 @@
 """Encode bench: Tiled VAE Encode (exact tiles) vs core ``VAEEncode`` and ``VAEEncodeTiled``, one run.
 
 For each image size, in one process, CPU float32, the random-weight SD/SDXL KL fixture (``--kinds`` for
-FLUX.1 / FLUX.2 / Hunyuan Image; with ``--frames N`` a video fixture, ``wan21``, ``ltx_video``,
+FLUX.1 / FLUX.2 / Hunyuan Image / ``dcae_sana``, Sana's DC-AE as ExtraModels loads it, without the core tiled
+row; with ``--frames N`` a video fixture, ``wan21``, ``ltx_video``,
 ``hunyuan_video15``: N frames of the size, through Temporal-Chunk Video Encode's engine):
 
 1. core ``VAEEncode`` (untiled): the reference latent;
@@ -73,20 +74,31 @@ def _add(rows: list[dict[str, Any]], row: dict[str, Any]) -> None:
     log.info("row: %s | %s | %.2f s | %.1f MiB", row["case"], row["encode"], row["wall"], row["peak"] / MiB)
 
 
-def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int,
-          budgets: tuple[float, ...] = (0.8,), f64: bool = False, frames: int = 1) -> list[dict[str, Any]]:
+def _load(nodes: Any, kind: str) -> Any:
+    """The fixture VAE of ``kind`` as its users load it: ComfyUI's ``VAELoader``; Sana's DC-AE as ComfyUI_ExtraModels'
+    ``ExtraVAELoader`` (``scripts/sana_vae.py``)."""
     from scripts.fixtures import make_models
     from scripts.host import HostConfig
 
     path = make_models(HostConfig.load().models_dir / "vae", seed=0, kinds=[kind])[kind]
-    vae = nodes.VAELoader().load_vae(path.name)[0]
+    if kind == "dcae_sana":
+        from scripts.sana_vae import load_dcae
+
+        return load_dcae(str(path), torch.float32)
+    return nodes.VAELoader().load_vae(path.name)[0]
+
+
+def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int,
+          budgets: tuple[float, ...] = (0.8,), f64: bool = False, frames: int = 1) -> list[dict[str, Any]]:
+    vae = _load(nodes, kind)
     pixels = smooth_image(px) if frames <= 1 else smooth_video(frames, px)
     case = f"{kind} {px}²" + (f" x {frames} frames" if frames > 1 else "")
     rows = []
     ref = _measure(tracker_mod, lambda: nodes.VAEEncode().encode(vae, pixels)[0]["samples"])
     _add(rows, {"case": case, "encode": "core VAEEncode (untiled)", **ref})
-    core = _measure(tracker_mod, lambda: nodes.VAEEncodeTiled().encode(vae, pixels, 512, 64)[0]["samples"])
-    _add(rows, {"case": case, "encode": "core VAEEncodeTiled 512/64", **core})
+    if hasattr(vae, "process_input"):  # not for ExtraModels' EXVAE (Sana's DC-AE): core's tiled encode cannot run it
+        core = _measure(tracker_mod, lambda: nodes.VAEEncodeTiled().encode(vae, pixels, 512, 64)[0]["samples"])
+        _add(rows, {"case": case, "encode": "core VAEEncodeTiled 512/64", **core})
     auto = _measure(tracker_mod, lambda: enc_mod.encode(vae, pixels))
     _add(
         rows,
@@ -162,12 +174,8 @@ def _vs_float64(vae: Any, pixels: torch.Tensor, rows: list[dict[str, Any]]) -> N
 def predict(nodes: Any, enc_mod: Any, kind: str, px: int, frames: int, least: int = 128) -> list[str]:
     """The planner's meta-sized peaks (no encode runs) of one item: the encoder's own forward and the exact tiles
     of every candidate side down to ``least`` px, as table rows (``--predict``)."""
-    from scripts.fixtures import make_models
-    from scripts.host import HostConfig
-
     pe = importlib.import_module(enc_mod.__name__.rsplit(".nodes.", 1)[0] + ".memory.plan.encode")
-    path = make_models(HostConfig.load().models_dir / "vae", seed=0, kinds=[kind])[kind]
-    vae = nodes.VAELoader().load_vae(path.name)[0]
+    vae = _load(nodes, kind)
     pixels = smooth_image(px) if frames <= 1 else smooth_video(frames, px)
     job = enc_mod._validate(vae, pixels, 0)
     case = f"{kind} {px}²" + (f" x {frames} frames" if frames > 1 else "")
@@ -179,7 +187,7 @@ def predict(nodes: Any, enc_mod: Any, kind: str, px: int, frames: int, least: in
         if cfg.store != "device" or cfg.tile < least:
             continue
         peak = pe.encode_peak(job, cfg, peaks, 1 << 30)
-        rows.append(f"| {case} | exact tiles of {cfg.tile} px (halo {job.halo} latent px) | {peak / MiB:,.1f} | "
+        rows.append(f"| {case} | exact tiles of {cfg.tile} px (halo {job.halo * (job.prefix_ratio or job.ratio)} px) | {peak / MiB:,.1f} | "
                     f"{peak / whole:.2f}x |")
         log.info("%s", rows[-1])
     log.info("predicted %s in %.0f s", case, time.perf_counter() - w0)

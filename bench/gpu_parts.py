@@ -234,6 +234,10 @@ class Host:
         from scripts.fixtures import make_models
 
         path = make_models(self.cfg.models_dir / "vae", seed=0, kinds=[kind])[kind]
+        if kind == "dcae_sana":  # as ComfyUI_ExtraModels' ExtraVAELoader loads it (its default dtype: bf16)
+            from scripts.sana_vae import load_dcae
+
+            return load_dcae(str(path), torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         return self.nodes.VAELoader().load_vae(path.name)[0]
 
     def core_decode(self, vae: Any, z: torch.Tensor) -> torch.Tensor:
@@ -291,27 +295,31 @@ def part_image(host: Host, rows: Rows, size: str, sizes: list[int] | None = None
         gc.collect()
 
 
-def part_encode(host: Host, rows: Rows, size: str, sizes: list[int] | None = None) -> None:
-    """KL VAE encode at 2048² and 4096² (or ``sizes``) of bench/encode.py's image: core VAEEncode (the
-    reference), core VAEEncodeTiled (its defaults, 512/64), VRAM Fit auto and at 40 % of core's peak. Each
+def part_encode(host: Host, rows: Rows, size: str, sizes: list[int] | None = None, kind: str = "kl_f8") -> None:
+    """KL VAE (or ``kind``: ``dcae_sana``) encode at 2048² and 4096² (or ``sizes``) of bench/encode.py's image: core
+    VAEEncode (the reference), core VAEEncodeTiled (its defaults, 512/64; not for DC-AE, which ComfyUI's tiled
+    encode cannot run), VRAM Fit auto and at 40 % of core's peak. Each
     row is written when measured (latent max abs vs the reference); the round trips (core VAEDecode, slow at
     8192²) are filled in after a size's encodes, so a stop at the deadline keeps every measured encode."""
     from bench.encode import smooth_image
 
-    vae = host.vae("kl_f8")
+    vae = host.vae(kind)
     with torch.inference_mode():  # first use (the self-check) outside the rows
         host.tiled_encode.encode(vae, smooth_image(64), tile_size=32)
     for px in sizes or ENCODE_SIZES[size]:
         pixels = smooth_image(px)
-        common = {"case": f"KL {px}x{px}", "dtype": str(vae.vae_dtype).removeprefix("torch.")}
+        name = "KL" if kind == "kl_f8" else kind
+        common = {"case": f"{name} {px}x{px}", "dtype": str(vae.vae_dtype).removeprefix("torch.")}
         with log_watch("retrying with tiled") as fallback:
             ref, m = measure(host.device, lambda p=pixels: host.core_encode(vae, p), host.tracker)
         ref_name = "core VAEEncode" + (" (fell back to its tiled encode)" if fallback else "")
         rows.add(**common, encode=ref_name, **m, reference="-")
         budget_40 = max(16, int(0.4 * m["peak_mib"]))
-        out, m = measure(host.device, lambda p=pixels: host.core_encode(vae, p, 512, 64), host.tracker)
-        encoded = [(out, rows.add(**common, encode="core VAEEncodeTiled 512/64", **m,
-                                  latent_max_abs=fidelity(out, ref)["max_abs"], reference=ref_name))]
+        encoded = []
+        if hasattr(vae, "process_input"):  # a ComfyUI VAE (not ExtraModels' EXVAE)
+            out, m = measure(host.device, lambda p=pixels: host.core_encode(vae, p, 512, 64), host.tracker)
+            encoded.append((out, rows.add(**common, encode="core VAEEncodeTiled 512/64", **m,
+                                          latent_max_abs=fidelity(out, ref)["max_abs"], reference=ref_name)))
 
         def run(b: int, p: torch.Tensor = pixels) -> Any:
             with torch.inference_mode():
@@ -474,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=pathlib.Path, required=True)
     ap.add_argument("--small", action="store_true", help="tiny sizes (the CPU dry run)")
     ap.add_argument("--models", default="", help="video part: which VAEs (default wan21,wan22); encode part: "
-                    "encode these video VAEs instead of the KL image")
+                    "encode these video VAEs instead of the KL image, or dcae_sana (Sana's DC-AE, images)")
     ap.add_argument("--sizes", default="",
                     help="image and encode parts: comma-separated sides in px (default: the size's)")
     args = ap.parse_args(argv)
@@ -487,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(v) for v in args.sizes.split(",") if v]
     if args.part == "image":
         part_image(host, rows, size, sizes)
+    elif args.part == "encode" and args.models == "dcae_sana":
+        part_encode(host, rows, size, sizes, kind="dcae_sana")
     elif args.part == "encode" and args.models:
         part_encode_video(host, rows, size, args.models.split(","))
     elif args.part == "encode":

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from comfy_api.v0_0_2 import io
 
+from ..memory.plan.encode import encode_ratio
 from . import _comfy
 from .tiled_vae_encode import encode, encode_schema, node_output
 
@@ -22,12 +23,19 @@ REPORT_NODE = "VAE Encode for Inpaint"
 
 
 class _EngineVAE:
-    """The VAE, except that ``encode`` runs the engine (and keeps its result for the report)."""
+    """The VAE, except that ``encode`` runs the engine (and keeps its result for the report); for a VAE that skips
+    ``VAE.__init__`` (ComfyUI_ExtraModels' EXVAE: Sana's DC-AE) also the encode ratio the host's preprocessing reads
+    (its ``latent_scale``), where the core node fails."""
 
     def __init__(self, vae: Any, **settings: Any):
         self._vae, self._settings, self.result = vae, settings, None
 
     def __getattr__(self, name: str) -> Any:
+        if not hasattr(self._vae, "downscale_ratio"):
+            if name == "downscale_ratio":  # 0.3.75's node
+                return encode_ratio(self._vae)
+            if name == "spacial_compression_encode":  # 0.33's
+                return lambda: encode_ratio(self._vae)
         return getattr(self._vae, name)
 
     def encode(self, pixels: Any) -> Any:

@@ -19,6 +19,7 @@ from comfy_api.v0_0_2 import io, ui
 
 from ..memory.decode.encode import REPORT_NODE, EncodeResult, encode_image, make_job
 from ..memory.decode.env import DecodeEnv
+from ..memory.plan.encode import encode_ratio
 from . import _comfy, _decode_node
 
 log = logging.getLogger("vramfit.nodes.tiled_vae_encode")
@@ -54,15 +55,24 @@ def _validate(vae: Any, pixels: Any, tile_size: int, node: str = REPORT_NODE) ->
         raise _error(f"tile_size {tile_size}: use 0 (auto) or a multiple of {step} of at least {least} px", node)
     if hasattr(vae, "throw_exception_if_invalid"):
         vae.throw_exception_if_invalid()
-    cropped = vae.vae_encode_crop_pixels(pixels)
+    core = hasattr(vae, "process_input")  # False: a VAE that skips VAE.__init__ (ExtraModels' EXVAE, Sana's DC-AE)
+    cropped = vae.vae_encode_crop_pixels(pixels) if core else _centre_crop(pixels, encode_ratio(vae))
     if min(cropped.shape[1], cropped.shape[2]) < 1:
         raise _error(f"pixels {tuple(pixels.shape)}: smaller than one latent pixel of this VAE", node)
     x = cropped[..., : getattr(vae, "output_channels", 3)].movedim(-1, 1)  # as the host: RGB (0.33: its channels)
     if video:
         x = x.movedim(1, 0).unsqueeze(0)  # as VAE.encode: the frames of one video
-    # As VAE.encode: process_input in float32 on the intermediate device, then the VAE's dtype.
-    x = vae.process_input(x).to(vae.vae_dtype)
+    # As VAE.encode (and EXVAE's encode: 2x - 1): in float32 on the intermediate device, then the VAE's dtype.
+    x = (vae.process_input(x) if core else x * 2.0 - 1.0).to(vae.vae_dtype)
     return make_job(vae, x, _comfy.intermediate_device(), tile_size=tile_size, pixels=pixels)
+
+
+def _centre_crop(pixels: torch.Tensor, ratio: int) -> torch.Tensor:
+    """The centred crop of H and W to multiples of ``ratio`` that ``VAE.vae_encode_crop_pixels`` makes, for a VAE
+    without it (EXVAE's own encode does not crop: it fails on such sides)."""
+    h, w = (int(pixels.shape[1]) // ratio) * ratio, (int(pixels.shape[2]) // ratio) * ratio
+    y, x = (int(pixels.shape[1]) - h) // 2, (int(pixels.shape[2]) - w) // 2
+    return pixels[:, y : y + h, x : x + w, :]
 
 
 def comfy_env(node_id: str | None = None) -> DecodeEnv:
@@ -75,7 +85,8 @@ def _as_vae_encode(vae: Any, result: EncodeResult) -> torch.Tensor:
     latent format (the host path's latent already is)."""
     if result.plan.path == "host":
         return result.latent
-    out_dtype = vae.vae_output_dtype() if hasattr(vae, "vae_output_dtype") else torch.float32
+    core = hasattr(vae, "process_input") and hasattr(vae, "vae_output_dtype")
+    out_dtype = vae.vae_output_dtype() if core else torch.float32  # EXVAE's encode: .float()
     latent = result.latent.to(_comfy.intermediate_device()).to(out_dtype)
     fmt = getattr(vae, "format_encoded", None)
     return fmt(latent) if fmt is not None else latent
@@ -143,7 +154,8 @@ class TiledVAEEncode(io.ComfyNode):
             DISPLAY_NAME,
             "Encodes images within a memory budget. GroupNorm KL VAEs (SD1.x/SD2/SDXL/SD3, FLUX.1/FLUX.2) and "
             "Hunyuan Image 2.1 encode exactly (same latent as VAE Encode, proven once per host by a self-check) in "
-            "tiles sized from free memory, with GroupNorm statistics shared across tiles; video VAEs (Wan, "
+            "tiles sized from free memory, with GroupNorm statistics shared across tiles; Sana's DC-AE exactly with "
+            "its local stages in tiles and its attention stages once; video VAEs (Wan, "
             "LTX-Video, HunyuanVideo 1.5) encode as Temporal-Chunk Video Encode; other VAEs take their own encode.",
             pixels="The images to encode (as VAE Encode takes them).",
             vae="The VAE used for encoding.",

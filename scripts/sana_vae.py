@@ -12,9 +12,12 @@ the same contract around diffusers' ``AutoencoderDC`` (the architecture; the fix
   ``patcher`` (ComfyUI's model management never sees it);
 * ``first_stage_model.decode(z)`` returns a tensor on [-1, 1] (ExtraModels' own DC-AE class does);
 * ``decode(samples)``: weights to the device, batches sized from free memory, ``clamp((x + 1) / 2)``,
-  weights back to the offload device; returns (B, H, W, 3) float32 on the CPU.
+  weights back to the offload device; returns (B, H, W, 3) float32 on the CPU;
+* ``first_stage_model.encode(x)`` returns the latent tensor (ExtraModels' DC-AE class does);
+* ``encode(pixels)``: weights to the device, batches sized from free memory, ``(2 x - 1)`` in the VAE's dtype,
+  no crop (sides must be multiples of 32), weights back; returns (B, 32, H / 32, W / 32) float32 on the CPU.
 
-EXVAE's fallback after an out-of-memory error (three offset tiled passes) is not reproduced: the decodes
+EXVAE's fallbacks after an out-of-memory error (three offset tiled passes) are not reproduced: the decodes
 here never need it, and a test that reached it would fail loudly rather than pass on another path.
 """
 
@@ -30,13 +33,18 @@ log = logging.getLogger("vramfit.sana_vae")
 LATENT_SCALE = 32
 DECODE_BYTES_PER_LATENT_PX = 2562 * 64 * 1.7
 """EXVAE's own estimate of a decode's memory per latent pixel (bytes), used to size its batches."""
+ENCODE_BYTES_PER_PX = 2078 * 1.7
+"""EXVAE's own estimate of an encode's memory per image pixel (bytes)."""
 
 
 def _dcae_class() -> type:
     from diffusers import AutoencoderDC
 
     class DCAE(AutoencoderDC):
-        """``AutoencoderDC`` whose ``decode`` returns the tensor (as ExtraModels' DC-AE class)."""
+        """``AutoencoderDC`` whose ``encode`` and ``decode`` return tensors (as ExtraModels' DC-AE class)."""
+
+        def encode(self, x: torch.Tensor, return_dict: bool = False) -> torch.Tensor:  # type: ignore[override]
+            return super().encode(x, return_dict=False)[0]
 
         def decode(self, z: torch.Tensor, return_dict: bool = False) -> torch.Tensor:  # type: ignore[override]
             return super().decode(z, return_dict=False)[0]
@@ -78,6 +86,23 @@ def load_dcae(path: str, dtype: torch.dtype = torch.bfloat16) -> Any:
             finally:
                 self.first_stage_model = self.first_stage_model.to(self.offload_device)
             return out.movedim(1, -1)
+
+        def encode(self, pixel_samples: torch.Tensor) -> torch.Tensor:
+            self.first_stage_model = self.first_stage_model.to(self.device)
+            try:
+                pixels = pixel_samples.movedim(-1, 1)
+                b, _, h, w = pixels.shape
+                per_item = ENCODE_BYTES_PER_PX * h * w
+                mm.free_memory(per_item, self.device)
+                batch = max(1, int(mm.get_free_memory(self.device) / per_item))
+                r = self.latent_scale
+                out = torch.empty((b, self.latent_dim, h // r, w // r), device="cpu")
+                for i in range(0, b, batch):
+                    x = (2.0 * pixels[i : i + batch] - 1.0).to(self.vae_dtype).to(self.device)
+                    out[i : i + batch] = self.first_stage_model.encode(x).cpu().float()
+            finally:
+                self.first_stage_model = self.first_stage_model.to(self.offload_device)
+            return out
 
     with torch.device("meta"):  # the file's tensors are assigned below: no random init of 312M weights
         model = _dcae_class()(**DCAE_SANA_CONFIG)

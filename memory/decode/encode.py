@@ -17,7 +17,7 @@ from ..cost.observed import observed_key, ratio_text
 from ..executors import kl_exact as te
 from ..executors import split_encode as se
 from ..oom import oom_types
-from ..plan.encode import EncodeJob, latent_frames, plan, smaller, temporal_ratio
+from ..plan.encode import EncodeJob, encode_ratio, latent_frames, plan, smaller, temporal_ratio
 from ..plan.grid import ImpossibleBudgetError
 from ..plan.types import Plan
 from ..report import (
@@ -30,7 +30,7 @@ from ..report import (
     summary_line,
 )
 from ..tiles import spans
-from ..vae.encode_split import encode_split
+from ..vae.encode_split import encode_split, prefix_ratio
 from ..vae.families import identify, model_name
 from ..vae.kl_layout import kl_layout
 from .env import DecodeEnv, load_weights, measured, prepare
@@ -47,7 +47,8 @@ CHECK_HW = (64, 96)
 """Pixels of the walker's self-check: 4x6 tiles of :data:`CHECK_TILE` px at full resolution."""
 CHECK_TILE = 16
 CHECK_VIDEO = (13, 1, 32)
-"""Frames and latent px (h, w) of a video split's self-check, in tiles of :data:`CHECK_VIDEO_TILE` latent px:
+"""Frames and latent px (h, w) of a video split's self-check (an image split's: h; w in prefix px, rounded up to
+whole latent px), in tiles of :data:`CHECK_VIDEO_TILE` latent px:
 Wan's 4 latent frames (suffix calls [0, 1), [1, 3), [3, 4): the last reads the caches a 2-frame call left), 1x6
 tiles (``split_even(32, 6)``), the fourth ([16, 21)) reading [6, 31): no image edge on either side at the
 encoder's reach of 10 latent px (one latent row: no interior tile vertically; the halo is the same on both axes).
@@ -74,23 +75,27 @@ def make_job(
 ) -> EncodeJob:
     """The job of ``x`` (the host's cropped, processed pixels (B, 3, H, W) in the VAE's dtype) on ``vae``;
     ``pixels``: the node's IMAGE as given (the host's own encode takes it, for encoders the walker cannot
-    run). A video: ``x`` (1, 3, T, H, W), encoded exactly by its family's prefix/suffix split
-    (:mod:`..vae.encode_split`; others: the host's encode)."""
+    run). A KL encoder's image takes the exact walker, a video ``x`` (1, 3, T, H, W) or a DC-AE image its family's
+    prefix/suffix split (:mod:`..vae.encode_split`); others the host's encode."""
     model = vae.first_stage_model
     dtype, device = getattr(vae, "vae_dtype", x.dtype), torch.device(getattr(vae, "device", x.device))
-    split, halo = None, 0
-    if x.ndim == 5:
-        split, reason = encode_split(model)
-        down = int(vae.spacial_compression_encode()) if reason is None else 1
-        if split is not None:
-            try:
-                halo = se.split_halo(model, split, down, int(x.shape[1]), dtype, device)
-            except Exception as e:  # noqa: BLE001 - a prefix that runs a global module, or a trace that fails
-                split, reason = None, f"its reach could not be bounded: {e}"
-                log.warning("%s: %s", VIDEO_REPORT_NODE, reason)
-    else:
+    split, halo, down, finer = None, 0, 1, 0
+    if x.ndim == 4:
         layout = kl_layout(model, direction="encode")
         reason, down = layout.reason, layout.ratio
+        if reason is not None:  # not a KL encoder: a split description (DC-AE), else the walker's reason
+            split, _ = encode_split(model)
+            reason = reason if split is None else None
+    else:
+        split, reason = encode_split(model)
+    if split is not None:
+        try:
+            down = encode_ratio(vae)
+            finer = prefix_ratio(model, split, down)
+            halo = se.split_halo(model, split, finer, int(x.shape[1]), dtype, device, x.ndim == 5)
+        except Exception as e:  # noqa: BLE001 - a prefix that runs a global module, or a trace that fails
+            split, reason = None, f"its reach could not be bounded: {e}"
+            log.warning("%s: %s", VIDEO_REPORT_NODE if x.ndim == 5 else REPORT_NODE, reason)
     if reason is None and (x.shape[-2] % down or x.shape[-1] % down):
         reason = f"the image's sides {tuple(x.shape[-2:])} are not multiples of {down}"
     return EncodeJob(
@@ -106,6 +111,8 @@ def make_job(
         pixels=pixels,
         split=split if reason is None else None,
         halo=halo,
+        latent_ratio=down if split is not None else 0,
+        prefix_ratio=finer,
     )
 
 
@@ -118,23 +125,25 @@ def check_encode(
 ) -> Verdict:
     """Self-check of the exact tiles' encode for this encoder on this host: a tiny random image
     (:data:`CHECK_HW`) through ``first_stage_model.encode`` and through
-    :func:`..executors.kl_exact.encode_exact` in tiles of :data:`CHECK_TILE` px; a video (:data:`CHECK_VIDEO`)
-    through :func:`..executors.split_encode.encode_split_tiled` in tiles of :data:`CHECK_VIDEO_TILE` latent px."""
+    :func:`..executors.kl_exact.encode_exact` in tiles of :data:`CHECK_TILE` px; a split job (:data:`CHECK_VIDEO`:
+    a video's frames, an image's one latent row) through :func:`..executors.split_encode.encode_split_tiled` in
+    tiles of :data:`CHECK_VIDEO_TILE` prefix px (:func:`_check_geometry`)."""
     model = job.vae.first_stage_model
     cls = type(model)
     key = (
-        f"{f'{job.split.name}-encode' if job.video and job.split else 'kl-exact-encode'}/{cls.__module__}."
+        f"{f'{job.split.name}-encode' if job.split else 'kl-exact-encode'}/{cls.__module__}."
         f"{cls.__qualname__}/"
         f"{code_fingerprint(model)}/exact-{job.executor_version}/{str(job.dtype).removeprefix('torch.')}/"
         f"{job.device.type}"
     )
     g = torch.Generator().manual_seed(0)
-    if job.video:
-        r = job.ratio
+    if job.split is not None:
+        r, fine = job.prefix_ratio, job.ratio // job.prefix_ratio  # image px per prefix px, prefix px per latent px
         (t, h, _), (w, core) = CHECK_VIDEO, _check_geometry(job.halo)
-        t = t if job.split is not None and job.split.wan else CHECK_FRAMES
-        shape: tuple[int, ...] = (1, int(job.x.shape[1]), t, h * r, w * r)
-        tile, name = core * r, f"tiles of {core} latent px"
+        hw = (h * job.ratio, -(-w // fine) * fine * r)  # whole latent px
+        frames = (t if job.split.wan else CHECK_FRAMES,) if job.video else ()
+        shape: tuple[int, ...] = (1, int(job.x.shape[1]), *frames, *hw)
+        tile, name = core * r, f"tiles of {core} latent px" if fine == 1 else f"tiles of {core * r} px"
     else:
         shape, tile, name = (1, int(job.x.shape[1]), *CHECK_HW), CHECK_TILE, f"tiles of {CHECK_TILE} px"
     x = (torch.rand(shape, generator=g) * 2 - 1).to(job.device, job.dtype)
@@ -327,9 +336,11 @@ def _report(
     if p.path == "untiled":
         path = ("exact: the encoder's own forward (it fits the budget), its mid block's split attention sliced to "
                 "the budget (equal to VAE Encode up to float rounding)")
-    elif p.path == "exact" and job.video and job.split is not None:
-        path = f"exact: {job.split.how}, tiles extended by its reach of {job.halo} latent px (equal to VAE Encode " \
-               "up to float rounding)"
+    elif p.path == "exact" and job.split is not None:
+        fine = job.ratio // job.prefix_ratio
+        reach = f"{job.halo} latent px" if fine == 1 else f"{job.halo * job.prefix_ratio} px"
+        path = f"exact: {job.split.how}, tiles extended by its reach of {reach} (equal to VAE Encode up to float " \
+               "rounding)"
     elif p.path == "exact":
         path = (
             "exact: layer-synchronous tiles, shared GroupNorm statistics, mid block on the whole latent "

@@ -369,4 +369,4 @@ def checked(
 
     if first_use is None:
         return check()
-    return first_use.run("checking exactness against the host's decode", check)
+    return first_use.run("checking exactness against the host's own result", check)

@@ -1,12 +1,13 @@
-"""Exact tiled encode of video encoders described as a local prefix and a whole suffix
-(:func:`encode_split_tiled`; the descriptions: :mod:`..vae.encode_split`).
+"""Exact tiled encode of encoders described as a local prefix and a whole suffix (:func:`encode_split_tiled`; the
+descriptions: :mod:`..vae.encode_split`: the video families and Sana's DC-AE).
 
 The prefix (everything the encoder does before its first global module: causal convolutions, norms over
 channels, strided or space-to-depth downsampling) runs in spatial tiles extended by its traced reach, each tile
 through **the host's own** ``model.encode`` with the suffix swapped out, so the host's own temporal loop (chunk
-sizes, causal caches) runs each tile. The tiles' cores land in a store at latent resolution; the suffix then runs
-once on it through the host's own code. Exact by construction wherever the split is (the first-use self-check
-proves it per host). Nothing here imports ComfyUI. Design: docs/ENCODE.md section 5."""
+sizes, causal caches) runs each tile (an image encoder's the same way, without frames). The tiles' cores land in a
+store at the prefix's resolution; the suffix then runs once on it through the host's own code. Exact by
+construction wherever the split is (the first-use self-check proves it per host). Nothing here imports ComfyUI.
+Design: docs/ENCODE.md section 5."""
 
 from __future__ import annotations
 
@@ -26,17 +27,17 @@ EXECUTOR_VERSION = "v1"
 """Part of the self-check's key: bump it when a change here could change the result (the stored verdicts are
 then re-checked)."""
 MIN_TILE = 4
-"""Smallest tile core (latent px) the OOM fallback splits to and the planner tries: with a reach of 10 latent
+"""Smallest tile core (prefix px) the OOM fallback splits to and the planner tries: with a reach of 10 latent
 px, smaller cores hardly shrink a tile's extended area."""
 
 ProgressFn = Callable[[int, int], None]
 
 
 def split_halo(model: Any, split: EncodeSplit, ratio: int, channels: int, dtype: torch.dtype,
-               device: torch.device | str) -> int:
-    """Latent px a tile's core is extended by: the prefix's traced reach, rounded up. Raises ValueError when a
-    global module runs in the prefix (the description does not fit this encoder)."""
-    r = split_reach(model, split, ratio, channels, dtype, torch.device(device))
+               device: torch.device | str, video: bool = True) -> int:
+    """Prefix px (``ratio`` image px each) a tile's core is extended by: the prefix's traced reach, rounded up.
+    Raises ValueError when a global module runs in the prefix (the description does not fit this encoder)."""
+    r = split_reach(model, split, ratio, channels, dtype, torch.device(device), video)
     if r.global_ops:
         raise ValueError(f"the {split.name} encoder's prefix runs global modules: {', '.join(r.global_ops)}")
     return r.halo
@@ -59,17 +60,18 @@ def encode_split_tiled(
     on_oom: Callable[[], None] | None = None,
     halo: int | None = None,
 ) -> torch.Tensor:
-    """Encode processed pixels ``x`` (1, C, T, H, W; sides multiples of ``ratio``) exactly: ``split``'s prefix
-    in tiles of ``tile`` latent px (cores) extended by ``halo`` (default :func:`split_halo`), its suffix on the
-    whole latent; returns what ``model.encode(x)`` returns. An out-of-memory error inside a tile splits that tile
-    into quarters and goes on (finished tiles are kept); ``on_oom`` runs after each. ``fault_hook(k)``: called
-    inside the k-th tile attempt (tests)."""
+    """Encode processed pixels ``x`` (1, C, T, H, W, or an image's 1, C, H, W; sides multiples of ``ratio``, the
+    image px per px of the prefix's output) exactly: ``split``'s prefix in tiles of ``tile`` prefix px (cores)
+    extended by ``halo`` (default :func:`split_halo`), its suffix on the prefix's whole output; returns what
+    ``model.encode(x)`` returns. An out-of-memory error inside a tile splits that tile into quarters and goes on
+    (finished tiles are kept); ``on_oom`` runs after each. ``fault_hook(k)``: called inside the k-th tile attempt
+    (tests)."""
     dev = torch.device(compute_device) if compute_device is not None else x.device
     store_dev = torch.device(store_device) if store_device is not None else dev
     out_dev = torch.device(out_device) if out_device is not None else dev
     h, w = int(x.shape[-2]) // ratio, int(x.shape[-1]) // ratio
     if halo is None:
-        halo = split_halo(model, split, ratio, int(x.shape[1]), x.dtype, dev)
+        halo = split_halo(model, split, ratio, int(x.shape[1]), x.dtype, dev, x.ndim == 5)
     queue = [(a, b, c, d) for a, b, _, _ in spans(h, tile, 0) for c, d, _, _ in spans(w, tile, 0)]
     total, done_area, attempts = h * w, 0, 0
     driver = stop_driver(oom_types(oom_exceptions), should_stop, on_oom)
@@ -97,7 +99,7 @@ def encode_split_tiled(
             queue[:0] = _quarters(rect)
             continue
         if store is None:
-            store = torch.empty((*core.shape[:3], h, w), dtype=core.dtype, device=store_dev)
+            store = torch.empty((*core.shape[:-2], h, w), dtype=core.dtype, device=store_dev)
         store[..., a:b, c:d] = core
         del core
         done_area += (b - a) * (d - c)

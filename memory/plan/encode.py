@@ -1,6 +1,6 @@
 """Planning an encode (Tiled VAE Encode, Temporal-Chunk Video Encode): the host's own encode when it fits,
 else exact tiles with the largest tile whose peak fits: the KL walker (:func:`..executors.kl_exact.encode_exact`)
-for images, the prefix/suffix split (:func:`..executors.split_encode.encode_split_tiled`) for videos.
+for KL images, the prefix/suffix split (:func:`..executors.split_encode.encode_split_tiled`) for videos and DC-AE.
 
 Peaks are meta-sized (fake tensors, live-tensor bytes) for one batch item and kept in the video planner's
 :class:`.video.PeakStore` (the nodes persist it), so a shape is sized once per machine. An encoder the walker
@@ -29,7 +29,10 @@ from .image import ATTENTION_MIN
 from .types import Plan
 from .video import PeakStore
 
-__all__ = ["ENCODE_TILES", "EncodeJob", "ExactEncode", "attention_bytes", "encode_peak", "plan"]
+__all__ = [
+    "ENCODE_TILES", "EncodeJob", "ExactEncode", "attention_bytes", "encode_peak", "encode_ratio", "latent_channels",
+    "plan",
+]
 
 ENCODE_TILES = (1024, 768, 512, 384, 256, 192, 128, 96, 64, 48, 32)
 """Tile sides (px at each activation's own resolution) the auto plan tries below the whole image."""
@@ -87,9 +90,13 @@ class EncodeJob:
     """The node's IMAGE (B, H, W, C) as given, for the ``host`` path (``VAE.encode`` crops and processes
     it)."""
     split: EncodeSplit | None = None
-    """A video encoder's prefix/suffix description (:mod:`..vae.encode_split`)."""
+    """The encoder's prefix/suffix description (:mod:`..vae.encode_split`; None: the KL walker's job)."""
     halo: int = 0
-    """Latent px the split's tiles extend their cores by (the prefix's traced reach)."""
+    """Prefix px the split's tiles extend their cores by (the prefix's traced reach)."""
+    latent_ratio: int = 0
+    """Image px per latent px of a split job (0: the KL layout's)."""
+    prefix_ratio: int = 0
+    """Image px per px of the split's prefix output: the tiles' unit (the latent ratio but for DC-AE)."""
 
     @property
     def video(self) -> bool:
@@ -102,9 +109,7 @@ class EncodeJob:
     @property
     def ratio(self) -> int:
         """Image px per latent px."""
-        if self.video:
-            return int(self.vae.spacial_compression_encode())
-        return self.layout.ratio
+        return self.latent_ratio or self.layout.ratio
 
     @property
     def hw(self) -> tuple[int, int]:
@@ -112,28 +117,28 @@ class EncodeJob:
 
     @property
     def tile_step(self) -> int:
-        """Tiles are multiples of this many px: whole latent px for the video split, any px for the KL walker."""
-        return self.ratio if self.video else 1
+        """Tiles are multiples of this many px: whole prefix px for the split, any px for the KL walker."""
+        return self.prefix_ratio if self.split is not None else 1
 
     @property
     def min_tile(self) -> int:
         """The smallest tile (px) the OOM fallback shrinks to."""
-        return se.MIN_TILE * self.ratio if self.video else te.MIN_TILE
+        return se.MIN_TILE * self.prefix_ratio if self.split is not None else te.MIN_TILE
 
     @property
     def executor_version(self) -> str:
         """The version of this job's executor, part of the keys of its sized peaks and self-check verdicts."""
-        if self.video:
-            return f"{self.split.name if self.split else 'split'}-{se.EXECUTOR_VERSION}"
+        if self.split is not None:
+            return f"{self.split.name}-{se.EXECUTOR_VERSION}"
         return te.EXECUTOR_VERSION
 
     def run_tiles(self, x: torch.Tensor, tile: int, **kw: Any) -> torch.Tensor:
         """The exact tiled executor of this job's kind on ``x`` with tiles of ``tile`` px."""
         model = self.vae.first_stage_model
-        if self.video:
+        if self.split is not None:
             kw.pop("norm_params", None)
-            assert self.split is not None, self.exact_reason
-            return se.encode_split_tiled(model, x, tile // self.ratio, self.ratio, self.split, halo=self.halo, **kw)
+            r = self.prefix_ratio
+            return se.encode_split_tiled(model, x, tile // r, r, self.split, halo=self.halo, **kw)
         return te.encode_exact(model, x, tile, **kw)
 
 
@@ -231,6 +236,22 @@ def candidates(job: EncodeJob) -> list[ExactEncode]:
     return [ExactEncode(t, s) for t in tiles for s in stores]
 
 
+def latent_channels(vae: Any) -> int:
+    """Latent channels: ComfyUI's ``latent_channels``; a VAE that skips ``VAE.__init__`` (ExtraModels' EXVAE)
+    counts them in ``latent_dim``."""
+    found = getattr(vae, "latent_channels", None)
+    if found is None and getattr(vae, "latent_dim", 0) > 3:
+        found = vae.latent_dim
+    return int(found or 16)
+
+
+def encode_ratio(vae: Any) -> int:
+    """Image px per latent px: ComfyUI's ``spacial_compression_encode()``, else ``latent_scale`` (EXVAE)."""
+    if getattr(vae, "downscale_ratio", None) is not None:
+        return int(vae.spacial_compression_encode())
+    return int(vae.latent_scale)
+
+
 def latent_frames(vae: Any, frames: int) -> int:
     """Latent frames of a ``frames``-frame video: the host's own formula (``VAE.downscale_ratio``'s first
     entry), else Wan's 1 + 4k."""
@@ -253,7 +274,7 @@ def _out_bytes(job: EncodeJob) -> int:
     down = job.ratio
     b, (h, w) = int(job.x.shape[0]), job.hw
     frames = latent_frames(job.vae, int(job.x.shape[2])) if job.video else 1
-    return b * frames * int(getattr(job.vae, "latent_channels", 16)) * (h // down) * (w // down) * 4
+    return b * frames * latent_channels(job.vae) * (h // down) * (w // down) * 4
 
 
 def plan(

@@ -1,12 +1,12 @@
-"""Video encoders as a local prefix and a whole suffix, described once per family, for the split encode executor
-(:mod:`..executors.split_encode`).
+"""Encoders as a local prefix and a whole suffix, described once per family, for the split encode executor
+(:mod:`..executors.split_encode`): the video families and Sana's DC-AE.
 
 An encoder whose operations are spatially local up to some module (causal convolutions, norms over channels,
 strided or space-to-depth downsampling) and global only after it (attention over a frame or the clip) encodes
 exactly when the prefix runs in spatial tiles extended by its reach and the suffix once on the prefix's whole
-output, at latent resolution. Each family runs **the host's own code** for both parts: the prefix is the host's
-``model.encode`` with the suffix swapped out (its own chunk loop in time, its own causal caches), the suffix the
-host's own forward with the prefix swapped out. The reach is traced on fake tensors
+output, at latent resolution (DC-AE: at the resolution where its attention stages begin). Each family runs **the
+host's own code** for both parts: the prefix is the host's ``model.encode`` with the suffix swapped out (its own
+chunk loop in time, its own causal caches), the suffix the host's own forward with the prefix swapped out. The reach is traced on fake tensors
 (:func:`..measure.reach.traced_encoder_reach`), which also proves that nothing global runs in the prefix; the
 first-use self-check proves the result equal to the host's encode. Duck-typed: no ComfyUI import.
 
@@ -19,6 +19,10 @@ first-use self-check proves the result equal to the host's encode. Duck-typed: n
   (RMS norms, causal convolutions that carry 2 frames between the host's chunks of 8, space-to-depth); suffix the
   mid block (attention over every latent voxel of the clip), the channel-mean shortcut, ``norm_out``,
   ``conv_out`` and the posterior mean.
+* Sana's DC-AE (diffusers ``autoencoder_dc``, ComfyUI_ExtraModels' ``VAE/models/dcae.py``; an image encoder):
+  prefix ``conv_in`` and the ResBlock stages (RMS norms over channels, strided convolutions, space-to-depth shortcuts),
+  ending at 1/8 resolution for f32c32; suffix the EfficientViT stages (global linear attention), ``conv_out`` and
+  its channel-mean shortcut.
 """
 
 from __future__ import annotations
@@ -35,10 +39,10 @@ import torch
 from ..measure.reach import EncoderReach, traced_encoder_reach
 from ..measure.sizing import MetaSizer
 from .describe import first_fit
-from .split_layout import is_global
+from .split_layout import is_dcae, is_global
 from .swap import swapped
 
-__all__ = ["DESCRIPTIONS", "EncodeSplit", "SUFFIX_FRAMES", "encode_split", "split_reach"]
+__all__ = ["DESCRIPTIONS", "EncodeSplit", "SUFFIX_FRAMES", "encode_split", "prefix_ratio", "split_reach"]
 
 SUFFIX_FRAMES = 2
 """Latent frames per Wan suffix call after frame 0. At least 2: 0.33's per-call caches keep the last two frames
@@ -54,13 +58,17 @@ class EncodeSplit:
     """``reason(model)``: why this description does not fit ``model`` (a ``first_stage_model``); None: it does.
     A reason starting with ``"not "`` means another family's class."""
     prefix: Callable[[Any, torch.Tensor], torch.Tensor]
-    """``prefix(model, x)``: the prefix's output on pixels ``x`` (1, C, T, H, W), all latent frames."""
+    """``prefix(model, x)``: the prefix's output on pixels ``x`` (1, C, T, H, W), all latent frames; an image
+    encoder's on (1, C, H, W)."""
     suffix: Callable[[Any, torch.Tensor, Any], torch.Tensor]
     """``suffix(model, feats, device)``: what ``model.encode`` returns, from the prefix's whole output."""
     how: str
     """The split in words, for the report."""
     wan: bool = False
     """Wan's chunk loop: sized on a few frames, the rest added per latent frame (:mod:`..plan.encode`)."""
+    finer: Callable[[Any], int] | None = None
+    """``finer(model)``: prefix px per latent px (DC-AE: 4, its prefix ends at 1/8 of a 32x encoder); None: 1,
+    the prefix ends at latent resolution."""
 
 
 class _Pass(torch.nn.Module):
@@ -215,6 +223,60 @@ def _hv15_suffix(model: Any, feats: torch.Tensor, device: Any) -> torch.Tensor:
         return model.encode(stand_in)
 
 
+# ------------------------------------------------------------------------------------------------ DC-AE (Sana)
+
+
+def _dcae_cut(enc: Any) -> int:
+    """Index of the encoder's first stage with a global module (``len(down_blocks)``: none)."""
+    for i, stage in enumerate(enc.down_blocks):
+        if any(is_global(m) for m in stage.modules()):
+            return i
+    return len(enc.down_blocks)
+
+
+def _dcae_reason(model: Any) -> str | None:
+    enc = getattr(model, "encoder", None)
+    if not is_dcae(enc):
+        return "not a DC-AE encoder (diffusers autoencoder_dc, ComfyUI_ExtraModels' dcae)"
+    why = _parts(enc, ("conv_in", "down_blocks", "conv_out"), "its encoder")
+    if why is not None:
+        return why
+    if getattr(model, "use_tiling", False):
+        return "the VAE's own tiled encode is enabled (its encode is not the encoder's forward)"
+    if _dcae_cut(enc) == 0:
+        return "its first stage has a global module (nothing local to tile)"
+    return None
+
+
+def _dcae_finer(model: Any) -> int:
+    """Prefix px per latent px: 2 per downsampling block (``DCDownBlock2d``) after the cut."""
+    enc = model.encoder
+    later = list(enc.down_blocks)[_dcae_cut(enc):]
+    return 2 ** sum(type(m).__name__ == "DCDownBlock2d" for stage in later for m in stage.modules())
+
+
+def _dcae_prefix(model: Any, x: torch.Tensor) -> torch.Tensor:
+    enc = model.encoder
+    k = _dcae_cut(enc)
+    if k == len(enc.down_blocks):
+        return model.encode(x)  # nothing global: the whole encode is the prefix
+    with swapped((enc.down_blocks, str(k), _Capture())):
+        return _until(lambda: model.encode(x))
+
+
+def _dcae_suffix(model: Any, feats: torch.Tensor, device: Any) -> torch.Tensor:
+    """The host's ``model.encode`` of a 1-px stand-in whose ``conv_in`` gives the prefix's output and whose local
+    stages are empty: the attention stages, ``conv_out`` and its shortcut as the host runs them."""
+    enc = model.encoder
+    k = _dcae_cut(enc)
+    if k == len(enc.down_blocks):
+        return feats.to(device)
+    stand_in = torch.zeros((1, 1, 1, 1), dtype=feats.dtype, device=device)
+    local = [(enc.down_blocks, str(i), torch.nn.Sequential()) for i in range(k)]
+    with swapped((enc, "conv_in", _Feed(feats.to(device))), *local):
+        return model.encode(stand_in)
+
+
 DESCRIPTIONS: tuple[EncodeSplit, ...] = (
     EncodeSplit("wan", _wan_reason, _wan_prefix, _wan_suffix,
                 "the encoder's local part (conv1, downsamples) in spatial tiles through its own causal chunk loop, "
@@ -225,6 +287,9 @@ DESCRIPTIONS: tuple[EncodeSplit, ...] = (
     EncodeSplit("hunyuan_video15", _hv15_reason, _hv15_prefix, _hv15_suffix,
                 "the encoder's local part (conv_in, down) in spatial tiles through its own causal chunks, its mid "
                 "block (attention over the clip) and output on the whole latent"),
+    EncodeSplit("dc-ae", _dcae_reason, _dcae_prefix, _dcae_suffix,
+                "the encoder's local part (conv_in, the ResBlock stages) in tiles, its EfficientViT stages (global "
+                "linear attention) and output on the whole image", finer=_dcae_finer),
 )
 
 _FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -243,23 +308,37 @@ def encode_split(model: Any) -> tuple[EncodeSplit | None, str | None]:
     return found
 
 
+def prefix_ratio(model: Any, split: EncodeSplit, latent_ratio: int) -> int:
+    """Image px per px of the prefix's output (the tiles' unit): the latent ratio over ``split.finer``."""
+    finer = split.finer(model) if split.finer is not None else 1
+    if finer < 1 or latent_ratio % finer:
+        raise ValueError(f"the {split.name} prefix's scale (1/{finer} latent px) does not divide {latent_ratio} px")
+    return latent_ratio // finer
+
+
 _REACH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 TRACE_LATENT = 8
-"""Latent px (h, w) of the traced run: a convolution padded by its caller then rounds to its true scale."""
+"""Prefix px (h, w) of the traced run: a convolution padded by its caller then rounds to its true scale."""
 
 
 def split_reach(model: Any, split: EncodeSplit, ratio: int, channels: int, dtype: torch.dtype,
-                device: torch.device) -> EncoderReach:
-    """The prefix's reach (latent px) and the global modules it ran, traced once per model object on a fake
-    1-frame input of :data:`TRACE_LATENT` latent px."""
-    key = (ratio, channels, str(dtype), str(device))
+                device: torch.device, video: bool = True) -> EncoderReach:
+    """The prefix's reach (px of its output, ``ratio`` image px each) and the global modules it ran, traced once
+    per model object on a fake input of :data:`TRACE_LATENT` prefix px (a video: one frame). Raises ValueError
+    when the prefix's output is not ``ratio`` times smaller (the description does not fit the encoder)."""
+    key = (ratio, channels, str(dtype), str(device), video)
     try:
         per = _REACH.setdefault(model, {})
     except TypeError:
         per = {}
     if key not in per:
         n = TRACE_LATENT * ratio
+        out: list[tuple[int, ...]] = []
         with torch.inference_mode(), MetaSizer([model], dtype, device):
-            x = torch.empty((1, channels, 1, n, n), dtype=dtype, device=device)
-            per[key] = traced_encoder_reach(model, lambda: split.prefix(model, x), TRACE_LATENT, is_global)
+            x = torch.empty((1, channels, 1, n, n) if video else (1, channels, n, n), dtype=dtype, device=device)
+            found = traced_encoder_reach(
+                model, lambda: out.append(tuple(split.prefix(model, x).shape[-2:])), TRACE_LATENT, is_global)
+        if out and out[0] != (TRACE_LATENT, TRACE_LATENT):
+            raise ValueError(f"the {split.name} prefix gives {out[0]} px for {n} px, not 1/{ratio}")
+        per[key] = found
     return per[key]

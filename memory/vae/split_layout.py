@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["DESCRIPTIONS", "Description", "SplitLayout", "Stage", "is_global", "split_layout"]
+__all__ = [
+    "DCAE_MODULES", "DESCRIPTIONS", "Description", "SplitLayout", "Stage", "is_dcae", "is_global", "split_layout",
+]
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -109,10 +111,20 @@ def _compose(stages: Sequence[Stage], x: torch.Tensor) -> torch.Tensor:
 # Descriptions
 
 
+DCAE_MODULES = ("autoencoder_dc", "dcae")
+"""Last components of the modules DC-AE's classes live in: diffusers' ``models.autoencoders.autoencoder_dc`` and
+ComfyUI_ExtraModels' ``VAE/models/dcae.py`` (the Sana workflows' loader: diffusers' code, copied)."""
+
+
+def is_dcae(part: Any) -> bool:
+    """True when ``part`` (an encoder or decoder module) is one of DC-AE's classes (:data:`DCAE_MODULES`)."""
+    return part is not None and type(part).__module__.rsplit(".", 1)[-1] in DCAE_MODULES
+
+
 def _dcae_reason(model: Any) -> str | None:
     dec = getattr(model, "decoder", None)
-    if dec is None or type(dec).__module__.rsplit(".", 1)[-1] != "autoencoder_dc":
-        return "not a DC-AE decoder (diffusers autoencoder_dc)"
+    if not is_dcae(dec):
+        return "not a DC-AE decoder (diffusers autoencoder_dc, ComfyUI_ExtraModels' dcae)"
     for name in ("conv_in", "up_blocks", "norm_out", "conv_act", "conv_out"):
         if getattr(dec, name, None) is None:
             return f"DC-AE decoder has no {name}"
