@@ -334,8 +334,8 @@ def _report(
         frames = f"{t} frames{f' ({used} encoded, as VAE Encode)' if used != t else ''} of "
     r.add("vae", f"{job.family} ({str(job.dtype).removeprefix('torch.')}); {frames}{h}x{w} px")
     if p.path == "untiled":
-        path = ("exact: the encoder's own forward (it fits the budget), its mid block's split attention sliced to "
-                "the budget (equal to VAE Encode up to float rounding)")
+        sliced = ", its mid block's split attention sliced to the budget" if job.split is None else ""
+        path = f"exact: the encoder's own forward (it fits the budget){sliced} (equal to VAE Encode up to float rounding)"
     elif p.path == "exact" and job.split is not None:
         fine = job.ratio // job.prefix_ratio
         reach = f"{job.halo} latent px" if fine == 1 else f"{job.halo * job.prefix_ratio} px"
