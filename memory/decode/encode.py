@@ -35,7 +35,7 @@ from ..vae.families import identify, model_name
 from ..vae.kl_layout import kl_layout
 from .env import DecodeEnv, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
-from .self_check import CheckStore, Verdict, checked, code_fingerprint
+from .self_check import ENCODE_METHODS, CheckStore, Verdict, checked, code_fingerprint
 
 log = logging.getLogger("vramfit.memory.decode.encode")
 
@@ -105,7 +105,7 @@ def make_job(
         dtype,
         device,
         torch.device(out_device),
-        code_fingerprint(model),
+        code_fingerprint(model, ENCODE_METHODS),
         int(tile_size),
         reason,
         pixels=pixels,
@@ -133,7 +133,7 @@ def check_encode(
     key = (
         f"{f'{job.split.name}-encode' if job.split else 'kl-exact-encode'}/{cls.__module__}."
         f"{cls.__qualname__}/"
-        f"{code_fingerprint(model)}/exact-{job.executor_version}/{str(job.dtype).removeprefix('torch.')}/"
+        f"{job.fingerprint}/exact-{job.executor_version}/{str(job.dtype).removeprefix('torch.')}/"
         f"{job.device.type}"
     )
     g = torch.Generator().manual_seed(0)

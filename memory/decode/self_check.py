@@ -52,8 +52,8 @@ from .first_use import FirstUse
 log = logging.getLogger("vramfit.memory.decode.self_check")
 
 __all__ = [
-    "FILE_NAME", "RECHECK_HINT", "CheckStore", "Verdict", "checked", "code_fingerprint", "memory_store",
-    "store_at", "tolerance", "verify", "weights_digest",
+    "ENCODE_METHODS", "FILE_NAME", "RECHECK_HINT", "CheckStore", "Verdict", "checked", "code_fingerprint",
+    "memory_store", "store_at", "tolerance", "verify", "weights_digest",
 ]
 
 NOISE_EPS = 8
@@ -236,17 +236,17 @@ def _file_digest(path: str) -> str:
     return _FILE_DIGESTS[path]
 
 
-def code_fingerprint(model: Any) -> str:
+def code_fingerprint(model: Any, methods: tuple[str, ...] = ("forward", "decode")) -> str:
     """Short digest of what decides ``model``'s behaviour besides its weights: its parameter structure,
-    every module's class, ``forward`` and ``decode`` (instance-level overrides included), the source files of
-    those classes and their bases, and the torch version. A ComfyUI update or a patched layer gives a new
-    fingerprint, hence a new self-check."""
+    every module's class, its ``methods`` (instance-level overrides included; an encode's key adds ``encode``:
+    :data:`ENCODE_METHODS`), the source files of those classes and their bases, and the torch version. A ComfyUI
+    update or a patched layer gives a new fingerprint, hence a new self-check."""
     h = hashlib.sha256(f"{structure_digest(model)}|{torch.__version__}".encode())
     files: set[str] = set()
     for name, m in model.named_modules():
         cls = type(m)
         h.update(f"{name}={cls.__module__}.{cls.__qualname__}".encode())
-        for method in ("forward", "decode"):
+        for method in methods:
             fn = m.__dict__.get(method, getattr(cls, method, None))
             if fn is not None:
                 h.update(f":{method}={_function_digest(fn)}".encode())
@@ -258,6 +258,10 @@ def code_fingerprint(model: Any) -> str:
 
 # --------------------------------------------------------------------------------------------------
 # The check
+
+
+ENCODE_METHODS = ("forward", "decode", "encode")
+"""The methods an encode's :func:`code_fingerprint` digests (a decode's default stays, so its keys keep)."""
 
 
 def weights_digest(model: Any) -> str:

@@ -106,6 +106,23 @@ def test_code_fingerprint_follows_code_not_weights():
     assert sc.code_fingerprint(d) != sc.code_fingerprint(a)  # structure
 
 
+def test_an_encodes_fingerprint_follows_a_patched_encode():
+    """An instance-level ``encode`` (a pack patching the VAE) changes an encode's fingerprint, not a decode's."""
+
+    class Vae(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+
+        def encode(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x)
+
+    a, b = Vae(), Vae()
+    b.encode = lambda x: a.conv(x) * 2
+    assert sc.code_fingerprint(a) == sc.code_fingerprint(b)
+    assert sc.code_fingerprint(a, sc.ENCODE_METHODS) != sc.code_fingerprint(b, sc.ENCODE_METHODS)
+
+
 def test_a_non_finite_reference_is_inconclusive_and_never_cached():
     """The host's own decode is non-finite (broken or overflowing weights): no verdict, checked again."""
     store = sc.CheckStore()
