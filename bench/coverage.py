@@ -61,15 +61,10 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _load(nodes: Any, kind: str) -> Any:
-    from scripts.fixtures import make_models
+    from scripts.fixtures import load_vae
     from scripts.host import HostConfig
 
-    path = make_models(HostConfig.load().models_dir / "vae", seed=0, kinds=[kind])[kind]
-    if kind == "dcae_sana":
-        from scripts.sana_vae import load_dcae
-
-        return load_dcae(str(path), torch.float32)
-    return nodes.VAELoader().load_vae(path.name)[0]
+    return load_vae(nodes, kind, HostConfig.load().models_dir / "vae")
 
 
 def _measure(tracker_mod: Any, fn: Callable[[], torch.Tensor]) -> dict[str, Any]:

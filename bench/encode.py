@@ -75,17 +75,10 @@ def _add(rows: list[dict[str, Any]], row: dict[str, Any]) -> None:
 
 
 def _load(nodes: Any, kind: str) -> Any:
-    """The fixture VAE of ``kind`` as its users load it: ComfyUI's ``VAELoader``; Sana's DC-AE as ComfyUI_ExtraModels'
-    ``ExtraVAELoader`` (``scripts/sana_vae.py``)."""
-    from scripts.fixtures import make_models
+    from scripts.fixtures import load_vae
     from scripts.host import HostConfig
 
-    path = make_models(HostConfig.load().models_dir / "vae", seed=0, kinds=[kind])[kind]
-    if kind == "dcae_sana":
-        from scripts.sana_vae import load_dcae
-
-        return load_dcae(str(path), torch.float32)
-    return nodes.VAELoader().load_vae(path.name)[0]
+    return load_vae(nodes, kind, HostConfig.load().models_dir / "vae")
 
 
 def bench(nodes: Any, enc_mod: Any, tracker_mod: Any, kind: str, px: int,

@@ -41,7 +41,7 @@ def _one(kind: str, px: int, frames: int, budget_mb: int, threads: int) -> dict[
 
     if str(ROOT) not in sys.path:
         sys.path.append(str(ROOT))
-    from scripts.fixtures import FIXTURES, make_models, structured_latent
+    from scripts.fixtures import FIXTURES, load_vae, structured_latent
     from scripts.host import HostConfig, load_comfy_in_process
 
     torch.set_num_threads(threads)
@@ -55,14 +55,8 @@ def _one(kind: str, px: int, frames: int, budget_mb: int, threads: int) -> dict[
     comfy_mod.user_cache_file = lambda name, what: user / name  # a fresh install's empty user folder
 
     spec = FIXTURES[kind]
-    path = make_models(HostConfig.load().models_dir / "vae", seed=0, kinds=[kind])[kind]
     with torch.inference_mode():  # as ComfyUI's executor runs every node, loaders included
-        if kind == "dcae_sana":
-            from scripts.sana_vae import load_dcae
-
-            vae = load_dcae(str(path), torch.float32)
-        else:
-            vae = nodes.VAELoader().load_vae(path.name)[0]
+        vae = load_vae(nodes, kind, HostConfig.load().models_dir / "vae")
         s, c = spec.spatial_ratio, spec.latent_channels
         shape = (1, c, (frames + 3) // 4, px // s, px // s) if video else (1, c, px // s, px // s)
         z = structured_latent(shape, seed=5)

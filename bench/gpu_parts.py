@@ -231,14 +231,11 @@ class Host:
         }  # fmt: skip
 
     def vae(self, kind: str) -> Any:
-        from scripts.fixtures import make_models
+        from scripts.fixtures import load_vae
 
-        path = make_models(self.cfg.models_dir / "vae", seed=0, kinds=[kind])[kind]
-        if kind == "dcae_sana":  # as ComfyUI_ExtraModels' ExtraVAELoader loads it (its default dtype: bf16)
-            from scripts.sana_vae import load_dcae
-
-            return load_dcae(str(path), torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        return self.nodes.VAELoader().load_vae(path.name)[0]
+        # Sana's DC-AE in ComfyUI_ExtraModels' default dtype (bf16) on a GPU
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        return load_vae(self.nodes, kind, self.cfg.models_dir / "vae", dtype)
 
     def core_decode(self, vae: Any, z: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -398,8 +395,7 @@ def part_scenes(host: Host, rows: Rows, size: str) -> None:
     """The field's cases: (a) Sana-class model resident + DC-AE 2048² batch 2 decode, without and with
     Offload Manager; (b) FLUX through the bf16 Loader, Offload Manager and Tiled VAE Decode (whole graph)."""
     from scripts import diffusion_fixtures as dfx
-    from scripts.fixtures import make_models, structured_latent
-    from scripts.sana_vae import load_dcae
+    from scripts.fixtures import structured_latent
 
     depth, dc_shape, (fd, fs), flux_shape, flux_dtype = SCENE_SIZES[size]
     gen_device = "cuda" if host.device.type == "cuda" else "cpu"
@@ -408,8 +404,7 @@ def part_scenes(host: Host, rows: Rows, size: str) -> None:
 
     # (a) Sana 1600M-class transformer resident, then the DC-AE decode
     pix = dfx.write("pixart_1600m", dm_dir / f"vramfit_pixart_d{depth}.safetensors", depth, device=gen_device)
-    dcae_path = make_models(host.cfg.models_dir / "vae", seed=0, kinds=["dcae_sana"])["dcae_sana"]
-    dc = load_dcae(str(dcae_path), torch.bfloat16 if host.device.type == "cuda" else torch.float32)
+    dc = host.vae("dcae_sana")
     z = structured_latent(dc_shape, seed=3)
     case = f"(a) PixArt-Sigma {pix['params'] / 1e9:.2f}B resident + DC-AE {dc_shape[2] * 32}² x{dc_shape[0]}"
     model = host.nodes.UNETLoader().load_unet(pathlib.Path(pix["path"]).name, "default")[0]

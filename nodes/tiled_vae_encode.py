@@ -55,7 +55,7 @@ def _validate(vae: Any, pixels: Any, tile_size: int, node: str = REPORT_NODE) ->
         raise _error(f"tile_size {tile_size}: use 0 (auto) or a multiple of {step} of at least {least} px", node)
     if hasattr(vae, "throw_exception_if_invalid"):
         vae.throw_exception_if_invalid()
-    core = hasattr(vae, "process_input")  # False: a VAE that skips VAE.__init__ (ExtraModels' EXVAE, Sana's DC-AE)
+    core = _initialised(vae)
     cropped = vae.vae_encode_crop_pixels(pixels) if core else _centre_crop(pixels, encode_ratio(vae))
     if min(cropped.shape[1], cropped.shape[2]) < 1:
         raise _error(f"pixels {tuple(pixels.shape)}: smaller than one latent pixel of this VAE", node)
@@ -65,6 +65,12 @@ def _validate(vae: Any, pixels: Any, tile_size: int, node: str = REPORT_NODE) ->
     # As VAE.encode (and EXVAE's encode: 2x - 1): in float32 on the intermediate device, then the VAE's dtype.
     x = (vae.process_input(x) if core else x * 2.0 - 1.0).to(vae.vae_dtype)
     return make_job(vae, x, _comfy.intermediate_device(), tile_size=tile_size, pixels=pixels)
+
+
+def _initialised(vae: Any) -> bool:
+    """False for a VAE that skips ``VAE.__init__`` (ComfyUI_ExtraModels' EXVAE: Sana's DC-AE): it has none of the
+    encode attributes ComfyUI's ``VAE`` sets there (``process_input``, ``downscale_ratio``, ``crop_input``)."""
+    return hasattr(vae, "process_input")
 
 
 def _centre_crop(pixels: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -85,7 +91,7 @@ def _as_vae_encode(vae: Any, result: EncodeResult) -> torch.Tensor:
     latent format (the host path's latent already is)."""
     if result.plan.path == "host":
         return result.latent
-    core = hasattr(vae, "process_input") and hasattr(vae, "vae_output_dtype")
+    core = _initialised(vae) and hasattr(vae, "vae_output_dtype")  # 0.3.75 has none
     out_dtype = vae.vae_output_dtype() if core else torch.float32  # EXVAE's encode: .float()
     latent = result.latent.to(_comfy.intermediate_device()).to(out_dtype)
     fmt = getattr(vae, "format_encoded", None)

@@ -809,6 +809,18 @@ def make_models(
     return out
 
 
+def load_vae(nodes: object, kind: str, vae_dir: pathlib.Path, dtype: torch.dtype = torch.float32) -> object:
+    """The fixture VAE of ``kind`` (made in ``vae_dir`` if needed) as its users load it: ComfyUI's ``VAELoader``
+    (``nodes``: ComfyUI's node module); Sana's DC-AE as ComfyUI_ExtraModels' ``ExtraVAELoader`` does
+    (``scripts/sana_vae.py``), in ``dtype``."""
+    path = make_models(vae_dir, seed=0, kinds=[kind])[kind]
+    if kind == "dcae_sana":
+        from scripts.sana_vae import load_dcae
+
+        return load_dcae(str(path), dtype)
+    return nodes.VAELoader().load_vae(path.name)[0]
+
+
 class FixtureFolder(Mapping[str, str]):
     """``{kind: filename}`` of the fixture VAEs in ``vae_dir``, each file made (or checked) on first use.
 

@@ -138,7 +138,7 @@ def check_encode(
     )
     g = torch.Generator().manual_seed(0)
     if job.split is not None:
-        r, fine = job.prefix_ratio, job.ratio // job.prefix_ratio  # image px per prefix px, prefix px per latent px
+        r, fine = job.prefix_ratio, job.finer  # image px per prefix px, prefix px per latent px
         (t, h, _), (w, core) = CHECK_VIDEO, _check_geometry(job.halo)
         hw = (h * job.ratio, -(-w // fine) * fine * r)  # whole latent px
         frames = (t if job.split.wan else CHECK_FRAMES,) if job.video else ()
@@ -337,8 +337,7 @@ def _report(
         sliced = ", its mid block's split attention sliced to the budget" if job.split is None else ""
         path = f"exact: the encoder's own forward (it fits the budget){sliced} (equal to VAE Encode up to float rounding)"
     elif p.path == "exact" and job.split is not None:
-        fine = job.ratio // job.prefix_ratio
-        reach = f"{job.halo} latent px" if fine == 1 else f"{job.halo * job.prefix_ratio} px"
+        reach = f"{job.halo} latent px" if job.finer == 1 else f"{job.halo * job.prefix_ratio} px"
         path = f"exact: {job.split.how}, tiles extended by its reach of {reach} (equal to VAE Encode up to float " \
                "rounding)"
     elif p.path == "exact":

@@ -112,6 +112,11 @@ class EncodeJob:
         return self.latent_ratio or self.layout.ratio
 
     @property
+    def finer(self) -> int:
+        """Prefix px per latent px of a split job (1 but for DC-AE, whose prefix ends at 1/8 of a 32x encoder)."""
+        return self.ratio // self.prefix_ratio if self.prefix_ratio else 1
+
+    @property
     def hw(self) -> tuple[int, int]:
         return int(self.x.shape[-2]), int(self.x.shape[-1])
 
