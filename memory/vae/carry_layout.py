@@ -468,7 +468,7 @@ def carry_layout(model: Any) -> CarryLayout:
     except TypeError:
         found = None
     if found is None:
-        d, why = first_fit(DESCRIPTIONS, model, "carried-context description matches this decoder")
+        d, why = first_fit(DESCRIPTIONS, model, "carried-context description")
         found = CarryLayout(why) if d is None else CarryLayout(None, d.name, d.forwards(model), d)
         try:
             _LAYOUTS[model] = found

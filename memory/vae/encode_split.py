@@ -302,7 +302,7 @@ def encode_split(model: Any) -> tuple[EncodeSplit | None, str | None]:
     except TypeError:
         found = None
     if found is None:
-        found = first_fit(DESCRIPTIONS, model, "split description matches this encoder")
+        found = first_fit(DESCRIPTIONS, model, "split description")
         with contextlib.suppress(TypeError):
             _FOUND[model] = found
     return found
