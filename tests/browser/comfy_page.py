@@ -105,6 +105,13 @@ return {left: rect.left + x, top: rect.top + y, right: rect.left + x + node.size
 """
 
 
+_COMMAND_JS = """
+const done = arguments[arguments.length - 1];
+Promise.resolve(window.app.extensionManager.command.execute(arguments[0]))
+  .then(() => done(null), (e) => done(String(e?.message ?? e)));
+"""
+
+
 class PageError(AssertionError):
     """The page did not reach the state a step waits for."""
 
@@ -212,6 +219,12 @@ class ComfyPage:
     def graph(self) -> dict:
         """``{"nodes": [{id, type, registered}], "links": n}`` of the graph on the canvas."""
         return self.js(_GRAPH_JS)
+
+    def command(self, command_id: str) -> None:
+        """Run a frontend command by its id (as its menu entry or keybinding does) and wait until it is done."""
+        error = self.driver.execute_async_script(_COMMAND_JS, command_id)
+        if error:
+            raise PageError(f"command {command_id} failed: {error}")
 
     def fit_view(self) -> None:
         self.js("return window.app.extensionManager.command.execute('Comfy.Canvas.FitView')")
