@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,26 +54,29 @@ from ..plan.image import (
     ideal_bytes,
     image_models,
     make_job,
+    splits_batch,
 )
 from ..plan.split import suffix_reach, tile_px
 from ..plan.types import Plan
 from ..report import (
     Report,
     flag_measured_overrun,
-    fmt_bytes,
     fmt_seconds,
     measured_text,
     peak_verdict,
+    predicted_text,
     summary_line,
 )
+from ..vae.families import batch_coupling_hint
 from ..vae.split_layout import split_layout
 from .env import DecodeEnv, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
-from .self_check import CheckStore, Verdict, checked, code_fingerprint
+from .self_check import BATCH_CHECK_ITEMS, CheckStore, Verdict, check_batch, checked, code_fingerprint
 
 log = logging.getLogger("vramfit.memory.decode.image")
 
-__all__ = ["DecodeEnv", "DecodeResult", "ImageJob", "check_exact", "check_split", "decode_image", "make_job"]
+__all__ = ["DecodeEnv", "DecodeResult", "ImageJob", "check_batch_items", "check_exact", "check_split", "decode_image",
+           "make_job"]
 
 REPORT_NODE = "Tiled VAE Decode"
 MAX_RETRIES = 3
@@ -138,6 +140,39 @@ def check_split(job: ImageJob, store: CheckStore, prepare: Callable[[], None] | 
 
     configs = [(f"suffix tiles of {CHECK_SPLIT_TILE} px", tiled)]
     return checked(key, store, model, reference, configs, job.dtype, prepare, first_use)
+
+
+def check_batch_items(job: ImageJob, store: CheckStore, prepare: Callable[[], None] | None = None,
+                      first_use: FirstUse | None = None) -> Verdict:
+    """Self-check that this decoder treats the items of its batch independently on this host
+    (:func:`.self_check.check_batch`): a tiny random batch of :data:`.self_check.BATCH_CHECK_ITEMS` latents
+    (:data:`CHECK_LATENT_HW`) decoded whole by the VAE's own decode and one item per pass. Every path but the
+    untiled one with the whole batch decodes items in separate passes: for a decoder that fails this (SVD's
+    temporal decoder mixes its batch as one video's frames), only that one is its result."""
+    model = job.vae.first_stage_model
+    cls = type(model)
+    key = (f"batch/{cls.__module__}.{cls.__qualname__}/{code_fingerprint(model)}"
+           f"/{str(job.dtype).removeprefix('torch.')}/{job.device.type}")
+    shape = (BATCH_CHECK_ITEMS, job.channels, *CHECK_LATENT_HW)
+    z = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(job.device, job.dtype)
+
+    def decode(x: torch.Tensor) -> torch.Tensor:
+        return model.decode(x).float() if job.core else job.vae.decode(x).float()
+
+    return check_batch(key, store, model, decode, z, job.dtype, prepare, first_use)
+
+
+def batch_reason(job: ImageJob, verdict: Verdict) -> str:
+    """Why a split batch is not exact, from the batch self-check's failed ``verdict`` ("" when it passed)."""
+    if verdict.ok:
+        return ""
+    hint = batch_coupling_hint(job.vae.first_stage_model)
+    hint = f"; {hint}" if hint else ""
+    if not verdict.conclusive:
+        return (f"whether this decoder treats the items of its batch independently is unverified{hint} (batch "
+                f"{verdict.describe()})")
+    return (f"this decoder mixes the items of its batch{hint}: decoding them in separate passes changes the "
+            f"result (batch {verdict.describe()})")
 
 
 def _process(x: torch.Tensor) -> torch.Tensor:
@@ -412,11 +447,13 @@ def decode_image(
     budget = prep.budget
     avail = int(budget.available)
     models = image_models(job, env, full, avail, first)
-    try:
-        p = plan(job, avail, models, ratio)
-    except ImpossibleBudgetError as e:
-        raise ImpossibleBudgetError(f"{e} (budget: {budget.describe()})", budget=e.budget, minimum=e.minimum,
-                                    smallest=e.smallest) from e
+    p = _plan(job, avail, models, ratio, budget)
+    batch_verdict = None
+    if splits_batch(job, p):  # several passes: only the host's result when its items decode independently
+        batch_verdict = check_batch_items(job, env.checks, lambda: load_weights(job.vae, env, 0), first)
+        if not batch_verdict.ok:
+            job = dataclasses.replace(job, batch_reason=batch_reason(job, batch_verdict))
+            p = _plan(job, avail, models, ratio, budget)
     load_weights(job.vae, env, p.planned)
     plan_seconds = time.perf_counter() - t_plan
 
@@ -433,9 +470,19 @@ def decode_image(
         env.observed.note(key, m.peak, int(p.planned / p.ratio), m.kind)
 
     calibrated = models.exact.calibrated if models.exact is not None else []
-    report = _report(job, p, models, budget, prep.offload, seconds, plan_seconds, m, run, first, verdict)
+    report = _report(job, p, models, budget, prep.offload, seconds, plan_seconds, m, run, first, verdict,
+                     batch_verdict)
     return DecodeResult(run.out, report, p, budget, seconds, plan_seconds, m.peak, m.method, run.oom_events,
                         calibrated)
+
+
+def _plan(job: ImageJob, avail: int, models: ImageModels, ratio: Callable[[str], float], budget: Any) -> Plan:
+    """:func:`..plan.plan`; an impossible budget says which budget."""
+    try:
+        return plan(job, avail, models, ratio)
+    except ImpossibleBudgetError as e:
+        raise ImpossibleBudgetError(f"{e} (budget: {budget.describe()})", budget=e.budget, minimum=e.minimum,
+                                    smallest=e.smallest) from e
 
 
 def _self_check(job: ImageJob, env: DecodeEnv, first: FirstUse) -> tuple[ImageJob, Verdict | None]:
@@ -460,26 +507,43 @@ def _self_check(job: ImageJob, env: DecodeEnv, first: FirstUse) -> tuple[ImageJo
 
 
 def _report(job: ImageJob, plan: Plan, models: ImageModels, budget: Any, offload_text: str, seconds: float,
-            plan_seconds: float, m: Any, run: _Run, first: FirstUse, verdict: Verdict | None) -> Report:
+            plan_seconds: float, m: Any, run: _Run, first: FirstUse, verdict: Verdict | None,
+            batch_verdict: Verdict | None = None) -> Report:
     b = int(job.z.shape[0])
     h, w = job.out_hw
     r = Report(REPORT_NODE, str(job.device))
     r.add("vae", f"{job.family} ({str(job.dtype).removeprefix('torch.')}); latent {tuple(job.z.shape)} -> "
                  f"{b} x {h}x{w} px")
+    split = not plan.exact and plan.path != "generic"  # exact executor, but the batch split is not
     if plan.path == "untiled":
         whose = "ComfyUI's own decode" if job.core else f"{type(job.vae).__name__}'s own decode"
-        path = f"exact: untiled, {whose} (it fits the budget; identical to VAE Decode)"
+        if split:
+            path = (f"approximate: untiled, {whose}, {plan.config.images_per_pass} of {b} images per pass "
+                    f"(not exact because: {job.batch_reason}; the whole batch does not fit the budget)")
+        elif job.batch_reason:
+            path = (f"exact: untiled, {whose} of the whole batch in one pass (it fits the budget; identical to VAE "
+                    "Decode; this decoder's items must be decoded together)")
+        else:
+            path = f"exact: untiled, {whose} (it fits the budget; identical to VAE Decode)"
     elif plan.path == "exact":
-        path = ("exact: layer-synchronous tiles, shared GroupNorm statistics, mid block on the whole latent "
-                "(equal to the untiled decode up to float rounding)")
+        path = ("layer-synchronous tiles, shared GroupNorm statistics, mid block on the whole latent "
+                "(equal to the untiled decode up to float rounding")
+        path = f"approximate: {path} of each image; not exact because: {job.batch_reason})" if split \
+            else f"exact: {path})"
     elif plan.path == "split":
-        path = (f"exact: global prefix once, local suffix in tiles with a halo of its reach ({plan.reason}; "
-                "equal to the untiled decode up to float rounding)")
+        path = (f"global prefix once, local suffix in tiles with a halo of its reach ({plan.reason}; "
+                "equal to the untiled decode up to float rounding")
+        path = f"approximate: {path} of each image; not exact because: {job.batch_reason})" if split \
+            else f"exact: {path})"
     else:
         failed = (job.split_reason or "").startswith("the split path's")
         why = f"{job.exact_reason}; {job.split_reason}" if failed else job.exact_reason
+        if job.batch_reason:
+            why = f"{why}; {job.batch_reason}"
         path = f"approximate: generic tiles with halo and crop (not exact because: {why})"
     r.add("path", path)
+    if batch_verdict is not None and batch_verdict.ok:
+        r.add("batch", f"items decode independently: batch {batch_verdict.describe()}")
     if verdict is not None and verdict.ok:
         which = "split path" if plan.path == "split" or job.exact_reason is not None else "exact tiled walker"
         r.add("check", f"{which}: {verdict.describe()}")
@@ -491,11 +555,10 @@ def _report(job: ImageJob, plan: Plan, models: ImageModels, budget: Any, offload
     r.add("plan", plan_text)
     if models.reach:
         r.add("halo", models.reach)
-    pct = plan.planned / budget.available if budget.available else math.inf
     over = " - OVER BUDGET (user tile)" if plan.over_budget else ""
     where = f", at {plan.config.peak.segment}" if plan.path == "exact" else ""
-    r.add("predicted", f"peak {fmt_bytes(plan.planned)} ({pct:.0%} of budget){over}; tensor-level "
-                       f"{fmt_bytes(plan.tracked)}{where}{ratio_text(plan.ratio)}")
+    r.add("predicted", predicted_text(plan.planned, int(budget.available), plan.tracked, where=where, over=over,
+                                      note=ratio_text(plan.ratio)))
     r.add("measured", measured_text(m.peak, m.method))
     flag_measured_overrun(r, m.peak, m.method, int(budget.available), log)
     r.add("time", f"{fmt_seconds(seconds)} decoding ({run.passes} pass{'es' if run.passes != 1 else ''}), "
@@ -523,7 +586,7 @@ def _summary(job: ImageJob, plan: Plan, budget: Any, seconds: float, m: Any, run
         shape += f" x {b} images"
     oom = len(run.oom_events)
     return summary_line(
-        "exact" if plan.path in ("untiled", "exact", "split") else "approximate",
+        "exact" if plan.exact and plan.path in ("untiled", "exact", "split") else "approximate",
         shape,
         peak_verdict(m.peak, m.method, int(budget.available), plan.planned),
         "planned over budget (user tile)" if plan.over_budget and (m.peak or 0) <= budget.available else "",

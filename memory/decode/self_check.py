@@ -13,6 +13,13 @@ executor must have passed a self-check on this host, for this decoder:
   engine falls back to an exact-by-construction path (the host's own decode) or reports the output as
   approximate, with the verdict as the reason.
 
+Every executor decodes a batch one item (or a few) per pass, which is the host's result only when the decoder
+treats its batch items independently. SVD's temporal decoder does not: it mixes the items of its batch as the
+frames of one video. :func:`check_batch` proves independence on this host: a tiny batch of
+:data:`BATCH_CHECK_ITEMS` decoded whole by the host, and one item per pass; a decoder that fails it is decoded
+with its whole batch in one pass, or reported approximate (``decode.image``). The per-item checks above and this
+one together prove a split decode exact.
+
 A :class:`Verdict` is kept per key: the executor, the decoder's :func:`code_fingerprint` (parameter
 structure, every module's class, forward and decode code, the source files behind them, the torch version), the
 host behaviour the executor detected, the dtype and the device type. The store is in memory and, for the
@@ -52,7 +59,8 @@ from .first_use import FirstUse
 log = logging.getLogger("vramfit.memory.decode.self_check")
 
 __all__ = [
-    "ENCODE_METHODS", "FILE_NAME", "RECHECK_HINT", "CheckStore", "Verdict", "checked", "code_fingerprint",
+    "BATCH_CHECK_ITEMS", "ENCODE_METHODS", "FILE_NAME", "RECHECK_HINT", "CheckStore", "Verdict", "check_batch",
+    "checked", "code_fingerprint",
     "memory_store", "store_at", "tolerance", "verify", "weights_digest",
 ]
 
@@ -374,3 +382,29 @@ def checked(
     if first_use is None:
         return check()
     return first_use.run("checking exactness against the host's own result", check)
+
+
+BATCH_CHECK_ITEMS = 3
+"""Items of the batch self-check's latent (:func:`check_batch`)."""
+
+
+def check_batch(
+    key: str,
+    store: CheckStore,
+    model: Any,
+    decode: Callable[[torch.Tensor], torch.Tensor],
+    z: torch.Tensor,
+    dtype: torch.dtype,
+    prepare: Callable[[], None] | None = None,
+    first_use: FirstUse | None = None,
+) -> Verdict:
+    """Whether the host's ``decode`` of the batch ``z`` equals its items decoded one per pass (:func:`checked`:
+    cached per ``key``, a failure per file, an inconclusive check never): passed, a decode may split the batch
+    into passes; failed, the decoder's output for one item depends on the other items of its batch."""
+    n = int(z.shape[0])
+
+    def one_per_pass() -> torch.Tensor:
+        return torch.cat([decode(z[i : i + 1]) for i in range(n)])
+
+    return checked(key, store, model, lambda: decode(z), [(f"1 of {n} items per pass", one_per_pass)], dtype,
+                   prepare, first_use)

@@ -30,7 +30,7 @@ from .types import Plan
 log = logging.getLogger("vramfit.memory.plan.image")
 
 __all__ = ["ExactPlanner", "ImageJob", "ImageModels", "fallback", "full_cost_model", "ideal_bytes", "image_models",
-           "make_job", "plan", "plan_exact", "plan_generic", "plan_untiled", "reach", "spatial_ratio"]
+           "make_job", "plan", "plan_exact", "plan_generic", "plan_untiled", "reach", "spatial_ratio", "splits_batch"]
 
 ATTENTION_MIN = 16 * 2**20
 """Smallest score-slice budget of the mid block's split attention."""
@@ -63,6 +63,10 @@ class ImageJob:
     split_reason: str | None = "not checked"
     """None when the decoder is a global prefix and a local suffix (:mod:`..vae.split_layout`) and the exact
     walker does not apply, else why not."""
+    batch_reason: str = ""
+    """Not empty: the decoder's output for one item depends on the other items of its batch (SVD's temporal
+    decoder), or that could not be ruled out; why (the batch self-check's verdict). Only the whole batch in one
+    pass is then exact (:func:`plan`)."""
 
 
 def spatial_ratio(vae: Any, channels: int) -> int:
@@ -170,12 +174,14 @@ def item_image_bytes(job: ImageJob) -> int:
     return n * (torch.empty((), dtype=job.dtype).element_size() + 12)
 
 
-def plan_untiled(job: ImageJob, full: CostModel, budget: int) -> Plan | None:
-    """The VAE's own decode, as many batch items per pass as fit; None when one item does not fit."""
+def plan_untiled(job: ImageJob, full: CostModel, budget: int, whole_batch: bool = False) -> Plan | None:
+    """The VAE's own decode, as many batch items per pass as fit (``whole_batch``: all of them in one pass);
+    None when that does not fit."""
     geo = VaeGeometry(job.family, job.ratio)
     extra = buffer_bytes(job)
     try:
-        p = plan_tiling(tuple(job.z.shape), geo, budget - extra, full, allow_tiling=False)
+        p = plan_tiling(tuple(job.z.shape), geo, budget - extra, full, allow_tiling=False,
+                        split_batch=not whole_batch)
     except ImpossibleBudgetError:
         return None
     g = Geometry(int(job.z.shape[2]), int(job.z.shape[3]), batch=p.images_per_pass, spatial_ratio=job.ratio)
@@ -321,13 +327,39 @@ def image_models(job: ImageJob, env: Any, full: CostModel, budget: int, first_us
     return ImageModels(full, None, halo, halo // 2 if global_ops else 0, text)
 
 
+def splits_batch(job: ImageJob, p: Plan) -> bool:
+    """``p`` decodes ``job``'s batch in several passes (tiled paths: one item per pass)."""
+    b = int(job.z.shape[0])
+    return b > 1 and (p.path != "untiled" or p.config.images_per_pass < b)
+
+
+def _batch_checked(job: ImageJob, p: Plan) -> Plan:
+    """``p`` as the report must see it: not exact when it splits the batch of a decoder that mixes it (the
+    report gives :attr:`ImageJob.batch_reason`; ``reason`` keeps the path's own)."""
+    if job.batch_reason and splits_batch(job, p):
+        p.exact = False
+    return p
+
+
 def plan(job: ImageJob, budget: int, models: ImageModels,
          ratio: Callable[[str], float] | None = None) -> Plan:
     """The fastest plan of ``job`` within ``budget`` bytes: the VAE's own decode when it fits (and no tile is
     set), else exact tiles (decoders the exact walker supports), else exact split tiles (a global prefix and a
     local suffix), else approximate tiles. ``ratio(path)``: the measured over predicted peak learned for a
-    path on this machine (:mod:`..cost.observed`; default 1)."""
+    path on this machine (:mod:`..cost.observed`; default 1).
+
+    A decoder that mixes its batch (:attr:`ImageJob.batch_reason`) is decoded whole in one pass when that fits
+    (and no tile is set); otherwise the plan above, marked not exact (``exact`` False)."""
     r = ratio or (lambda path: 1.0)
+    if job.batch_reason and not job.tile_size:
+        whole = scaled(lambda b: plan_untiled(job, models.full, b, whole_batch=True), budget, r("untiled"))
+        if whole is not None:
+            return whole
+    return _batch_checked(job, _plan(job, budget, models, r))
+
+
+def _plan(job: ImageJob, budget: int, models: ImageModels, r: Callable[[str], float]) -> Plan:
+    """:func:`plan` without the batch's coupling."""
     tile = int(job.tile_size) or None
     if tile is None:
         found = scaled(lambda b: plan_untiled(job, models.full, b), budget, r("untiled"))
@@ -348,7 +380,12 @@ def fallback(job: ImageJob, p: Plan, models: ImageModels, budget: int) -> Plan:
 
     untiled -> exact tiles smaller than the image (half the planned bytes), or generic tiles;
     exact -> recompute -> host store (accelerators) -> host store + recompute -> half the tile;
-    split -> half the budget and the tile; generic -> half the budget and the tile."""
+    split -> half the budget and the tile; generic -> half the budget and the tile. Not exact when it splits the
+    batch of a decoder that mixes it (:func:`plan`)."""
+    return _batch_checked(job, _fallback(job, p, models, budget))
+
+
+def _fallback(job: ImageJob, p: Plan, models: ImageModels, budget: int) -> Plan:
     planner, full = models.exact, models.full
     if models.split is not None and p.path in ("untiled", "split"):
         extra = buffer_bytes(job) + item_image_bytes(job)

@@ -218,3 +218,28 @@ def geometry_of(vae: Any, known: str | None, *, spatial_ratio: int | None = None
         return g if halo is None else dataclasses.replace(g, halo=halo)
     spatial, temporal = _ratios(vae)
     return VaeGeometry(model_name(vae), spatial_ratio or spatial, temporal, halo=8 if halo is None else halo)
+
+
+TIME_MIXING_NAMES = ("mix_factor", "time_mix", "time_stack")
+"""Names of the parts of a decoder that blend its batch items as frames of one video (SVD's temporal decoder:
+``VideoResBlock.mix_factor`` / ``time_stack``, ``AE3DConv.time_mix_conv``, ``AttnVideoBlock.time_mix_block``)."""
+
+
+def batch_coupling_hint(model: Any) -> str:
+    """A cheap structural hint that ``model`` mixes the items of its batch (they are one video's frames): the
+    first ``VideoDecoder`` module or part named after time mixing (:data:`TIME_MIXING_NAMES`), as text for a
+    report; "" when none is seen. Only a hint: the batch self-check (``decode.image.check_batch``) is the proof,
+    and decoders that mix their batch otherwise are caught by it alone."""
+    modules = getattr(model, "named_modules", None)
+    if not callable(modules):
+        return ""
+    for name, m in modules():
+        where = name or type(m).__name__
+        if type(m).__name__ == "VideoDecoder":
+            return f"{where} is a VideoDecoder (the batch is one video's frames)"
+        own = [n for n, _ in m.named_children()]
+        own += [n for n, _ in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]]
+        for part in own:
+            if part.startswith(TIME_MIXING_NAMES):
+                return f"{where}.{part} mixes frames across the batch"
+    return ""

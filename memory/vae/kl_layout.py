@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import inspect
 import logging
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -70,10 +71,61 @@ def _is_gn(m: Any) -> bool:
     return isinstance(m, torch.nn.GroupNorm)
 
 
+RESNET_PARTS = frozenset(
+    ("swish", "nonlinearity", "norm1", "conv1", "temb_proj", "norm2", "dropout", "conv2", "conv_shortcut",
+     "nin_shortcut"))
+"""The submodules of a KL resnet block the walker runs (or knows to be inert: the activation, dropout, an unused
+timestep projection). Anything else is code of the block's forward the walker would skip."""
+
+
+def _required_inputs(m: Any) -> list[str]:
+    """The arguments ``m.forward`` requires besides its input (SVD's ``VideoResBlock``: ``temb``)."""
+    try:
+        params = list(inspect.signature(m.forward).parameters.values())[1:]
+    except (TypeError, ValueError, AttributeError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+             inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params if p.default is inspect.Parameter.empty and p.kind in kinds]
+
+
+def _foreign_parts(blk: Any) -> list[str]:
+    """What a resnet block holds beyond :data:`RESNET_PARTS`: other submodules (SVD's ``time_stack``) and
+    parameters or buffers of its own (SVD's ``mix_factor``)."""
+    extra = [n for n, _ in blk.named_children() if n not in RESNET_PARTS]
+    extra += [n for n, _ in [*blk.named_parameters(recurse=False), *blk.named_buffers(recurse=False)]]
+    return extra
+
+
+def _class_name(m: Any) -> str:
+    """The name of ``m``'s class, past classes made inside a function (ComfyUI's ``partialclass``: ``NewCls``)."""
+    for cls in type(m).__mro__:
+        if "<locals>" not in cls.__qualname__:
+            return cls.__name__
+    return type(m).__name__
+
+
+def _block_call_reason(blk: Any, where: str) -> str | None:
+    """Why the walker cannot call or re-run ``blk`` as a plain resnet block: its forward needs more than its
+    input, or it holds modules the walker would not run (a video decoder's time mixing)."""
+    needs = _required_inputs(blk)
+    if needs:
+        return (f"{where} ({_class_name(blk)}): its forward needs {', '.join(needs)} besides its input "
+                "(a video or timestep-conditioned block)")
+    extra = _foreign_parts(blk)
+    if extra:
+        return (f"{where} ({_class_name(blk)}) holds {', '.join(extra)}, which a plain resnet block does not "
+                "(e.g. a video decoder's time mixing)")
+    return None
+
+
 def _resnet_reason(blk: Any, where: str) -> str | None:
     for name in ("norm1", "conv1", "norm2", "conv2"):
         if getattr(blk, name, None) is None:
             return f"{where}: no {name}"
+    reason = _block_call_reason(blk, where)
+    if reason:
+        return reason
     if not (_is_gn(blk.norm1) and _is_gn(blk.norm2)):
         return f"{where}: norm1/norm2 are not GroupNorm"
     if not (_is_conv2d(blk.conv1, 3) and _is_conv2d(blk.conv2, 3)):
@@ -149,6 +201,11 @@ def _structure_reason(model: Any) -> str | None:
             return f"decoder has no {name}"
     if not (_is_conv2d(dec.conv_in, 3) and _is_conv2d(dec.conv_out, 3)):
         return "conv_in/conv_out are not 3x3 Conv2d (3-D or video decoder)"
+    for name in ("conv_in", "conv_out"):
+        inner = [n for n, _ in getattr(dec, name).named_children()]
+        if inner:
+            return (f"{name} ({_class_name(getattr(dec, name))}) holds {', '.join(inner)} besides its "
+                    "convolution (e.g. a video decoder's time mixing)")
     if not _is_gn(dec.norm_out):
         return "norm_out is not GroupNorm"
     mid = dec.mid
@@ -157,6 +214,10 @@ def _structure_reason(model: Any) -> str | None:
             return f"mid has no {name}"
     if not callable(mid.block_1) or not callable(mid.attn_1) or not callable(mid.block_2):
         return "mid blocks are not callable"
+    for name in ("block_1", "block_2"):
+        reason = _block_call_reason(getattr(mid, name), f"mid.{name}")
+        if reason:
+            return reason
     up = dec.up
     try:
         levels = len(up)

@@ -1,0 +1,149 @@
+"""Decoders that mix the items of their batch (as SVD's temporal decoder does) without ComfyUI: the batch
+self-check (``decode.self_check.check_batch``, ``decode.image.check_batch_items``), the image decode's plan and
+report around it, and the KL walker's refusal of blocks it cannot run.
+
+The coupled toy is the tiny KL decoder of ``test_tiled_exact.py`` whose ``decode`` blends each item with its
+batch's mean: at batch 1 it is the KL decoder itself (the walker's batch-1 self-check passes), at batch 3 the items
+depend on each other. Thresholds: a report that says exact is within 1e-4 of the host's whole-batch decode; the
+split decode of the coupled toy differs by > 1e-3 (so that label is needed).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from vramfit.memory.decode import image as idm
+from vramfit.memory.decode import self_check as sc
+from vramfit.memory.vae import kl_layout as kll
+from vramfit.memory.vae.families import batch_coupling_hint
+
+from tests.unit.test_image_decode import MiB, TinyVAE, _stores, env
+from tests.unit.test_tiled_exact import KL, _latent, _model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class CoupledKL(KL):
+    """The toy KL decoder whose output for one item depends on the others: half of it is the batch's mean."""
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        x = super().decode(z)
+        return 0.5 * x + 0.5 * x.mean(0, keepdim=True)
+
+
+def _coupled(seed: int = 0) -> CoupledKL:
+    base = _model(seed, ch_mult=(1, 1, 1, 1))
+    model = CoupledKL(ch_mult=(1, 1, 1, 1)).eval()
+    model.load_state_dict(base.state_dict())
+    return model
+
+
+def _job(model: nn.Module, b: int = 3, **kw) -> idm.ImageJob:
+    return idm.make_job(TinyVAE(model, 8), _latent((b, 4, 5, 6), seed=2), core=True, out_device="cpu", **kw)
+
+
+def test_the_batch_check_fails_for_a_coupled_decoder_and_passes_for_kl():
+    store = sc.CheckStore()
+    coupled = idm.check_batch_items(_job(_coupled()), store)
+    assert not coupled.ok and coupled.conclusive and coupled.max_diff > 1e-3
+    assert coupled.worst == f"1 of {sc.BATCH_CHECK_ITEMS} items per pass"
+    kl = idm.check_batch_items(_job(_model(0, ch_mult=(1, 1, 1, 1))), store)
+    assert kl.ok and kl.max_diff <= 1e-4
+    # Both conclusive, both kept (the failure per file), read back without running again.
+    assert len(store) == 2 and any("#" in k for k in store.keys())
+    assert idm.check_batch_items(_job(_coupled()), store).cached
+    assert idm.check_batch_items(_job(_model(0, ch_mult=(1, 1, 1, 1))), store).cached
+
+
+def test_a_batch_check_that_cannot_conclude_is_not_cached():
+    store = sc.CheckStore()
+    model = _model(0)
+    z = torch.zeros((3, 4, 2, 2))
+    v = sc.check_batch("batch/toy", store, model, lambda x: torch.full((x.shape[0], 3, 4, 4), float("nan")), z,
+                       torch.float32)
+    assert not v.ok and not v.conclusive and len(store) == 0
+
+
+def test_the_walkers_batch1_check_passes_but_the_batch_check_does_not():
+    """Why the batch check exists: per item the coupled toy is the KL decoder, so the walker's own self-check
+    (batch 1) passes; only the batch of three shows the coupling."""
+    store = sc.CheckStore()
+    job = _job(_coupled())
+    assert job.exact_reason is None and idm.check_exact(job, store).ok
+    assert not idm.check_batch_items(job, store).ok
+
+
+def test_a_coupled_decoder_is_decoded_whole_or_said_approximate():
+    model = _coupled()
+    vae = TinyVAE(model, 8)
+    z = _latent((3, 4, 7, 9), seed=1)
+    with torch.no_grad():
+        ref = vae.process_output(model.decode(z)).movedim(1, -1)
+    stores = _stores()
+
+    whole = idm.decode_image(idm.make_job(vae, z, core=True, out_device="cpu"), env(stores), budget_mb=1024)
+    assert whole.plan.path == "untiled" and whole.plan.config.images_per_pass == 3
+    assert whole.report.summary.startswith("exact") and (whole.images - ref).abs().max().item() <= 1e-4
+
+    one = idm.decode_image(idm.make_job(vae, z[:1], core=True, out_device="cpu"), env(stores), budget_mb=1024)
+    budget = int(one.plan.planned * 0.9)  # not even one item untiled: the walker's tiles, one item per pass
+    r = idm.decode_image(idm.make_job(vae, z, core=True, out_device="cpu"), env(stores), budget_mb=budget / MiB)
+    rows = dict(r.report.rows)
+    diff = (r.images - ref).abs().max().item()
+    assert r.plan.path == "exact" and not r.plan.exact
+    assert r.report.summary.startswith("approximate") and rows["path"].startswith("approximate: layer-synchronous")
+    assert "mixes the items of its batch" in rows["path"] and "FAILED" in rows["path"]
+    assert diff > 1e-3
+
+
+def test_an_independent_decoder_splits_its_batch_exactly():
+    model = _model(0, ch_mult=(1, 1, 1, 1))
+    vae = TinyVAE(model, 8)
+    z = _latent((2, 4, 7, 9), seed=1)
+    with torch.no_grad():
+        ref = vae.process_output(model.decode(z)).movedim(1, -1)
+    stores = _stores()
+    one = idm.decode_image(idm.make_job(vae, z[:1], core=True, out_device="cpu"), env(stores), budget_mb=1024)
+    r = idm.decode_image(idm.make_job(vae, z, core=True, out_device="cpu"), env(stores),
+                         budget_mb=int(one.plan.planned * 0.9) / MiB)
+    rows = dict(r.report.rows)
+    assert r.plan.path == "exact" and r.plan.exact and r.report.summary.startswith("exact")
+    assert rows["batch"].startswith("items decode independently: batch self-check passed")
+    assert (r.images - ref).abs().max().item() <= 1e-4
+
+
+# ------------------------------------------------------------------------------------------ the walker's refusal
+
+
+class TembBlock(nn.Module):
+    """A resnet block whose forward needs a timestep embedding (as SVD's ``VideoResBlock``)."""
+
+    def __init__(self, blk: nn.Module) -> None:
+        super().__init__()
+        for name, m in blk.named_children():
+            setattr(self, name, m)
+        self.in_channels, self.out_channels = blk.in_channels, blk.out_channels
+        self.use_conv_shortcut = blk.use_conv_shortcut
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor | None) -> torch.Tensor:
+        return x
+
+
+def test_the_walker_refuses_blocks_it_cannot_run():
+    model = _model(0)
+    model.decoder.up[1].block[0] = TembBlock(model.decoder.up[1].block[0])
+    reason = kll.unsupported_reason(model)
+    assert reason is not None and "needs temb" in reason and "up[1].block[0]" in reason
+
+    model = _model(0)
+    model.decoder.mid.block_1.time_stack = nn.Conv3d(8, 8, (3, 1, 1), padding=(1, 0, 0))
+    reason = kll.unsupported_reason(model)
+    assert reason is not None and "mid.block_1" in reason and "time_stack" in reason
+    assert "time_stack" in batch_coupling_hint(model)
+
+    model = _model(0)
+    model.decoder.conv_out.time_mix_conv = nn.Conv3d(3, 3, (3, 1, 1), padding=(1, 0, 0))
+    reason = kll.unsupported_reason(model)
+    assert reason is not None and "conv_out" in reason and "time_mix_conv" in reason
+    assert kll.unsupported_reason(_model(0)) is None and batch_coupling_hint(_model(0)) == ""
