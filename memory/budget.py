@@ -77,7 +77,11 @@ class Budget:
     def source(self) -> str:
         return "user budget" if self.user_override is not None else "free memory"
 
-    def describe(self) -> str:
+    def describe(self, work: str = "decoding") -> str:
+        """The report's ``budget`` row: the figure the plan is made with, named once. A user budget is that
+        figure unless something is taken off it (``512 MiB (412 MiB after VAE weights to load 100 MiB)``);
+        free memory shows its sum, ending in the bytes ``available for {work}``."""
+
         def mib(n: int | None) -> str:
             return fmt_bytes(n, "MiB", 0)
 
@@ -86,13 +90,17 @@ class Budget:
             head = f"user budget {mib(self.user_override)}"
             if not self.vae_weights_to_load:
                 head += " of working memory (VAE weights not counted)"
-        else:
-            head = f"free {mib(self.free_bytes)}" + (f" of {mib(self.total_bytes)}" if self.total_bytes else "")
-        if self.evictable_bytes and not user:
+            taken = [f"{what} {mib(n)}" for what, n in (("VAE weights to load", self.vae_weights_to_load),
+                                                       ("reserve", self.reserve)) if n]
+            if taken:
+                head += f" ({mib(self.available)} after {' and '.join(taken)})"
+            return f"{self.device}: {head}"
+        head = f"free {mib(self.free_bytes)}" + (f" of {mib(self.total_bytes)}" if self.total_bytes else "")
+        if self.evictable_bytes:
             head += f" + evictable {mib(self.evictable_bytes)} (dynamic VRAM: other models' weights aimdo evicts)"
-        weights = f" - VAE weights to load {mib(self.vae_weights_to_load)}" if self.vae_weights_to_load or not user else ""
-        text = f"{self.device}: {head}{weights} - reserve {mib(self.reserve)} = {mib(self.available)} available for decoding"
-        if self.psutil_available is not None and self.user_override is None:
+        text = (f"{self.device}: {head} - VAE weights to load {mib(self.vae_weights_to_load)} - reserve "
+                f"{mib(self.reserve)} = {mib(self.available)} available for {work}")
+        if self.psutil_available is not None:
             text += f" (psutil: {mib(self.psutil_available)} RAM available)"
         return text
 

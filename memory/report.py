@@ -6,15 +6,18 @@ A report is a title line, a one-line verdict (:attr:`Report.summary`, unindented
 
     VRAM Fit | Tiled VAE Decode | cpu
     exact · 2x3 tiles · RSS peak 5.02 GiB of 6.61 GiB tensor budget · 12.30 s
-      budget    : 6.61 GiB = 7.20 GiB free - 160.0 MiB VAE weights - 512.0 MiB reserve
+      budget    : cpu: free 7,440 MiB - VAE weights to load 160 MiB - reserve 512 MiB = 6,768 MiB available
+                  for decoding
       plan      : 2x3 tiles of 64x96 latent px, 1 image/pass, exact
-      predicted : peak 5.10 GiB (77% of budget)
+      predicted : peak 2,500.0 MiB tensor-level (compare with measured); planned as 5,100.0 MiB with the overhead
+                  measured beyond it on this device (scratch, allocator caches): 75% of budget
       measured  : peak 5.02 GiB (process RSS high-water mark; ...)
 
 The budget bounds the decode's tensor-level working memory (allocator bytes); the verdict names the
-figure measured (:func:`measure_tag`). A decode report whose measured peak exceeds the budget says
-``OVER BUDGET`` in its verdict and gets an ``over budget`` row and a logged warning
-(:func:`flag_measured_overrun`).
+figure measured (:func:`measure_tag`). The ``budget`` row names the budget once, as the plan was made with
+it; the ``predicted`` row gives the plan's own prediction and its share of that budget (:func:`predicted_text`).
+A decode report whose measured peak exceeds the budget says ``OVER BUDGET`` in its verdict and gets an
+``over budget`` row and a logged warning (:func:`flag_measured_overrun`).
 """
 
 from __future__ import annotations
@@ -120,6 +123,26 @@ def peak_verdict(measured: int | None, method: str, budget: int, predicted: int 
     return f"{head} > {limit}: {OVER_BUDGET}" if measured > budget else f"{head} of {limit}"
 
 
+def predicted_text(planned: int, budget: int, tracked: int = 0, *, where: str = "", how: str = "",
+                   over: str = "", note: str = "") -> str:
+    """A decode or encode report's ``predicted`` row: the plan's predicted peak and its share of the budget the
+    plan was made with (the ``budget`` row names that figure; it is not repeated here).
+
+    ``tracked``: the tensor-level prediction (the figure a tensor-level measure compares with) when it differs
+    from ``planned``, the planning figure compared with the budget (it adds the untracked overhead measured on
+    the device: on CPU oneDNN scratch and allocator caches, ``CostModel.overhead``, and a learned ratio); 0:
+    ``planned`` alone. ``where``: where the peak falls (``", at up.0.block.0.conv1"``); ``how``:
+    how it was sized (``"meta sizing"``); ``over``: an over-budget flag; ``note``: appended (a ratio's note).
+    """
+    mib = lambda n: fmt_bytes(n, "MiB", 1, small="KiB")  # noqa: E731
+    share = f"{planned / budget:.0%} of budget" if budget > 0 else "no budget"
+    share += f", {how}" if how else ""
+    if tracked and tracked != planned:
+        return (f"peak {mib(tracked)} tensor-level{where} (compare with measured); planned as {mib(planned)} with "
+                f"the overhead measured beyond it on this device (scratch, allocator caches): {share}{over}{note}")
+    return f"peak {mib(planned)}{where} ({share}){over}{note}"
+
+
 def summary_line(*parts: str) -> str:
     """A verdict line from its parts (empty ones left out), joined by :data:`SEP`."""
     return SEP.join(p for p in parts if p)
@@ -206,8 +229,7 @@ def flag_measured_overrun(report: Report, measured: int | None, method: str, bud
         return False
     over = measured - budget
     pct = f" (+{over / budget:.0%})" if budget > 0 else ""
-    text = (f"measured peak {fmt_bytes(measured)} ({method}) > budget {fmt_bytes(budget)} available for "
-            f"decoding, by {fmt_bytes(over)}{pct}")
+    text = f"measured peak {fmt_bytes(measured)} ({method}) > budget {fmt_bytes(budget)}, by {fmt_bytes(over)}{pct}"
     if measure_tag(method) == "RSS":
         text += f"; RSS counts the whole process, {BUDGET_BOUNDS}"
     report.insert_after("measured", OVER_BUDGET_ROW, text)

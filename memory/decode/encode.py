@@ -23,10 +23,10 @@ from ..plan.types import Plan
 from ..report import (
     Report,
     flag_measured_overrun,
-    fmt_bytes,
     fmt_seconds,
     measured_text,
     peak_verdict,
+    predicted_text,
     summary_line,
 )
 from ..tiles import spans
@@ -262,7 +262,7 @@ def encode_image(
     gives it, on ``job.out_device`` (the ``host`` path: as ``VAE.encode`` returns it), and the report. Raises
     :class:`..plan.grid.ImpossibleBudgetError` when no plan fits."""
     t0 = time.perf_counter() if t_start is None else t_start
-    first = FirstUse(env.phase)
+    first = FirstUse(env.phase, "encode")
     verdict = None
     if job.exact_reason is None:
         verdict = check_encode(job, env.checks, env.norm_params, lambda: load_weights(job.vae, env, 0), first)
@@ -287,7 +287,7 @@ def encode_image(
         p = plan(job, int(budget.available), env.peaks, ratio, attention)
     except ImpossibleBudgetError as e:
         raise ImpossibleBudgetError(
-            f"{e} (budget: {budget.describe()})", budget=e.budget, minimum=e.minimum
+            f"{e} (budget: {budget.describe('encoding')})", budget=e.budget, minimum=e.minimum
         ) from e
     load_weights(job.vae, env, p.planned)
     plan_seconds = time.perf_counter() - t0
@@ -350,17 +350,13 @@ def _report(
     r.add("path", path)
     if job.verdict is not None and job.verdict.ok:
         r.add("check", f"exact tiles: {job.verdict.describe()}")
-    r.add("budget", budget.describe())
+    r.add("budget", budget.describe("encoding"))
     r.add("offload", offload)
     r.add("plan", p.description)
     if p.planned:
-        pct = p.planned / budget.available if budget.available else float("inf")
         over = " - OVER BUDGET (user tile)" if p.over_budget else ""
-        r.add(
-            "predicted",
-            f"peak {fmt_bytes(p.planned)} ({pct:.0%} of budget, {p.stats.get('sizing', 'meta sizing')}){over}"
-            f"{ratio_text(p.ratio)}",
-        )
+        r.add("predicted", predicted_text(p.planned, int(budget.available), how=p.stats.get("sizing", "meta sizing"),
+                                          over=over, note=ratio_text(p.ratio)))
     r.add("measured", measured_text(m.peak, m.method))
     flag_measured_overrun(r, m.peak, m.method, int(budget.available), log)
     r.add(

@@ -20,8 +20,10 @@ T = TypeVar("T")
 class FirstUse:
     """Runs and times the once-per-VAE phases of one decode."""
 
-    def __init__(self, show: Callable[[str], None] | None = None) -> None:
+    def __init__(self, show: Callable[[str], None] | None = None, work: str = "decode") -> None:
         self.show = show
+        self.work = work
+        """What later runs are (``"decode"``, ``"encode"``): they skip this work."""
         self.done: list[tuple[str, float]] = []
 
     def run(self, what: str, fn: Callable[[], T]) -> T:
@@ -45,7 +47,7 @@ class FirstUse:
         if not self.done:
             return ""
         parts = ", ".join(f"{what} {fmt_seconds(s)}" for what, s in self.done)
-        once = "once per VAE structure on this host, later decodes skip it"
+        once = f"once per VAE structure on this host, later {self.work}s skip it"
         return f"{fmt_seconds(self.seconds)}: {parts}; {once}"
 
 

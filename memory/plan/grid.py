@@ -156,9 +156,10 @@ class Tiling:
             else:
                 parts.append(f"all {t} latent frames at once")
         parts.append(f"{self.passes} pass{'es' if self.passes != 1 else ''}")
-        peak, budget = (fmt_bytes(n, "MiB", 0, small="KiB") for n in (self.predicted_peak, self.budget))
-        parts.append(f"predicted peak {peak} of {budget} budget")
-        parts.append(f"halo overhead {self.overhead:.1%}")
+        if self.tiled:
+            parts.append(f"halo overhead {self.overhead:.1%}")
+        # No peak or budget here: the report's predicted row gives the plan's peak (output buffer included)
+        # against the one budget its budget row names (this plan's budget may be less by that buffer).
         return f"{self.family}: " + ", ".join(parts)
 
     def __str__(self) -> str:

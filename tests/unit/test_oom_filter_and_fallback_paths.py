@@ -194,7 +194,7 @@ def test_exact_replan_report_shows_the_new_plan(vae, stores):
     assert r.plan.planned == extra + max(r.plan.config.peak.with_overhead(overhead), post)
     assert r.plan.tracked == extra + max(r.plan.config.peak.tracked, post)
     assert r.plan.planned < clean.plan.planned and r.plan.tracked < clean.plan.tracked
-    assert f"peak {fmt_bytes(r.plan.planned)}" in dict(r.report.rows)["predicted"]
+    assert fmt_bytes(r.plan.planned, "MiB", 1, small="KiB") in dict(r.report.rows)["predicted"]
 
 
 # ------------------------------------------------------------------------------------------ non-Wan video
