@@ -363,10 +363,11 @@ def checked(
     dtype: torch.dtype,
     prepare: Callable[[], None] | None = None,
     first_use: FirstUse | None = None,
+    what: str = "checking exactness against the host's own result",
 ) -> Verdict:
     """:func:`verify` for an executor over ``model``: the stored verdict for this structure (or, after a
     failure, for this file: :func:`weights_digest`), else ``prepare()`` (the node loads the weights) and check
-    now (a ``first_use`` phase: shown and timed)."""
+    now (a ``first_use`` phase named ``what``: shown and timed)."""
     weights = weights_digest(model)
     found = store.verdict(key, weights)
     if found is not None:
@@ -381,7 +382,7 @@ def checked(
 
     if first_use is None:
         return check()
-    return first_use.run("checking exactness against the host's own result", check)
+    return first_use.run(what, check)
 
 
 BATCH_CHECK_ITEMS = 3
@@ -407,4 +408,4 @@ def check_batch(
         return torch.cat([decode(z[i : i + 1]) for i in range(n)])
 
     return checked(key, store, model, lambda: decode(z), [(f"1 of {n} items per pass", one_per_pass)], dtype,
-                   prepare, first_use)
+                   prepare, first_use, "checking that the items of a batch decode independently")

@@ -88,8 +88,10 @@ def test_a_coupled_decoder_is_decoded_whole_or_said_approximate():
 
     one = idm.decode_image(idm.make_job(vae, z[:1], core=True, out_device="cpu"), env(stores), budget_mb=1024)
     budget = int(one.plan.planned * 0.9)  # not even one item untiled: the walker's tiles, one item per pass
-    r = idm.decode_image(idm.make_job(vae, z, core=True, out_device="cpu"), env(stores), budget_mb=budget / MiB)
+    r = idm.decode_image(idm.make_job(vae, z, core=True, out_device="cpu"), env(stores, checks=sc.CheckStore()),
+                         budget_mb=budget / MiB)
     rows = dict(r.report.rows)
+    assert "checking that the items of a batch decode independently" in rows["first use"]
     diff = (r.images - ref).abs().max().item()
     assert r.plan.path == "exact" and not r.plan.exact
     assert r.report.summary.startswith("approximate") and rows["path"].startswith("approximate: layer-synchronous")
