@@ -151,12 +151,14 @@ def _index(m: Mapping, node_type: str, name: str) -> int:
 
 
 def _auto_title(m: Mapping, x: State, y_type: str) -> str | None:
-    """The title the other side gets: a title of its own stays; an automatic one (None, the type or the
-    display name) becomes the new type's display name (None where the old one was None)."""
+    """The title the other side gets: a title of its own stays; an automatic one (the type or the display
+    name) becomes the new type's: a pack node's display name, a core node's type (as the API twins name the
+    host's nodes: their display names change between releases, scripts/workflow_schema.py ``_api_title``);
+    None (UI format: the frontend shows the display name) stays None."""
     if x.title is None:
         return None
     if x.title in (x.type, m.spec(x.type)["display_name"]):
-        return m.spec(y_type)["display_name"]
+        return y_type if m.is_core(y_type) else m.spec(y_type)["display_name"]
     return x.title
 
 

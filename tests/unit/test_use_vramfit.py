@@ -141,9 +141,11 @@ def test_api_titles_and_stash():
         "1": {"class_type": "VAELoader", "inputs": {"vae_name": "x.safetensors"}, "_meta": {"title": "Load VAE"}},
         "2": {"class_type": "LoadImage", "inputs": {"image": "example.png"}},
         "3": {"class_type": "VAEEncode", "inputs": {"pixels": ["2", 0], "vae": ["1", 0]},
-              "_meta": {"title": "VAE Encode"}},
+              "_meta": {"title": "VAEEncode"}},  # the host's nodes by type, as the API twins name them
         "4": {"class_type": "VAEEncodeForInpaint", "inputs": {"pixels": ["2", 0], "vae": ["1", 0],
               "mask": ["2", 1], "grow_mask_by": 9}, "_meta": {"title": "mine"}},
+        "5": {"class_type": "VAEDecode", "inputs": {"samples": ["3", 0], "vae": ["1", 0]},
+              "_meta": {"title": "VAE Decode"}},  # as the frontend names it
     }
     out = u.swap(api, mapping=M).graph
     assert out["3"] == {"class_type": "VRAMFit_TiledVAEEncode", "_meta": {"title": "Tiled VAE Encode (VRAM Fit)"},
@@ -151,6 +153,9 @@ def test_api_titles_and_stash():
                                    "unload_others": True}}
     assert out["4"]["_meta"] == {"title": "mine"}
     assert out["4"]["inputs"]["grow_mask_by"] == 9
+    assert out["5"]["_meta"] == {"title": "Tiled VAE Decode (VRAM Fit)",
+                                 M.stash: {"type": "VAEDecode", "widgets": {}, "title": "VAE Decode"}}
+    assert u.swap(api, revert=True, mapping=M).graph == api  # nothing of VRAM Fit's to revert
     assert u.swap(out, revert=True, mapping=M).graph == api
 
 

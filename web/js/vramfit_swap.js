@@ -86,7 +86,9 @@ function convertOnce(m, x, kind, useStash = true) {
 
 function autoTitle(m, x, yType) {
   if (x.title == null) return null;
-  if (x.title === x.type || x.title === spec(m, x.type).display_name) return spec(m, yType).display_name;
+  if (x.title === x.type || x.title === spec(m, x.type).display_name) {
+    return isCore(m, yType) ? yType : spec(m, yType).display_name;
+  }
   return x.title;
 }
 
