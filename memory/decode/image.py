@@ -168,7 +168,7 @@ def batch_reason(job: ImageJob, verdict: Verdict) -> str:
         return ""
     hint = batch_coupling_hint(job.vae.first_stage_model)
     hint = f"; {hint}" if hint else ""
-    if not verdict.conclusive:
+    if not verdict.conclusive or verdict.max_diff == float("inf"):  # no finite comparison: nothing shown
         return (f"whether this decoder treats the items of its batch independently is unverified{hint} (batch "
                 f"{verdict.describe()})")
     return (f"this decoder mixes the items of its batch{hint}: decoding them in separate passes changes the "

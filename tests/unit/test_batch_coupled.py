@@ -65,6 +65,16 @@ def test_a_batch_check_that_cannot_conclude_is_not_cached():
     assert not v.ok and not v.conclusive and len(store) == 0
 
 
+def test_a_batch_check_without_a_finite_comparison_does_not_claim_coupling():
+    """A check that raised (or gave another shape) proves nothing either way: the reason says unverified."""
+    job = _job(_model(0, ch_mult=(1, 1, 1, 1)))
+    raised = sc.Verdict(False, float("inf"), 1e-4, "1 of 3 items per pass", 0.1, "ValueError: no")
+    differs = sc.Verdict(False, 0.5, 1e-4, "1 of 3 items per pass", 0.1)
+    assert idm.batch_reason(job, raised).startswith("whether this decoder treats the items of its batch")
+    assert idm.batch_reason(job, differs).startswith("this decoder mixes the items of its batch")
+    assert idm.batch_reason(job, sc.Verdict(True, 0.0, 1e-4, "", 0.1)) == ""
+
+
 def test_the_walkers_batch1_check_passes_but_the_batch_check_does_not():
     """Why the batch check exists: per item the coupled toy is the KL decoder, so the walker's own self-check
     (batch 1) passes; only the batch of three shows the coupling."""
