@@ -19,7 +19,7 @@ from ..executors import kl_exact as te
 from ..geometry import Geometry, VaeGeometry
 from ..measure.reach import ReachReport, default_halo, traced_reach
 from ..measure.sizing import MetaSizer
-from ..vae.families import identify, model_name, structure_digest
+from ..vae.families import batch_coupling_hint, identify, model_name, structure_digest
 from ..vae.kl_layout import unsupported_reason
 from ..vae.split_layout import split_layout
 from . import exact as pe
@@ -161,8 +161,11 @@ def buffer_bytes(job: ImageJob) -> int:
 
 
 def ideal_bytes(job: ImageJob, full: CostModel) -> int:
-    """What the fastest plan needs: the untiled decode of one batch item (+ the output buffer)."""
-    g = Geometry(int(job.z.shape[2]), int(job.z.shape[3]), batch=1, spatial_ratio=job.ratio)
+    """What the fastest plan needs: the untiled decode of one batch item (+ the output buffer); of the whole batch
+    for a decoder whose structure says it mixes its batch (:func:`..vae.families.batch_coupling_hint`: only that
+    is its result, so the offload before the decode makes room for it)."""
+    b = int(job.z.shape[0]) if batch_coupling_hint(job.vae.first_stage_model) else 1
+    g = Geometry(int(job.z.shape[2]), int(job.z.shape[3]), batch=b, spatial_ratio=job.ratio)
     return buffer_bytes(job) + full.predict(g)
 
 

@@ -159,3 +159,19 @@ def test_the_walker_refuses_blocks_it_cannot_run():
     reason = kll.unsupported_reason(model)
     assert reason is not None and "conv_out" in reason and "time_mix_conv" in reason
     assert kll.unsupported_reason(_model(0)) is None and batch_coupling_hint(_model(0)) == ""
+
+
+def test_the_offload_makes_room_for_the_whole_batch_of_a_hinted_decoder():
+    """The need the offload is sized for (``plan.image.ideal_bytes``): one item's untiled decode, the whole
+    batch's for a decoder whose structure says it mixes its batch."""
+    from vramfit.memory.plan import image as pim
+
+    class PerItem:
+        def predict(self, g) -> int:
+            return 1000 * g.batch
+
+    hinted = _model(0)
+    hinted.decoder.mid.block_1.time_stack = nn.Identity()
+    plain, job = _job(_model(0)), _job(hinted)
+    assert pim.ideal_bytes(plain, PerItem()) == pim.buffer_bytes(plain) + 1000
+    assert pim.ideal_bytes(job, PerItem()) == pim.buffer_bytes(job) + 3000
