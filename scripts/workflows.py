@@ -135,8 +135,12 @@ def _node_size(schema: NodeSchema, desc: NodeDesc, widgets: list[InputSpec], out
     multiline = any(w.type == "STRING" and w.opts.get("multiline") for w in widgets)
     title = desc.title or schema.display_name
     width = max(400 if multiline else 320, math.ceil((len(title) * 7.7 + 40) / 10) * 10)  # a long title widens it
-    height = 30 + 22 * max(sockets, outputs, 1) + 26 * len(widgets) + (110 if multiline else 0)
-    return [width, height + LOADED_IMAGE_ROOM.get(desc.type, 0)]
+    return [width, node_height(sockets, outputs, len(widgets), multiline) + LOADED_IMAGE_ROOM.get(desc.type, 0)]
+
+
+def node_height(sockets: int, outputs: int, widgets: int, multiline: bool = False) -> int:
+    """Height the classic canvas needs for a node's title, socket rows and widget rows."""
+    return 30 + 22 * max(sockets, outputs, 1) + 26 * widgets + (110 if multiline else 0)
 
 
 def preview_room(node_type: str) -> int:
