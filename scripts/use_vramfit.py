@@ -25,6 +25,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from scripts.workflows import node_height
+
 log = logging.getLogger("vramfit.use_vramfit")
 
 MAPPING_PATH = pathlib.Path(__file__).resolve().parents[1] / "web" / "vramfit_swap.json"
@@ -172,8 +174,13 @@ def convert(m: Mapping, x: State, kind: str) -> tuple[State, dict]:
     back_type, back_widgets, _ = _convert(m, y, kind, use_stash=False)
     back = State(back_type, back_widgets, _auto_title(m, y, back_type), None)
     if (back.type, back.widgets, back.title) != (x.type, x.widgets, x.title):
-        y = dataclasses.replace(y, stash={"type": x.type, "widgets": dict(x.widgets), "title": x.title})
+        y = dataclasses.replace(y, stash=_stash_of(x))
     return y, entry
+
+
+def _stash_of(x: State) -> dict:
+    """What a swap back needs of node ``x``: its type, widgets and title."""
+    return {"type": x.type, "widgets": dict(x.widgets), "title": x.title}
 
 
 # ------------------------------------------------------------------------------------ results
@@ -306,11 +313,19 @@ def _ui_link_ends(graph: dict) -> list[tuple[Any, Any, Any, Any]]:
     return ends
 
 
-def _ui_inputs(m: Mapping, node: dict, y: State) -> list[dict]:
+def _ui_style(nodes: list[dict]) -> tuple[bool, bool]:
+    """``(localized, widget_entries)``: whether the frontend that saved the graph names sockets with
+    ``localized_name`` and lists every widget as an input entry (newer frontends do both), told from any node
+    (an unlinked widget entry: older frontends list a widget only when it is converted to a linked input)."""
+    inputs = [i for n in nodes for i in n.get("inputs") or []]
+    return (any("localized_name" in i for i in inputs),
+            any("widget" in i and i.get("link") is None for i in inputs))
+
+
+def _ui_inputs(m: Mapping, node: dict, y: State, style: tuple[bool, bool]) -> list[dict]:
     old = node.get("inputs") or []
     by_name = {i.get("name"): i for i in old}
-    localized = any("localized_name" in i for i in old)
-    widget_entries = any("widget" in i for i in old)
+    localized, widget_entries = style
     new = []
     for name, typ in m.spec(y.type)["inputs"]:
         entry = dict(by_name.get(name) or {"name": name, "link": None})
@@ -350,6 +365,7 @@ def swap_ui(m: Mapping, workflow: dict, revert: bool = False) -> Outcome:
     for graph in _ui_graphs(out.graph):
         nodes = graph.get("nodes") or []
         types = {n["id"]: n.get("type") for n in nodes}
+        style = _ui_style(nodes)
         ups: dict[Any, set] = {n["id"]: set() for n in nodes}
         downs: dict[Any, set] = {n["id"]: set() for n in nodes}
         for a, _, b, _ in _ui_link_ends(graph):
@@ -374,9 +390,19 @@ def swap_ui(m: Mapping, workflow: dict, revert: bool = False) -> Outcome:
             x = State(t, widgets, n.get("title"), props.get(m.stash))
             y, entry = convert(m, x, _kind(m, n["id"], t, types, ups, downs))
             n["type"] = y.type
-            n["inputs"] = _ui_inputs(m, n, y)
+            n["inputs"] = _ui_inputs(m, n, y, style)
             n["outputs"] = _ui_outputs(m, n, y)
             n["widgets_values"] = [y.widgets[w] for w in m.widget_names(y.type)]
+            stash = y.stash
+            returning = bool(x.stash) and x.stash.get("type") == y.type  # back to what the node was
+            if returning and x.stash.get("size"):
+                n["size"] = list(x.stash["size"])
+            elif not returning and isinstance(n.get("size"), list) and len(n["size"]) == 2:
+                y_spec = m.spec(y.type)
+                need = node_height(len(y_spec["inputs"]), len(y_spec["outputs"]), len(y_spec["widgets"]))
+                if n["size"][1] < need:  # room for the new widgets; the old size kept for the way back
+                    stash = {**(stash or _stash_of(x)), "size": list(n["size"])}
+                    n["size"] = [n["size"][0], need]
             if y.title is None:
                 n.pop("title", None)
             else:
@@ -387,10 +413,8 @@ def swap_ui(m: Mapping, workflow: dict, revert: bool = False) -> Outcome:
             if x.stash and x.stash.get("type") == y.type:
                 new_props.update(x.stash.get("properties") or {})
             origin = {k: props[k] for k in ORIGIN_PROPERTIES if k in props}
-            stash = y.stash
             if origin:  # whose node it was (the frontend's registry fields): the other side's, kept for the way back
-                stash = {**(stash or {"type": x.type, "widgets": dict(x.widgets), "title": x.title}),
-                         "properties": origin}
+                stash = {**(stash or _stash_of(x)), "properties": origin}
             if stash:
                 new_props[m.stash] = stash
             n["properties"] = new_props

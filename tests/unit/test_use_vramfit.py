@@ -163,6 +163,7 @@ def test_frontend_saved_ui_nodes_widget_inputs_registry_fields_and_subgraphs():
     core = _core_ui("VRAM Fit 2 - Image decode (CPU).json")
     node = _by_type(core, "VAEDecode")
     node["properties"].update(cnr_id="comfy-core", ver="0.3.75")
+    node["size"] = [225, 46]  # as the frontend sizes a VAE Decode: no room for the pack node's widgets
     for entry in node["inputs"]:
         entry["localized_name"] = entry["name"]
     node["outputs"][0]["localized_name"] = "IMAGE"
@@ -172,6 +173,7 @@ def test_frontend_saved_ui_nodes_widget_inputs_registry_fields_and_subgraphs():
     assert len(out.swaps) == 2
     new = _by_type(out.graph, "VRAMFit_TiledVAEDecode")
     assert "cnr_id" not in new["properties"]
+    assert new["size"] == [225, 30 + 22 * 2 + 26 * 4] and new["properties"][M.stash]["size"] == [225, 46]
     assert [o["name"] for o in new["outputs"]] == ["IMAGE", "report"]
     assert out.graph["definitions"]["subgraphs"][0]["nodes"][0]["type"] == "VRAMFit_TiledVAEDecode"
     assert u.swap(out.graph, revert=True, mapping=M).graph == core

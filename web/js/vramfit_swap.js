@@ -191,8 +191,8 @@ function replace(m, graph, old, x, y) {
   node.pos = keep.pos;
   const fits = node.computeSize?.() ?? keep.size;
   const grown = [Math.max(keep.size[0], fits[0]), Math.max(keep.size[1], fits[1])];
-  const restored = x.stash?.type === y.type && x.stash.size;
-  node.size = restored ? [...x.stash.size] : grown;
+  const returning = x.stash?.type === y.type; // back to what the node was: its size then, not a grown one
+  node.size = returning ? [...(x.stash.size ?? keep.size)] : grown;
   for (const key of ["color", "bgcolor", "shape"]) if (keep[key] !== undefined) node[key] = keep[key];
   node.mode = keep.mode;
   node.flags = keep.flags;
@@ -206,7 +206,7 @@ function replace(m, graph, old, x, y) {
   const origin = Object.fromEntries(ORIGIN_PROPERTIES.filter((k) => k in keep.properties).map((k) => [k, keep.properties[k]]));
   if (Object.keys(origin).length) stash = { ...(stash ?? { type: x.type, widgets: { ...x.widgets }, title: x.title }), properties: origin };
   // the size it had (a run may grow a pack node by its report): swapping back gives the node that size again
-  if (!restored) stash = { ...(stash ?? { type: x.type, widgets: { ...x.widgets }, title: x.title }), size: keep.size };
+  if (!returning) stash = { ...(stash ?? { type: x.type, widgets: { ...x.widgets }, title: x.title }), size: keep.size };
   delete props[m.stash];
   if (stash) props[m.stash] = stash;
   node.properties = props;
