@@ -19,6 +19,7 @@ from ..executors.blend import decode_overlap_blend
 from ..executors.carry import decode_carried
 from ..executors.wan import decode_wan_chunked
 from ..plan import plan
+from ..plan.host_grid import host_grid_of
 from ..plan.types import Plan
 from ..plan.video import (
     REPORT_NODE,
@@ -210,6 +211,9 @@ def decode_video(
     (``env.budget``); ``unload_others``: offload upstream models first (``env.offload``, VAEs with a
     patcher). ``t_start``: ``time.perf_counter()`` when planning started. Raises
     :class:`.grid.ImpossibleBudgetError` when no plan fits."""
+    if host_grid_of(job.vae.first_stage_model) is not None:  # tiles internally (MiniMax H3): the host's own grid
+        from .host_grid import decode_host_grid_video
+        return decode_host_grid_video(job, env, budget_mb=budget_mb, unload_others=unload_others, t_start=t_start)
     vae, z = job.vae, job.z
     b, _, t, h, w = (int(v) for v in z.shape)
     model = vae.first_stage_model
