@@ -182,6 +182,7 @@ function replace(m, graph, old, x, y) {
   const node = LiteGraph.createNode(y.type);
   if (!node) throw new Error(`VRAM Fit: node type ${y.type} is not registered`);
   node.id = keep.id;
+  node.pos = [...keep.pos]; // before add: Vue nodes' layout store takes the position the node is added with
   graph.add(node);
   if (node.id !== keep.id) throw new Error(`VRAM Fit: could not keep node id ${keep.id}`);
   for (let k = 0; k < inLinks.length && k < (node.inputs?.length ?? 0); k++) node.inputs[k].link = inLinks[k];
