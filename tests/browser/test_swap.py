@@ -5,9 +5,9 @@ widgets; it runs on CPU from the Run button; the swap-back command gives the gra
 before (web/js/vramfit_swap.js, mapping web/vramfit_swap.json).
 
 Both node renderers: the classic canvas and Vue nodes (``Comfy.VueNodes.Enabled``); under Vue nodes the test
-checks the graph (what is saved and queued), not how the widgets are drawn: there 1.32.9 draws values set from
-script as they were before (the test's own core graph too), and 1.49.6 leaves out the swapped node's tile_size
-(the replaced core node's widget of that name is an "advanced" one there). Screenshots:
+checks the graph (what is saved and queued), not how the widgets are drawn: 1.32.9 draws the swapped nodes'
+values (the test's own core nodes, their values set after they were added, show their defaults there), 1.49.6
+leaves out the swapped decode's tile_size (a display fault not understood yet). Screenshots:
 ``outputs/browser/<ComfyUI version>/swap_run_<classic|vue>.png``.
 """
 

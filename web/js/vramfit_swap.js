@@ -182,13 +182,14 @@ function replace(m, graph, old, x, y) {
   const node = LiteGraph.createNode(y.type);
   if (!node) throw new Error(`VRAM Fit: node type ${y.type} is not registered`);
   node.id = keep.id;
-  node.pos = [...keep.pos]; // before add: Vue nodes' layout store takes the position the node is added with
+  // before add: Vue nodes take the position, title and widget values a node is added with
+  node.pos = [...keep.pos];
+  for (const w of node.widgets ?? []) if (w.name in y.widgets) w.value = y.widgets[w.name];
+  if (y.title != null) node.title = y.title;
   graph.add(node);
   if (node.id !== keep.id) throw new Error(`VRAM Fit: could not keep node id ${keep.id}`);
   for (let k = 0; k < inLinks.length && k < (node.inputs?.length ?? 0); k++) node.inputs[k].link = inLinks[k];
   if (node.outputs?.length && outLinks[0]) node.outputs[0].links = outLinks[0];
-  for (const w of node.widgets ?? []) if (w.name in y.widgets) w.value = y.widgets[w.name];
-  if (y.title != null) node.title = y.title;
   node.pos = keep.pos;
   const fits = node.computeSize?.() ?? keep.size;
   const grown = [Math.max(keep.size[0], fits[0]), Math.max(keep.size[1], fits[1])];
