@@ -4,9 +4,8 @@ MiniMax H3's video VAE (``comfy.ldm.minimax.vae.MiniMaxH3VideoVAE``) decodes in 
 temporal clips of ``tokens_chunk_size + token_overlap`` latent frames, each spatially in ``tile_size`` px tiles
 (``split_tiles``), overlaps cross-faded by its ``blend``. Its result, not an untiled decode, is the reference (its
 untiled decode is worse: docs/VIDEO_DECODE.md). :func:`host_grid_of` recognises such a model by the methods the
-executor (:mod:`..executors.host_grid`) calls; :func:`schedule` lays out the host's temporal chunking (which clip
-frames are written where, which are kept to blend into the next clip); :func:`plan_host_grid` sizes the
-executor on fake tensors. The grid is the host's, so the plan cannot shrink it: a budget below one tile's peak
+executor (:mod:`..executors.host_grid`) calls; :func:`grid_peak` predicts its peak (one tile's decode sized on
+fake tensors, what it holds beside that counted); :func:`plan_host_grid` makes the one plan. The grid is the host's, so the plan cannot shrink it: a budget below one tile's peak
 is reported over budget. Nothing here imports ComfyUI."""
 
 from __future__ import annotations
@@ -24,16 +23,13 @@ from .video import PeakStore, VideoJob, model_key, out_bytes
 
 log = logging.getLogger("vramfit.memory.plan.host_grid")
 
-__all__ = ["HOST_GRID_METHODS", "GridConfig", "grid_peak", "host_grid_of", "plan_host_grid"]
+__all__ = ["HOST_GRID_METHODS", "GridConfig", "grid_peak", "host_grid_of", "plan_host_grid", "tile_decode_peak"]
 
 HOST_GRID_METHODS = ("split_tiles", "blend", "_decode_pixels", "_finalize_pixels", "_decode_temporal_chunks",
                      "decode_output_shape")
 """The host model's methods the executor calls (a model missing one is not reproduced)."""
 HOST_GRID_FIELDS = ("tile_size", "tiling", "vae_ratio", "vae_ratio_t", "tokens_chunk_size", "token_overlap",
                     "token_drop", "frame_pre_padding", "frame_overlap", "latents_mean", "latents_std")
-SIZE_FRAMES = 13
-"""Latent frames the executor is sized at (three clips of the host's grid: the steady state; longer latents
-hold no more at once)."""
 
 
 def host_grid_of(model: Any) -> str | None:
@@ -73,26 +69,49 @@ def grid_config(model: Any, z_shape: tuple[int, ...]) -> GridConfig:
     return GridConfig(rows, cols, tuple(hg.schedule(model, t)))
 
 
-def grid_peak(job: VideoJob, peaks: PeakStore) -> int:
-    """Meta-sized peak bytes of :func:`..executors.host_grid.decode_host_grid` for this latent (at most
-    :data:`SIZE_FRAMES` latent frames), without the output buffer; persisted in ``peaks``."""
-    b, c, t, h, w = (int(v) for v in job.z.shape)
-    ts = min(t, SIZE_FRAMES)
-    key = f"{model_key(job)}/{b}x{c}x{ts}x{h}x{w}/host-grid-{hg.EXECUTOR_VERSION}"
-    peak = peaks.get(key)
-    if peak is not None:
-        return peak
+def tile_decode_peak(job: VideoJob, tokens: int, peaks: PeakStore) -> int:
+    """Meta-sized peak bytes of one tile's decode (the host's ``_decode_pixels``) of ``tokens`` latent frames at the
+    host's tile size, its output included; persisted in ``peaks``."""
     model = job.vae.first_stage_model
-    frames = int(model.decode_output_shape((1, c, ts, h, w))[2])
+    c = int(job.z.shape[1])
     r = int(model.vae_ratio)
-    with torch.inference_mode(), MetaSizer([model], job.dtype, job.device) as sizer:
-        zf = torch.empty((b, c, ts, h, w), dtype=job.dtype, device=job.device)
-        out = torch.empty((b, 3, frames, h * r, w * r), dtype=torch.float32, device=job.device)
-        hg.decode_host_grid(model, zf, out=out, compute_device=job.device, dtype=job.dtype, store_device=job.device)
-        del out, zf
-    peak = max(0, int(sizer.peak_bytes) - b * 3 * frames * h * r * w * r * 4)
-    peaks.put(key, peak)
+    th = min(int(model.tile_size) // r, int(job.z.shape[3])) if model.tiling else int(job.z.shape[3])
+    tw = min(int(model.tile_size) // r, int(job.z.shape[4])) if model.tiling else int(job.z.shape[4])
+    key = f"{model_key(job)}/1x{c}x{tokens}x{th}x{tw}/host-grid-tile-{hg.EXECUTOR_VERSION}"
+    peak = peaks.get(key)
+    if peak is None:
+        with torch.inference_mode(), MetaSizer([model], job.dtype, job.device) as sizer:
+            out = model._decode_pixels(torch.empty((1, c, tokens, th, tw), dtype=job.dtype, device=job.device))
+            del out
+        peak = int(sizer.peak_bytes)
+        peaks.put(key, peak)
     return peak
+
+
+def grid_peak(job: VideoJob, peaks: PeakStore) -> int:
+    """Predicted peak bytes of :func:`..executors.host_grid.decode_host_grid` without the output buffer: one tile's
+    decode at the longest clip (meta-sized, :func:`tile_decode_peak`; sizing the whole grid on fake tensors takes
+    minutes for the real model at 4K) plus what the executor holds beside it, counted: the blends' and the
+    finalisation's temporaries of one tile (four raw tiles and two float32 ones), the latent, and the raw tile
+    edges and kept clip tail when they wait on the compute device's type."""
+    model = job.vae.first_stage_model
+    b, c, t, h, w = (int(v) for v in job.z.shape)
+    clips = hg.schedule(model, t)
+    tokens = max(cl.z1 - cl.z0 for cl in clips)
+    frames = max(cl.frames for cl in clips)
+    r = int(model.vae_ratio)
+    rows, cols = hg.spatial_grid(model, h, w)
+    size = torch.empty((), dtype=job.dtype).element_size()
+    tile_px = max(rows[1]) * max(cols[1])
+    raw = 3 * frames * tile_px * size
+    extra = 4 * raw + 2 * 3 * frames * tile_px * 4
+    z_bytes = c * (max(t, clips[-1].z1)) * h * w * size * 2
+    store = 0
+    if job.out_device.type == job.device.type:
+        keep = max((p.stop - p.start for cl in clips for p in cl.parts if p.keep), default=0)
+        ov = max(rows[2], default=0)
+        store = 2 * 3 * keep * h * w * r * r * size + 3 * frames * ov * w * r * size
+    return tile_decode_peak(job, tokens, peaks) + extra + z_bytes + store
 
 
 def plan_host_grid(job: VideoJob, budget: int, peaks: PeakStore, reason: str, exact: bool) -> Plan:
