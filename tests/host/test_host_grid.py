@@ -268,3 +268,16 @@ def test_a_failed_self_check_takes_the_hosts_own_decode(monkeypatch, video, mini
     assert r.plan.path == "host" and "self-check FAILED" in text, text
     assert "exact (the host's own tiled result reproduced)" not in text, text
     assert (r.images - ref).abs().max().item() <= 1e-4, text
+
+
+def test_a_batch_of_two_videos_decodes_item_by_item(comfy, video, minimax):
+    """The executor decodes one batch item at a time; the host decodes the batch together (no op mixes items)."""
+    z = torch.cat([structured_latent((1, 24, 2, 6, 6), seed=s) for s in (8, 9)])
+    with torch.inference_mode():
+        (ref,) = comfy.VAEDecode().decode(minimax, {"samples": z})
+        r = video.decode(minimax, {"samples": z})
+    text = r.report.text()
+    assert r.plan.path == "host_grid" and r.images.shape == ref.shape, text
+    assert (r.images - ref).abs().max().item() <= 1e-4, text
+    half = ref.shape[0] // 2
+    assert (ref[:half] - ref[half:]).abs().max().item() > 1e-2  # the two videos differ
