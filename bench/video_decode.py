@@ -98,7 +98,7 @@ def bench_size(nodes: Any, mod: Any, tracker_mod: Any, vae: Any, px: int, frames
         diff = (img.float() - ref.float()).abs().max().item() if img.shape == ref.shape else float("nan")
         r = {"size": f"{px}x{px}x{frames}", "decoder": name, "seconds": m["wall"], "peak_mib": m["peak"] / MiB,
              "max_abs_diff": diff, "time_vs_core": m["wall"] / core["wall"], "peak_vs_core": m["peak"] / core["peak"],
-             "plan": extra}
+             "plan": extra, "calls": m.get("calls"), "moves": m.get("moves")}
         rows.append(r)
         log.info("%-36s %7.1f s (%.2fx)  peak %7.1f MiB (%.2fx)  max diff %.1e  %s", name, r["seconds"],
                  r["time_vs_core"], r["peak_mib"], r["peak_vs_core"], diff, extra)
@@ -111,20 +111,52 @@ def bench_size(nodes: Any, mod: Any, tracker_mod: Any, vae: Any, px: int, frames
     # Plan first, cold then warm, so the tracked decode below counts only the decode, as in the node (its
     # tracker starts after planning); the planning times are reported.
     plan_auto, cold, warm, st = _plan_of(mod, vae, z, 0, store_dir)
-    auto = _measure(tracker_mod, lambda: mod.decode(vae, {"samples": z}).images)
-    row("Temporal-Chunk, auto", auto, f"{plan_auto.description}; planned cold {cold:.2f} s ({st['sized']} sized), "
-        f"warm {warm:.3f} s")
+    auto = _node(mod, tracker_mod, vae, z, 0)
+    row("Temporal-Chunk, auto", auto, f"{plan_auto.description}, {_cache(plan_auto)}; planned cold {cold:.2f} s "
+        f"({st['sized']} sized), warm {warm:.3f} s; {_traffic(mod, vae, z, auto)}")
     budget_mb = max(1, int(0.40 * core["peak"] / MiB))
     try:
         plan_tight, cold, warm, st = _plan_of(mod, vae, z, budget_mb, store_dir)
-        tight = _measure(tracker_mod, lambda: mod.decode(vae, {"samples": z}, budget_mb=budget_mb).images)
+        tight = _node(mod, tracker_mod, vae, z, budget_mb)
         row(f"Temporal-Chunk, budget {budget_mb} MiB (40 % of VAEDecode)", tight,
-            f"{plan_tight.description}, {'rollback' if plan_tight.config.rollback else 'in-place'} cache; predicted "
-            f"{plan_tight.planned / MiB:.1f} MiB; planned cold {cold:.2f} s ({st['sized']} sized, {st['bounded']} "
-            f"bounded), warm {warm:.3f} s")
+            f"{plan_tight.description}, {_cache(plan_tight)}; predicted {plan_tight.planned / MiB:.1f} MiB; planned "
+            f"cold {cold:.2f} s ({st['sized']} sized, {st['bounded']} bounded), warm {warm:.3f} s; "
+            f"{_traffic(mod, vae, z, tight)}")
     except ValueError as e:
         log.info("Temporal-Chunk at %d MiB: impossible (%s)", budget_mb, e)
     return rows
+
+
+def _node(mod: Any, tracker_mod: Any, vae: Any, z: torch.Tensor, budget_mb: int) -> dict:
+    """The node's decode, measured; ``result`` keeps its plan and stats (decoder calls, copies)."""
+    res: list = []
+    m = _measure(tracker_mod, lambda: res.append(mod.decode(vae, {"samples": z}, budget_mb=budget_mb)) or
+                 res[-1].images)
+    m["result"] = res[-1]
+    return m
+
+
+def _cache(plan: Any) -> str:
+    if plan.path != "wan":
+        return "the host's own decode"
+    return "rollback cache" if plan.config.rollback else "in-place cache"
+
+
+def _traffic(mod: Any, vae: Any, z: torch.Tensor, m: dict) -> str:
+    """Decoder calls and the copies between compute device and latent / output / store (``stats["moves"]``: on
+    a GPU with ComfyUI's placement, host<->device but for a device store's), checked against the plan's
+    prediction (``memory.plan.video.traffic``; a row says "NOT as predicted" otherwise)."""
+    r = m["result"]
+    st = r.stats
+    m["calls"], m["moves"] = st.get("calls"), st.get("moves")
+    if r.plan.path != "wan":
+        return f"{st.get('units', '?')} host decode call(s)"
+    pv = sys.modules[f"{mod.__name__.rsplit('.nodes.', 1)[0]}.memory.plan.video"]
+    want = pv.traffic(mod._validate(vae, {"samples": z}, 0, 0), r.plan.config)
+    moves = st.get("moves", {})
+    text = ", ".join(f"{k} {n} ({b / MiB:.1f} MiB)" for k, (n, b) in sorted(moves.items()))
+    same = want["calls"] == st.get("calls") and want["moves"] == moves
+    return f"{st.get('calls')} decoder calls; copies: {text}{'' if same else ' (NOT as predicted: ' + str(want) + ')'}"
 
 
 def _plan_of(mod: Any, vae: Any, z: torch.Tensor, budget_mb: int, store_dir: pathlib.Path) -> tuple:
@@ -139,13 +171,14 @@ def _plan_of(mod: Any, vae: Any, z: torch.Tensor, budget_mb: int, store_dir: pat
     st: dict = {}
     t0 = time.perf_counter()
     try:
-        plan = pv.plan_wan(job, budget, 0, None, pv.PeakStore(path), st)
+        plan = pv.plan(job, budget, pv.PeakStore(path))  # the node's planner (auto: capped by the host decode)
+        st.update({"sized": 0, "bounded": 0, **(plan.stats or {})})
     finally:
         cold = time.perf_counter() - t0
         log.info("plan at %s MiB: cold %.2f s, %s", budget_mb or "free", cold, st)
     t0 = time.perf_counter()
     warm_store = pv.PeakStore(path)
-    pv.plan_wan(job, budget, 0, None, warm_store)
+    pv.plan(job, budget, warm_store)
     warm = time.perf_counter() - t0
     # the node's decode below plans warm: the tracked run is the decode
     sys.modules[f"{base}.nodes._decode_node"]._STORES["video_peaks.json"] = warm_store
@@ -282,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                  r["time_vs_core"], r["peak_mib"], r["peak_vs_core"], r["max_abs_diff"], r["plan"])
     log.info("load average at the end: %s", " ".join(f"{v:.2f}" for v in os.getloadavg()))
     if args.json:
-        args.json.write_text(json.dumps([{k: v for k, v in r.items() if k != "out"} for r in rows], indent=1))
+        args.json.write_text(json.dumps([{k: v for k, v in r.items() if k not in ("out", "result")} for r in rows],
+                                        indent=1))
     return 0
 
 

@@ -29,13 +29,15 @@ from .blend import stop_driver
 
 log = logging.getLogger("vramfit.memory.executors.wan")
 
-EXECUTOR_VERSION = "v2"
+EXECUTOR_VERSION = "v3"
 """Version of the chunked executor's allocation pattern, part of every persisted video peak's key: bump it
 when a change alters what the executor holds at its peak (the persisted peaks are then re-sized). v2: the
 "per_call" caches are compacted under ``torch.inference_mode`` too (v1 peaks sized there held whole
-activations)."""
+activations). v3: after a temporal upsample the rest of the decoder runs on ``CACHE_T``-frame slices, as
+the host's ``Decoder3d.run_up`` does (v2 ran a chunk's 4 k frames through the full-resolution layers at
+once)."""
 
-__all__ = ["EXECUTOR_VERSION", "decode_wan_chunked"]
+__all__ = ["EXECUTOR_VERSION", "decode_wan_chunked", "output_pieces", "time_upsamples"]
 
 MIN_TILE = 2
 """Smallest tile core (latent px) the OOM fallback shrinks to."""
@@ -50,6 +52,20 @@ def _unpatchify(x: torch.Tensor, p: int) -> torch.Tensor:
     b, cpp, f, h, w = x.shape
     c = cpp // (p * p)
     return x.reshape(b, c, p, p, f, h, w).permute(0, 1, 4, 5, 3, 6, 2).reshape(b, c, f, h * p, w * p)
+
+
+def time_upsamples(decoder: Any) -> list[bool]:
+    """Per ``decoder.upsamples`` layer: a Wan 2.1 ``Resample("upsample3d")`` (a temporal upsample), after which
+    the host's ``Decoder3d.run_up`` and the executor run the rest on ``CACHE_T``-frame slices."""
+    return [getattr(layer, "mode", None) == "upsample3d" for layer in decoder.upsamples]
+
+
+def output_pieces(decoder: Any, frames: int, upto: int | None = None) -> int:
+    """Pieces in which a chunk's ``frames`` frames leave ``decoder.upsamples[:upto]`` (default: the head's output;
+    one output or store copy each): ``CACHE_T``-frame slices after a temporal upsample, else one piece."""
+    if frames <= CACHE_T or not any(time_upsamples(decoder)[:upto]):
+        return 1
+    return -(-int(frames) // CACHE_T)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,10 +174,17 @@ class _WanRun:
         self.tiles_done = 0
         self.shrinks = 0
         self.restarts = 0
+        self.calls = 0  # decoder calls: phase-1 chunks and tile-chunks (whole frames: one per chunk)
+        self.moves: dict[str, list[int]] = {}  # route -> [copies, bytes] (:meth:`_moved`)
         self.up_first = [accepts(layer.forward, "first_chunk") for layer in self.dec.upsamples]
         self.mid_cached = [accepts(layer.forward, "feat_cache") for layer in self.dec.middle]
         self.protocol = cache_protocol(model)
         self.slot_frames = [s.frames for s in layout.slots]
+        # Wan 2.1's ``Resample("upsample3d")``: the host's ``Decoder3d.run_up`` runs what follows it on
+        # ``CACHE_T``-frame slices of its output; the executor does the same (exact for any cache protocol: a
+        # call of >= CACHE_T frames leaves complete entries), so no layer after it sees more than 2 frames.
+        self.time_up = time_upsamples(self.dec)
+        self.slice_tiled_input = any(self.time_up[:split])
 
     # -- plan ----------------------------------------------------------------------------------
     def _make_tile(self, c0y: int, c1y: int, c0x: int, c1x: int) -> _Tile:
@@ -184,6 +207,15 @@ class _WanRun:
         """Store frame index of latent frame ``pos`` (frame 0 yields one frame, later ones ``f`` each)."""
         return frames_of(pos, self.si.frame_factor)
 
+    def _moved(self, route: str, t: torch.Tensor) -> None:
+        """Count one copy the executor makes between the compute device and where a tensor lives (``route``:
+        ``latent`` in, ``output`` out, ``store_write``, ``store_read`` from a store on another device,
+        ``park`` of an OOM-split tile's cache window): what crosses between host and device on an accelerator
+        with ComfyUI's placement (latent and output on the host). Bytes: ``t``'s, as copied."""
+        c = self.moves.setdefault(route, [0, 0])
+        c[0] += 1
+        c[1] += int(t.numel()) * t.element_size()
+
     def _report(self) -> None:
         if self.progress is not None:
             left = self.global_left + sum(len(self.chunks_from(it.pos)) for it in self.queue)
@@ -204,12 +236,13 @@ class _WanRun:
         idx[0] += 1
         return x
 
-    def history(self, cache: list, n: int, first: bool) -> list | None:
+    def history(self, cache: list, n: int, first: bool, last: bool = False) -> list | None:
         """What a chunk of ``n`` later latent frames needs to restore the caches' history on hosts that do not
         carry it (:class:`CacheProtocol`): references to the entries of the slots whose input gets fewer than
         ``CACHE_T`` frames (``n * frames < 2``: latent-scale slots of one-frame chunks), taken before the
-        chunk replaces them. None when nothing needs restoring."""
-        if first or not self.protocol.restores:
+        chunk replaces them. None when nothing needs restoring: also for the ``last`` chunk of the clip (the
+        history serves the next chunk only; keeping it would hold the old entries beside the new ones)."""
+        if first or last or not self.protocol.restores:
             return None
         need = [i for i, f in enumerate(self.slot_frames) if n * f < CACHE_T]
         if not need:
@@ -248,30 +281,81 @@ class _WanRun:
     def _up(self, j: int, x: torch.Tensor, cache: list, idx: list[int], first: bool, hist: list | None) -> torch.Tensor:
         return self._layer(self.dec.upsamples[j], x, cache, idx, hist, first if self.up_first[j] else None)
 
-    def global_part(self, zc: torch.Tensor, cache: list, first: bool, hist: list | None = None) -> torch.Tensor:
+    def _ups(self, j: int, end: int, ref: list, cache: list, idx: list[int], first: bool, hist: list | None,
+             emit: Callable[[list, int], None]) -> None:
+        """``upsamples[j:end]`` on ``ref[0]`` (taken out of ``ref``, so the caller holds no reference), as the
+        host's ``Decoder3d.run_up``: after a temporal upsample whose output has more than ``CACHE_T`` frames,
+        the layers after it run on its ``CACHE_T``-frame slices in turn, each from the same cache index.
+        ``emit([piece], slot)`` gets each output piece in frame order (and may drop the reference) with the
+        next cache slot."""
+        x = ref[0]
+        ref[0] = None
+        while j < end:
+            x = self._up(j, x, cache, idx, first, hist)
+            j += 1
+            if self.time_up[j - 1] and x.shape[2] > CACHE_T:
+                start, stop = idx[0], idx[0]
+                for f in range(0, int(x.shape[2]), CACHE_T):
+                    sub = [start]
+                    self._ups(j, end, [x[:, :, f : f + CACHE_T]], cache, sub, first, hist, emit)
+                    stop = sub[0]
+                del x
+                idx[0] = stop
+                return
+        piece = [x]
+        del x
+        emit(piece, idx[0])
+
+    def global_part(self, zc: torch.Tensor, cache: list, first: bool, hist: list | None,
+                    emit: Callable[[list], None]) -> None:
+        """The decoder up to the split on latent frames ``zc``; ``emit([piece])`` gets its output in frame
+        order, in one piece or in ``CACHE_T``-frame slices after a temporal upsample (see :meth:`_ups`)."""
         idx = [0]
         x = self.model.conv2(zc)
         x = self._cached_conv(self.dec.conv1, x, cache, idx)
         for j, layer in enumerate(self.dec.middle):
             x = self._layer(layer, x, cache, idx, hist) if self.mid_cached[j] else layer(x)
-        for j in range(self.split):
-            x = self._up(j, x, cache, idx, first, hist)
-        if idx[0] != self.n_global:
-            raise RuntimeError(f"global part used {idx[0]} cache slots, layout says {self.n_global}")
         s = self.si.scale
-        if x.shape[-2] != self.H * s or x.shape[-1] != self.W * s:
-            raise RuntimeError(f"global part output {tuple(x.shape)} is not {s}x {self.H}x{self.W}")
-        return x
 
-    def tiled_part(self, x: torch.Tensor, cache: list, first: bool, hist: list | None = None) -> torch.Tensor:
-        idx = [self.n_global]
-        for j in range(self.split, len(self.dec.upsamples)):
-            x = self._up(j, x, cache, idx, first, hist)
-        for layer in self.dec.head:
-            x = self._cached_conv(layer, x, cache, idx) if is_causal(layer) else layer(x)
-        if idx[0] != len(self.lay.slots):
-            raise RuntimeError(f"decoder used {idx[0]} cache slots, layout says {len(self.lay.slots)}")
-        return x
+        def checked(piece: list, slot: int) -> None:
+            if slot != self.n_global:
+                raise RuntimeError(f"global part used {slot} cache slots, layout says {self.n_global}")
+            if piece[0].shape[-2] != self.H * s or piece[0].shape[-1] != self.W * s:
+                raise RuntimeError(f"global part output {tuple(piece[0].shape)} is not {s}x {self.H}x{self.W}")
+            emit(piece)
+
+        ref = [x]
+        del x
+        self._ups(0, self.split, ref, cache, idx, first, hist, checked)
+
+    def tiled_part(self, ref: list, cache: list, first: bool, hist: list | None,
+                   emit: Callable[[torch.Tensor], None]) -> None:
+        """The decoder from the split to the head on ``ref[0]`` (taken out of ``ref``); ``emit(y)`` gets the
+        head's output in frame order. An input of more than ``CACHE_T`` frames that follows a temporal
+        upsample runs in ``CACHE_T``-frame slices (as the host's ``run_up`` feeds these layers)."""
+        x = ref[0]
+        ref[0] = None
+        n_up = len(self.dec.upsamples)
+
+        def head(piece: list, slot: int) -> None:
+            y = piece[0]
+            piece[0] = None
+            idx = [slot]
+            for layer in self.dec.head:
+                y = self._cached_conv(layer, y, cache, idx) if is_causal(layer) else layer(y)
+            if idx[0] != len(self.lay.slots):
+                raise RuntimeError(f"decoder used {idx[0]} cache slots, layout says {len(self.lay.slots)}")
+            emit(y)
+
+        if self.slice_tiled_input and x.shape[2] > CACHE_T:
+            pieces = [x[:, :, f : f + CACHE_T] for f in range(0, int(x.shape[2]), CACHE_T)]
+        else:
+            pieces = [x]
+        del x
+        for i in range(len(pieces)):
+            sub = [pieces[i]]
+            pieces[i] = None
+            self._ups(self.split, n_up, sub, cache, [self.n_global], first, hist, head)
 
     # -- phase 1: the global part on whole frames, into the store ------------------------------
     def build_store(self, cache: list, pos: int) -> None:
@@ -296,15 +380,24 @@ class _WanRun:
             nonlocal n
             n = 1 if p == 0 else min(self.k, self.T - p)
             self.driver.check_stop()
-            hist = self.history(cache, n, p == 0)
+            hist = self.history(cache, n, p == 0, p + n >= self.T)
             work = cache if in_place else list(cache)
-            zc = self.z[:, :, p : p + n].to(device=self.compute, dtype=self.dtype)
-            x = self.global_part(zc, work, p == 0, hist)
-            del zc, hist
-            if self.split_hook is not None:
-                x = self.split_hook(x, p)
-            a = self._sframe(p) - f0
-            buf[:, :, a : a + x.shape[2]].copy_(x, non_blocking=self.pin)
+            zc = self.z[:, :, p : p + n]
+            self._moved("latent", zc)
+            zc = zc.to(device=self.compute, dtype=self.dtype)
+            self.calls += 1
+            at = [self._sframe(p) - f0]
+
+            def store(piece: list) -> None:
+                x = piece[0]
+                piece[0] = None
+                if self.split_hook is not None:
+                    x = self.split_hook(x, p)
+                buf[:, :, at[0] : at[0] + x.shape[2]].copy_(x, non_blocking=self.pin)
+                self._moved("store_write", x)
+                at[0] += int(x.shape[2])
+
+            self.global_part(zc, work, p == 0, hist, store)
             return work
 
         def recover(event: OomEvent) -> None:
@@ -335,14 +428,39 @@ class _WanRun:
         tile's next cache (``item.cache`` is left as it was unless ``rollback`` is off)."""
         first = s0 == 0
         tl = item.tile
-        hist = self.history(item.cache, s1 - s0, first)
+        hist = self.history(item.cache, s1 - s0, first, s1 >= self.T)
         work = list(item.cache) if self.rollback else item.cache
-        if item.inline:
-            zc = self.z[:, :, s0:s1].to(device=self.compute, dtype=self.dtype)
-            x = self.global_part(zc, work, first, hist)
-            del zc
+        S, p = self.lay.decoder_ratio, self.lay.patch
+        oy, ox = (tl.c0y - tl.e0y) * S, (tl.c0x - tl.e0x) * S
+        sp = S * p
+        t = [self.lay.out_frame_start(s0)]
+        t_end = self.lay.out_frame_start(s1)
+
+        def write(y: torch.Tensor) -> None:
+            core = y[:, :, :, oy : oy + (tl.c1y - tl.c0y) * S, ox : ox + (tl.c1x - tl.c0x) * S]
+            del y
+            core = _unpatchify(core, p)
+            t0, nt = t[0], int(core.shape[2])
+            if t0 + nt > self.out.shape[2]:
+                raise RuntimeError(f"chunk [{s0}, {s1}) yielded frames up to {t0 + nt}: beyond {self.out.shape[2]}")
+            core = core.to(self.out.device, self.out.dtype)
+            self._moved("output", core)
+            self.out[:, :, t0 : t0 + nt, tl.c0y * sp : tl.c1y * sp, tl.c0x * sp : tl.c1x * sp] = core
+            del core
+            t[0] += nt
+
+        def tiled(piece: list) -> None:
             if self.split_hook is not None:
-                x = self.split_hook(x, s0)
+                piece = [self.split_hook(piece.pop(), s0)]
+            self.tiled_part(piece, work, first, hist, write)
+
+        self.calls += 1
+        if item.inline:
+            zc = self.z[:, :, s0:s1]
+            self._moved("latent", zc)
+            zc = zc.to(device=self.compute, dtype=self.dtype)
+            self.global_part(zc, work, first, hist, tiled)
+            del zc
         else:
             st = self.store
             assert st is not None and st.pos <= s0
@@ -350,22 +468,13 @@ class _WanRun:
             a, b = self._sframe(s0) - st.f0, self._sframe(s1) - st.f0
             x = st.x[:, :, a:b, tl.e0y * s : tl.e1y * s, tl.e0x * s : tl.e1x * s]
             if x.device != self.compute:
+                self._moved("store_read", x)
                 x = x.to(self.compute, non_blocking=self.pin)
-        y = self.tiled_part(x, work, first, hist)
-        del hist
-        del x
-        S, p = self.lay.decoder_ratio, self.lay.patch
-        oy, ox = (tl.c0y - tl.e0y) * S, (tl.c0x - tl.e0x) * S
-        core = y[:, :, :, oy : oy + (tl.c1y - tl.c0y) * S, ox : ox + (tl.c1x - tl.c0x) * S]
-        del y
-        core = _unpatchify(core, p)
-        t0, nt = self.lay.out_frame_start(s0), core.shape[2]
-        if t0 + nt > self.out.shape[2]:
-            raise RuntimeError(f"chunk [{s0}, {s1}) yielded {nt} frames from {t0}: beyond {self.out.shape[2]}")
-        sp = S * p
-        self.out[:, :, t0 : t0 + nt, tl.c0y * sp : tl.c1y * sp, tl.c0x * sp : tl.c1x * sp] = core.to(
-            self.out.device, self.out.dtype
-        )
+            ref = [x]
+            del x
+            self.tiled_part(ref, work, first, hist, write)
+        if t[0] != t_end:
+            raise RuntimeError(f"chunk [{s0}, {s1}) yielded frames up to {t[0]}, expected {t_end}")
         return work
 
     def _to_compute(self, e: Any) -> Any:
@@ -464,6 +573,7 @@ class _WanRun:
         w = e[:, :, :, y0 : y0 + sub.ext[0] * s, x0 : x0 + sub.ext[1] * s]
         if not park:
             return w
+        self._moved("park", w)
         return w.to(self.store_device, copy=True)
 
     def peak_tiles(self) -> list[_Tile]:
@@ -562,8 +672,11 @@ def decode_wan_chunked(
     from its committed cache (phase 1 at one frame: the OOM propagates, as it does when a tile's core is
     already ``min_tile``). ``stats``: a dict filled with what happened (units = tile-chunks, steps =
     attempts, tiles, global_chunks, shrinks, restarts, final frames_per_chunk and tile, halo, split,
-    reach, store). ``split_hook(x, latent_start)``: sees (and may replace) the global part's whole-frame
-    output of each chunk (impulse experiments, fault injection in phase 1).
+    reach, store; calls = decoder calls, one per phase-1 chunk and tile-chunk; moves = ``{route: (copies,
+    bytes)}`` of the copies between the compute device and the latent, the output, a store (``store_read``
+    only from a store on another device) and parked OOM windows: :func:`..plan.video.traffic` predicts them).
+    ``split_hook(x, latent_start)``: sees (and may replace) the global part's output of each chunk, in
+    ``CACHE_T``-frame slices after a temporal upsample (impulse experiments, fault injection in phase 1).
     ``sizing`` (meta sizing only, :class:`.sizing.MetaSizer`): with several tiles, phase 2 runs only the
     tiles that set its peak (per axis the spans whose core and extended lengths are not both reached by
     another span): the same peak as the full run, most tiles' work skipped; the output is incomplete.
@@ -647,6 +760,8 @@ def decode_wan_chunked(
             reach=si.reach,
             rollback=run.rollback,
             store=None if run.global_chunks == 0 else ("host" if store_dev != compute else "device"),
+            calls=run.calls,
+            moves={route: tuple(v) for route, v in run.moves.items()},
         )
     if run.shrinks:
         log.info(

@@ -21,7 +21,7 @@ from ..measure.reach import default_halo
 from ..measure.sizing import MetaSizer
 from ..report import fmt_bytes
 from ..store import Store
-from ..tiles import overlap_chunks, spans
+from ..tiles import chunk_ranges, overlap_chunks, spans
 from ..vae.carry_layout import CarryLayout
 from ..vae.wan_layout import WanLayout, cache_protocol
 from .grid import ImpossibleBudgetError, scaled
@@ -32,7 +32,7 @@ log = logging.getLogger("vramfit.memory.plan.video")
 
 __all__ = ["BLEND_MAX_K", "MAX_AUTO_K", "REPORT_NODE", "PeakStore", "VideoJob", "blend_fn",
            "blend_ratios", "candidates", "decode_peak", "lower_bound", "model_key", "peak_key", "plan", "plan_blend",
-           "plan_host_decode", "plan_wan", "size_candidate"]
+           "plan_host_decode", "plan_wan", "size_candidate", "traffic"]
 
 REPORT_NODE = "Temporal-Chunk Video Decode"
 MAX_AUTO_K = 8
@@ -214,6 +214,40 @@ def decode_peak(job: VideoJob, lay: WanLayout, cd: Chunking, peaks: PeakStore, f
     return peak + _store_growth(job, lay, cd)
 
 
+def traffic(job: VideoJob, cd: Chunking) -> dict:
+    """What the chunked executor's plan ``cd`` does besides computing, without running it: ``calls`` (decoder
+    calls: one per phase-1 chunk and per tile-chunk; whole frames: one per chunk) and ``moves``, ``{route:
+    (copies, bytes)}`` as the executor counts them (``stats["moves"]``, :meth:`.executors.wan._WanRun._moved`):
+    ``latent`` (each chunk's latent frames to the compute device, ``job.z``'s dtype), ``output`` (each
+    tile-chunk's core frames, float32, in :func:`.executors.wan.output_pieces`), ``store_write`` (phase 1's
+    output into the store, the VAE's dtype, in pieces likewise) and, for a store on the host of an accelerator, ``store_read`` (each tile-chunk's window of the store). An OOM
+    re-plan adds to these. On an accelerator with ComfyUI's placement (latent and output on the host) every
+    route but a device store's crosses between host and device."""
+    lay = job.layout
+    b, c, t, h, w = (int(v) for v in job.z.shape)
+    chunks = chunk_ranges(t, cd.k)
+    zi = job.z.element_size()
+    out = b * 3 * lay.out_frames(t) * h * w * lay.spatial_ratio**2 * 4
+    latent = (len(chunks), b * c * t * h * w * zi)
+    dec = job.vae.first_stage_model.decoder
+    pieces = sum(vc.output_pieces(dec, lay.chunk_out_frames(s1 - s0, s0 == 0)) for s0, s1 in chunks)
+    if cd.tile is None:
+        return {"calls": len(chunks), "moves": {"latent": latent, "output": (pieces, out)}}
+    si = lay.split_info(cd.split)
+    ys, xs = spans(h, cd.tile[0], si.halo), spans(w, cd.tile[1], si.halo)
+    tiles = len(ys) * len(xs)
+    item = torch.empty((), dtype=job.dtype).element_size()
+    f = si.frame_factor
+    writes = sum(vc.output_pieces(dec, 1 if s0 == 0 else f * (s1 - s0), cd.split) for s0, s1 in chunks)
+    moves = {"latent": latent, "store_write": (writes, lay.store_bytes(h, w, t, b, item, cd.split)),
+             "output": (tiles * pieces, out)}
+    if cd.store == "host" and job.device.type != "cpu":
+        ext = sum(e1 - e0 for *_, e0, e1 in ys) * sum(e1 - e0 for *_, e0, e1 in xs)
+        moves["store_read"] = (tiles * len(chunks),
+                               b * si.channels * lay.store_frames(t, cd.split) * ext * si.scale**2 * item)
+    return {"calls": len(chunks) * (tiles + 1), "moves": moves}
+
+
 def _grids(h: int, w: int, tile: tuple[int, int] | None) -> list[tuple[tuple[int, int] | None, tuple[int, int]]]:
     if tile is not None:
         th, tw = min(h, tile[0]), min(w, tile[1])
@@ -248,9 +282,9 @@ def _split_options(lay: WanLayout) -> list[int]:
     return [s for s in opts if not (lay.tiled_global_ops and s == 0)]
 
 
-def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None) -> list[Chunking]:
+def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None, tiled: bool = True) -> list[Chunking]:
     """Every candidate in the speed order the planner tries them (fastest first; among equals the rollback
-    cache, the device store, the smaller k)."""
+    cache, the device store, the smaller k); ``tiled`` False: whole frames only."""
     lay = job.layout
     _, _, t, h, w = (int(v) for v in job.z.shape)
     rest = max(1, t - 1)
@@ -258,7 +292,7 @@ def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None) ->
     c_tiles = CALL_OVERHEAD.get(job.device.type, 0.3)
     hosts = (False, True) if job.device.type != "cpu" else (False,)
     cands = []
-    for tile, grid in _grids(h, w, tile_user):
+    for tile, grid in _grids(h, w, tile_user) if tiled else [(None, (1, 1))]:
         for split in [lay.default_split] if tile is None else _split_options(lay):
             area = area_factor(h, w, tile, lay.split_info(split).halo)
             for host in (False,) if tile is None else hosts:
@@ -273,12 +307,13 @@ def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None) ->
 
 
 def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int] | None,
-             peaks: PeakStore | None = None, stats: dict | None = None) -> Plan:
+             peaks: PeakStore | None = None, stats: dict | None = None, tiled: bool = True) -> Plan:
     """The fastest plan whose predicted peak fits ``budget``: :func:`candidates` in speed order, each skipped
     when it needs at least the memory of one that failed (:meth:`.types.Chunking.needs_more_than`) or when its
     :func:`lower_bound` exceeds the budget, else sized (:func:`decode_peak`). With a user ``k`` or tile and
     nothing fitting: the smallest plan, marked over budget; otherwise :class:`ImpossibleBudgetError`.
-    ``stats``: filled with ``sized`` (candidates meta-sized now), ``bounded`` (skipped by the lower bound)."""
+    ``stats``: filled with ``sized`` (candidates meta-sized now), ``bounded`` (skipped by the lower bound).
+    ``tiled`` False: whole frames only."""
     peaks = PeakStore() if peaks is None else peaks
     lay = job.layout
     fingerprint = job.fingerprint
@@ -295,10 +330,13 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
 
     found: Plan | None = None
     failed: list[Chunking] = []
+    # On a host whose caches the executor restores (0.33's Wan 2.1), one-frame chunks hold the old cache
+    # entries beside the new ones: k = 1 failing says nothing about larger k.
+    restores = cache_protocol(job.vae.first_stage_model).restores
     known: list[tuple[int, bool, Chunking]] = []  # (planned or its lower bound, exact, candidate)
     try:
-        for cd in candidates(job, k_user, tile_user):
-            if any(cd.needs_more_than(f) for f in failed):
+        for cd in candidates(job, k_user, tile_user, tiled):
+            if any(cd.needs_more_than(f) and not (restores and f.k == 1 < cd.k) for f in failed):
                 continue
             low = out_b + max(lower_bound(job, lay, cd), post)
             if low > budget:
@@ -714,8 +752,11 @@ def plan(job: VideoJob, budget: int, peaks: PeakStore | None = None,
     """The plan of ``job`` within ``budget`` bytes, its peaks sized on fake tensors (kept in ``peaks``). Wan:
     when the chunked executor failed its self-check (``job.verdict``) and the user set neither chunk nor tile,
     the host's own decode if it fits; else :func:`plan_wan`, exact as the verdict says (no verdict: exact by
-    construction). Other video VAEs: the host's own decode when it fits and the user set neither chunk nor
-    (for a family with tiles) tile (exact), else carried-context chunks
+    construction). With neither set and the host's own decode within the budget: whole-frame chunks within that
+    decode's meta-sized peak (never hungrier than VAE Decode; chunks for progress, Cancel and OOM resume only
+    at no more memory), else the host's decode itself (tiles would be slower). Other video VAEs: the host's
+    own decode when it fits and the user set neither chunk nor (for a family with tiles) tile (exact), else
+    carried-context chunks
     (:func:`plan_carry`, causal decoders that passed their check), else :func:`plan_blend`. ``ratio(path)``:
     the measured over predicted peak learned for a path on this machine (:mod:`..cost.observed`): that path
     plans against ``budget / ratio``."""
@@ -743,7 +784,24 @@ def plan(job: VideoJob, budget: int, peaks: PeakStore | None = None,
         if found is not None:
             return found
     stats: dict = {}
-    found = scaled(lambda b: plan_wan(job, b, k_user, tile_user, peaks, stats), budget, r("wan"))
+    host = None if k_user or tile_user is not None else _host_if_sized(job, 1 << 62, peaks, "")
+    if host is not None and host.planned * max(1.0, r("host")) <= budget:
+        # The host's own decode fits: whole-frame chunks (its speed) within its peak (progress, Cancel and OOM
+        # resume at no more memory than VAE Decode's own), else that decode itself; tiles would be slower
+        # (docs/VIDEO_DECODE.md "Never hungrier than VAE Decode").
+        cap = host.planned
+        try:
+            found = scaled(lambda b: plan_wan(job, min(b, cap), k_user, tile_user, peaks, stats, tiled=False),
+                           budget, r("wan"))
+        except ImpossibleBudgetError:
+            found = scaled(lambda b: plan_host_decode(job, b, peaks, "it fits the budget, and no chunked plan "
+                                                      "holds at most its peak"), budget, r("host"))
+            if found is not None:
+                found.stats = stats
+                return found
+            found = scaled(lambda b: plan_wan(job, b, k_user, tile_user, peaks, stats), budget, r("wan"))
+    else:
+        found = scaled(lambda b: plan_wan(job, b, k_user, tile_user, peaks, stats), budget, r("wan"))
     found.stats = stats
     if verdict is not None:
         found.exact, found.reason = verdict.ok, verdict.describe()
