@@ -2,7 +2,8 @@
 
 Clicks go through the real UI (menu, template dialog, Run button); what the frontend holds (the graph,
 node widgets, executed events) is read with ``driver.execute_script``. Works with the frontends of both
-supported hosts (1.32.x of ComfyUI 0.3.75, 1.49.x of ComfyUI 0.33): the selectors used here exist in both.
+supported hosts (1.32.x of ComfyUI 0.3.75, 1.49.x of ComfyUI 0.33) and the newest one (1.58.x), on the classic
+canvas and with Vue nodes (``Comfy.VueNodes.Enabled``: each node is a DOM element ``.lg-node[data-node-id]``).
 """
 
 from __future__ import annotations
@@ -70,15 +71,21 @@ return window.__vramfitEvents.length;
 """
 _FINAL_EVENTS = ("execution_success", "execution_error", "execution_interrupted", "rejected")
 
-_REPORTS_JS = """
+_VUE_NODE_JS = "const vueNode = (id) => document.querySelector(`.lg-node[data-node-id=\"${id}\"]`);"
+
+_REPORTS_JS = _VUE_NODE_JS + """
 const g = window.app.graph;
 return (g.nodes ?? g._nodes).filter((n) => n.type.startsWith(arguments[0])).map((n) => {
   const w = n.widgets?.find((w) => w.name === arguments[1]);
   const box = w ? (w.element.querySelector?.("textarea") ?? w.element) : null;
   const head = w?.element.querySelector?.(arguments[2]) ?? null;
-  const imgs = (n.imgs ?? []).map((i) => ({src: i.src, complete: i.complete, width: i.naturalWidth}));
+  // the images the user sees: <img> elements inside a Vue node, node.imgs drawn on the classic canvas
+  const el = vueNode(n.id);
+  const shown = el ? [...el.querySelectorAll("img")] : (n.imgs ?? []);
+  const imgs = shown.map((i) => ({src: i.src, complete: i.complete, width: i.naturalWidth}));
   return {id: String(n.id), type: n.type, text: box ? box.value : null, images: imgs,
-          verdict: head ? head.textContent : null, tone: head ? head.dataset.tone : null};
+          verdict: head ? head.textContent : null, tone: head ? head.dataset.tone : null,
+          renderer: el ? "vue" : "classic", hosted: el ? !!(w && el.contains(w.element)) : null};
 });
 """
 
@@ -94,7 +101,12 @@ const w = node.widgets.find((w) => w.name === arguments[1]);
 return w.element;
 """
 
-_NODE_SCREEN_RECT_JS = """
+_NODE_SCREEN_RECT_JS = _VUE_NODE_JS + """
+const el = vueNode(arguments[0]);
+if (el) {
+  const r = el.getBoundingClientRect();
+  return {left: r.left, top: r.top, right: r.right, bottom: r.bottom};
+}
 const node = window.app.graph.getNodeById(arguments[0]);
 const canvas = window.app.canvas;
 const rect = canvas.canvas.getBoundingClientRect();
@@ -110,6 +122,9 @@ const done = arguments[arguments.length - 1];
 Promise.resolve(window.app.extensionManager.command.execute(arguments[0]))
   .then(() => done(null), (e) => done(String(e?.message ?? e)));
 """
+
+
+_TEMPLATES_BUTTON = "//button[@aria-label='Templates']"
 
 
 class PageError(AssertionError):
@@ -170,9 +185,10 @@ class ComfyPage:
         self.wait(f"a clickable {what}", attempt, timeout)
 
     def overlays(self) -> list[str]:
-        """Texts of the dialogs and toasts on screen (missing-node warnings among them)."""
+        """Texts of the dialogs and toasts on screen (missing-node warnings among them; toasts: PrimeVue's
+        ``.p-toast-message`` up to 1.49, ``[data-testid=toast]`` in 1.58)."""
         return self.js(
-            "return [...document.querySelectorAll('[role=dialog], .p-dialog, .p-toast-message')]"
+            "return [...document.querySelectorAll('[role=dialog], .p-dialog, .p-toast-message, [data-testid=toast]')]"
             ".filter((e) => e.offsetParent !== null || e.getClientRects().length).map((e) => e.innerText)"
         )
 
@@ -184,7 +200,7 @@ class ComfyPage:
             self.driver.find_element(By.TAG_NAME, "body").send_keys(Keys.ESCAPE)
             time.sleep(0.3)
             self.js(
-                "document.querySelectorAll('.p-dialog-close-button, .p-toast-close-button,"
+                "document.querySelectorAll('.p-dialog-close-button, .p-toast-close-button, [data-testid=toast-close],"
                 " [role=dialog] button[aria-label=Close]').forEach((b) => b.click())"
             )
             time.sleep(0.3)
@@ -197,11 +213,22 @@ class ComfyPage:
 
     # ------------------------------------------------------------------------------------ templates
 
+    def frontend(self) -> dict:
+        """``{"version": the frontend's version, "vue": whether Vue nodes are on}``."""
+        return self.js(
+            "return {version: window.__COMFYUI_FRONTEND_VERSION__ ?? null,"
+            " vue: !!window.app.extensionManager?.setting?.get('Comfy.VueNodes.Enabled')}"
+        )
+
     def open_template(self, name: str) -> None:
-        """Workflow menu → Browse Templates → the pack's folder → the template card (the real dialog)."""
+        """Templates (the sidebar button; older frontends: Workflow menu → Browse Templates) → the pack's
+        folder → the template card (the real dialog)."""
         self.close_overlays()
-        self.click("//*[contains(@class,'comfy-menu-button-wrapper')]", "ComfyUI menu button")
-        self.click("//*[@role='menuitem'][normalize-space(.)='Browse Templates']", "'Browse Templates' menu item")
+        if self.driver.find_elements(By.XPATH, _TEMPLATES_BUTTON):
+            self.click(_TEMPLATES_BUTTON, "'Templates' button of the sidebar")
+        else:
+            self.click("//*[contains(@class,'comfy-menu-button-wrapper')]", "ComfyUI menu button")
+            self.click("//*[@role='menuitem'][normalize-space(.)='Browse Templates']", "'Browse Templates' menu item")
         self.click(f"//span[normalize-space(.)={xpath_literal(PACK_FOLDER)}]", f"'{PACK_FOLDER}' entry of the template browser")
         self.click(f"//*[@data-testid={xpath_literal('template-workflow-' + name)}]", f"template card {name}")
         self.wait(
@@ -266,8 +293,10 @@ class ComfyPage:
         )
 
     def reports(self) -> list[dict]:
-        """``[{id, type, text, verdict, tone, images}]`` of every pack node: the report box's text, the
-        verdict header's text and tone (``ok``/``approximate``/``over``) and the node's images."""
+        """``[{id, type, text, verdict, tone, images, renderer, hosted}]`` of every pack node: the report box's
+        text, the verdict header's text and tone (``ok``/``approximate``/``over``), the images the user sees
+        on the node (``<img>`` in a Vue node, ``node.imgs`` on the classic canvas), ``renderer`` (``vue`` when
+        the node is a Vue node element) and ``hosted`` (Vue: the report widget is inside the node)."""
         return self.js(_REPORTS_JS, PACK_PREFIX, REPORT_WIDGET, VERDICT_SELECTOR)
 
     def show_report(self, node_id: str) -> tuple[Any, dict]:

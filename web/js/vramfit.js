@@ -9,8 +9,12 @@
 // red when it says OVER BUDGET, amber when approximate, then the whole report in a text box.
 // While a decode does once-per-VAE work (self-check, calibration) the header shows that phase, sent by the
 // node as the `vramfit.phase` websocket event (nodes/_comfy.py `progress_text`).
-// Only public frontend API is used (`app`, `api`, `registerExtension`, `LGraphNode.addDOMWidget`), present in
-// frontends 1.28 to 1.49 at least.
+// Both node renderers: the classic canvas (LiteGraph draws the node, the widget is a DOM overlay sized by
+// getMinHeight) and Vue nodes ("Nodes 2.0", `Comfy.VueNodes.Enabled`: the node is a DOM element `.lg-node` that
+// hosts the widget in its own layout; there the report keeps its height by a CSS min-height). Where a Vue
+// node does not host the widget (or a frontend has no DOM widgets), the verdict goes to a toast instead.
+// Only public frontend API is used (`app`, `api`, `registerExtension`, `LGraphNode.addDOMWidget`,
+// `extensionManager.toast`), present in frontends 1.28 to 1.58 at least.
 import { app } from "../../../scripts/app.js";
 import { api } from "../../../scripts/api.js";
 
@@ -29,6 +33,19 @@ const TONES = {
   phase: { color: "#d6e6ff", background: "rgba(40, 90, 190, 0.45)" },
 };
 const PHASE_EVENT = "vramfit.phase";
+const HOST_CHECK_MS = 1000; // a Vue node mounts a new widget on a later tick: look for it after this
+const TOAST_MS = 12000;
+const SEVERITY = { over: "error", approximate: "warn", ok: "success" };
+const toasted = new WeakMap(); // node -> the report whose verdict went to a toast (once per report)
+
+// Vue nodes hold the widget inside the node's element, whose height follows its content: without this the
+// report box shrinks to two rows there. The classic canvas has no .lg-node and sizes by getMinHeight.
+function addStyle() {
+  const style = document.createElement("style");
+  style.dataset.vramfit = "reports";
+  style.textContent = ".lg-node .vramfit-report-wrap { min-height: var(--vramfit-min-height, 0px); }";
+  document.head.append(style);
+}
 
 function reportText(output) {
   const text = output?.text;
@@ -73,6 +90,7 @@ function minHeight(wrap, nodeWidth) {
 function reportWidget(node) {
   const existing = node.widgets?.find((w) => w.name === WIDGET_NAME);
   if (existing) return existing;
+  if (typeof node.addDOMWidget !== "function") return null;
   const wrap = document.createElement("div");
   wrap.className = "vramfit-report-wrap";
   wrap.dataset.vramfitNode = String(node.id);
@@ -124,34 +142,67 @@ function reportWidget(node) {
   return widget;
 }
 
-// A phase of a running decode ("first use of this VAE: checking exactness ..."), until its report arrives.
-function showPhase(node, text) {
-  const widget = reportWidget(node);
-  const head = widget.element.querySelector(".vramfit-verdict");
-  head.textContent = String(text ?? "");
-  head.style.display = text ? "block" : "none";
-  head.dataset.tone = "phase";
-  Object.assign(head.style, TONES.phase);
-  const [w, h] = node.computeSize();
-  node.setSize([Math.max(node.size[0], w), Math.max(node.size[1], h)]);
-  app.graph?.setDirtyCanvas(true, true);
-}
-
-function showReport(node, output) {
-  const text = reportText(output);
-  if (text == null) return;
-  const widget = reportWidget(node);
-  setReport(widget.element, text);
-  widget.value = text;
+function fit(node, wrap) {
+  wrap.style.setProperty("--vramfit-min-height", `${minHeight(wrap, node.size[0])}px`);
   const [w, h] = node.computeSize();
   node.setSize([Math.max(node.size[0], w), Math.max(node.size[1], h)]);
   node.setDirtyCanvas?.(true, true);
   app.graph?.setDirtyCanvas(true, true);
 }
 
+// A phase of a running decode ("first use of this VAE: checking exactness ..."), until its report arrives.
+function showPhase(node, text) {
+  const widget = reportWidget(node);
+  if (!widget) return;
+  const head = widget.element.querySelector(".vramfit-verdict");
+  head.textContent = String(text ?? "");
+  head.style.display = text ? "block" : "none";
+  head.dataset.tone = "phase";
+  Object.assign(head.style, TONES.phase);
+  fit(node, widget.element);
+}
+
+// The node's element when Vue nodes draw it (null on the classic canvas, or while Vue has not drawn it).
+function vueNodeElement(node) {
+  return document.querySelector(`.lg-node[data-node-id="${CSS.escape(String(node.id))}"]`);
+}
+
+// The verdict as a toast: for a report the node cannot show (no DOM widget, or a Vue node without it).
+function toastVerdict(node, text) {
+  if (toasted.get(node) === text) return;
+  const verdict = verdictLine(text) || String(text).split("\n")[0];
+  const toast = app.extensionManager?.toast;
+  if (!verdict || typeof toast?.add !== "function") return;
+  toasted.set(node, text);
+  toast.add({
+    severity: SEVERITY[tone(verdict)],
+    summary: `${node.title ?? node.type} (#${node.id})`,
+    detail: verdict,
+    life: TOAST_MS,
+  });
+}
+
+function showReport(node, output) {
+  const text = reportText(output);
+  if (text == null) return;
+  const widget = reportWidget(node);
+  if (!widget) {
+    toastVerdict(node, text);
+    return;
+  }
+  setReport(widget.element, text);
+  widget.value = text;
+  fit(node, widget.element);
+  setTimeout(() => {
+    const host = vueNodeElement(node);
+    if (host && !host.contains(widget.element)) toastVerdict(node, text);
+  }, HOST_CHECK_MS);
+}
+
 app.registerExtension({
   name: "VRAMFit.Reports",
   setup() {
+    addStyle();
     api.addEventListener(PHASE_EVENT, ({ detail }) => {
       const node = app.graph?.getNodeById(detail?.node);
       if ((node?.comfyClass ?? node?.type)?.startsWith(NODE_PREFIX)) showPhase(node, detail.text);
