@@ -48,9 +48,19 @@ IMAGE_BUDGET_24G_FROM_PX = 8192
 """From this size on, the budgeted row uses 24 GB (the issue's 8192² case); below, 40 % of core's peak."""
 VIDEO_CASES = {
     "full": [("wan21", (1, 16, 21, 60, 104), "832x480x81"), ("wan21", (1, 16, 21, 90, 160), "1280x720x81"),
+             ("hunyuan_video15", (1, 32, 31, 45, 80), "1280x720x121"),
+             ("ltx_video", (1, 128, 16, 16, 24), "768x512x121"), ("ltx_video", (1, 128, 16, 34, 60), "1920x1088x121"),
+             ("mochi", (1, 12, 15, 60, 106), "848x480x85"), ("cogvideox", (1, 16, 13, 60, 90), "720x480x49"),
              ("wan22", (1, 48, 21, 30, 52), "832x480x81"), ("wan22", (1, 48, 21, 45, 80), "1280x720x81")],
-    "small": [("wan21", (1, 16, 2, 6, 6), "48x48x5")],
+    "small": [("wan21", (1, 16, 2, 6, 6), "48x48x5"), ("ltx_video_narrow", (1, 128, 2, 2, 2), "64x64x9")],
 }  # fmt: skip
+"""The video part's cases, in the order they run (the deadline keeps the rows done): Wan 2.1 first, then every
+carried family at its users' sizes (HunyuanVideo 1.5 720p, LTX-Video 768x512 and 1080p x 121, Mochi 848x480,
+CogVideoX 720x480: ComfyUI 0.33+ only), Wan 2.2 last; ``--models`` picks families (a narrow twin counts as its
+family). The dry run adds one carried family, LTX-Video's narrow twin (``scripts.fixtures.NARROW_KINDS``), to keep
+its time near Wan's alone."""
+VIDEO_BUDGETS = (("auto", 0.0), ("40% of core's peak", 0.4), ("20% of core's peak", 0.2))
+"""VRAM Fit's rows per video case: ``budget_mb`` 0 (free memory) and fractions of core VAEDecode's peak."""
 ENCODE_VIDEO_CASES = {
     "full": [(kind, label) for kind, _, label in VIDEO_CASES["full"]]
     + [("ltx_video", "1920x1088x121"), ("hunyuan_video15", "1280x720x121")],
@@ -364,29 +374,52 @@ def part_encode_video(host: Host, rows: Rows, size: str, models: list[str]) -> N
         gc.collect()
 
 
+def _video_work(r: Any) -> dict[str, Any]:
+    """A video decode's planning seconds (inside its measured time), decoder calls and copies (the Wan executor's
+    counts, ``stats["moves"]``: host<->device on a GPU but for a device store's), its ratios to core."""
+    moves = r.stats.get("moves") or {}
+    return {"plan_s": r.plan_seconds, "calls": r.stats.get("calls", r.stats.get("chunks")),
+            "copies": (f"{sum(n for n, _ in moves.values())} / {sum(b for _, b in moves.values()) / MiB:,.0f} MiB"
+                       if moves else None),
+            "predicted_s": None}  # no time model of a video plan yet (issue 35, target 6)
+
+
 def part_video(host: Host, rows: Rows, size: str, models: list[str]) -> None:
-    """Wan 2.1/2.2 at 480p/720p x 81 frames: core VAEDecode, core VAEDecodeTiled, VRAM Fit auto and at 40 %."""
-    from scripts.fixtures import structured_latent
+    """Every video family of :data:`VIDEO_CASES` (``models``): core VAEDecode, core VAEDecodeTiled, VRAM Fit
+    auto and at 40 % and 20 % of core's peak (:data:`VIDEO_BUDGETS`), with planning seconds, decoder calls and
+    copies; a family the host lacks (CogVideoX before 0.33) is skipped (logged)."""
+    from scripts.fixtures import FIXTURES, available, structured_latent
 
     for kind, shape, label in VIDEO_CASES[size]:
-        if kind not in models:
+        family = FIXTURES[kind].full or kind
+        if family not in models:
+            continue
+        common = {"case": f"{kind} {label}"}
+        if not available(kind):
+            log.info("%s skipped: ComfyUI %s has no %s VAE", common["case"], host.cfg.version, family)
             continue
         host.unload_all()
         vae = host.vae(kind)
+        common["dtype"] = str(vae.vae_dtype).removeprefix("torch.")
+        ratio = vae.upscale_ratio[-1] if isinstance(vae.upscale_ratio, (tuple, list)) else vae.upscale_ratio
         tiny = structured_latent((1, shape[1], 3, 4, 4), seed=0)  # first use (self-check) outside the rows
-        host.video.decode(vae, {"samples": tiny}, frames_per_chunk=1, tile_size=2 * int(vae.upscale_ratio[-1]))
+        with torch.inference_mode():
+            host.video.decode(vae, {"samples": tiny}, frames_per_chunk=1, tile_size=2 * int(ratio))
         z = structured_latent(shape, seed=1)
-        common = {"case": f"{kind} {label}", "dtype": str(vae.vae_dtype).removeprefix("torch.")}
         ref, m = measure(host.device, lambda z=z, vae=vae: host.core_decode(vae, z), host.tracker)
         rows.add(**common, decode="core VAEDecode", **m, psnr_db=None, max_abs=None)
         core_peak = m["peak_mib"]
         out, m = measure(host.device, lambda z=z, vae=vae: host.core_tiled(vae, z, 512, 64, 64, 8), host.tracker)
         rows.add(**common, decode="core VAEDecodeTiled 512/64, 64/8", **m, **fidelity(out, ref))
         del out
-        for name, budget in (("auto", 0), ("40% of core's peak", max(16, int(0.4 * core_peak)))):
-            ours(rows, host, common, name, budget,
-                 lambda z=z, b=budget, vae=vae: host.video.decode(vae, {"samples": z}, budget_mb=b),
-                 lambda r, ref=ref: fidelity(r.images, ref))
+        for name, frac in VIDEO_BUDGETS:
+            budget = max(16, int(frac * core_peak)) if frac else 0
+
+            def run(z: torch.Tensor = z, b: int = budget, vae: Any = vae) -> Any:
+                with torch.inference_mode():  # as ComfyUI runs nodes
+                    return host.video.decode(vae, {"samples": z}, budget_mb=b)
+
+            ours(rows, host, common, name, budget, run, lambda r, ref=ref: {**fidelity(r.images, ref), **_video_work(r)})
         del ref, vae
         gc.collect()
 
@@ -469,6 +502,7 @@ def part_scenes(host: Host, rows: Rows, size: str) -> None:
 
 
 PARTS = ("image", "encode", "video", "scenes")
+DEFAULT_VIDEO_MODELS = "wan21,hunyuan_video15,ltx_video,mochi,cogvideox,wan22"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -476,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("part", choices=PARTS)
     ap.add_argument("--json", type=pathlib.Path, required=True)
     ap.add_argument("--small", action="store_true", help="tiny sizes (the CPU dry run)")
-    ap.add_argument("--models", default="", help="video part: which VAEs (default wan21,wan22); encode part: "
+    ap.add_argument("--models", default="", help=f"video part: which VAEs (default {DEFAULT_VIDEO_MODELS}); encode part: "
                     "encode these video VAEs instead of the KL image, or dcae_sana (Sana's DC-AE, images)")
     ap.add_argument("--sizes", default="",
                     help="image and encode parts: comma-separated sides in px (default: the size's)")
@@ -497,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.part == "encode":
         part_encode(host, rows, size, sizes)
     elif args.part == "video":
-        part_video(host, rows, size, (args.models or "wan21,wan22").split(","))
+        part_video(host, rows, size, (args.models or DEFAULT_VIDEO_MODELS).split(","))
     else:
         part_scenes(host, rows, size)
     return 0

@@ -37,8 +37,8 @@ TABLE_COLUMNS = {
               "max_abs", "predicted_mib", "path"],
     "encode": ["case", "encode", "dtype", "seconds", "peak_mib", "latent_max_abs", "round_trip_psnr_db",
                "predicted_mib", "plan", "path"],
-    "video": ["case", "decode", "dtype", "seconds", "peak_mib", "device_peak_mib", "max_abs", "psnr_db",
-              "predicted_mib", "path"],
+    "video": ["case", "decode", "dtype", "seconds", "plan_s", "predicted_s", "peak_mib", "device_peak_mib", "max_abs",
+              "psnr_db", "predicted_mib", "calls", "copies", "plan", "path"],
     "scenes": ["case", "decode", "seconds", "peak_mib", "peak_abs_mib", "device_peak_mib", "decode_phase_cut_pct",
                "within_24gb", "psnr_db", "notes"],
 }  # fmt: skip
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts", help="comma-separated ComfyUI versions (default: every host of the kit; "
                     "one the kit lacks is an error)")
     ap.add_argument("--modes", help="comma-separated dynamic VRAM modes: on,off (default: both where present)")
-    ap.add_argument("--models", default="", help="video part: VAEs to run (default wan21,wan22); encode part: "
+    ap.add_argument("--models", default="", help="video part: VAEs to run (default: every family, bench/gpu_parts.DEFAULT_VIDEO_MODELS); encode part: "
                     "encode these video VAEs instead of the KL image")
     ap.add_argument("--sizes", default="",
                     help="image and encode parts: comma-separated sides in px (default 2048,4096,8192; "
