@@ -20,6 +20,10 @@ builds the same ``first_stage_model`` it would for the real releases:
 * ``cogvideox``      CogVideoX ``comfy.ldm.cogvideo.vae.AutoencoderKLCogVideoX`` (16 channels, 8x spatial, 4x
                      temporal), bfloat16. ComfyUI 0.33.0+ only: on an older host (0.3.75) the kind is
                      unavailable (:func:`available`); ``make_models`` skips it by default.
+* ``<kind>_narrow``  narrow twins of ``wan22``, ``hunyuan_image``, ``mochi``, ``hunyuan_video15`` and the three
+                     ``ltx_video`` versions:
+                     the same host classes with a quarter (Mochi: half) of the channels (:data:`NARROW_KINDS`), for the
+                     exactness and coverage tests; ComfyUI's loader builds them under :func:`narrow_host`.
 * ``dcae_sana``      Sana's DC-AE (``dc-ae-f32c32-sana-1.0``: 32 channels, 32x spatial), diffusers'
                      ``AutoencoderDC``, bfloat16; not a ComfyUI model: ComfyUI_ExtraModels' ``ExtraVAELoader``
                      loads it into its own ``VAE`` subclass, which ``scripts/sana_vae.py`` mirrors.
@@ -82,8 +86,7 @@ KINDS = (
     "ltx_video_v0",
     "ltx_video_v1",
 )
-COMFY_KINDS = tuple(k for k in KINDS if k != "dcae_sana")
-"""The kinds ComfyUI's own ``VAELoader`` loads (``dcae_sana`` loads through ``scripts/sana_vae.py``)."""
+"""The full-size kinds; the narrow twins (:data:`NARROW_KINDS`) are appended below."""
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -183,9 +186,16 @@ class FixtureSpec:
     """First ComfyUI release with ``module``; None: every supported host. A kind with a version is
     optional: available only where ``module`` imports (:func:`available`), skipped by ``make_models``'
     default kinds elsewhere."""
+    full: str | None = None
+    """A narrow twin: the full-size kind whose host classes, key names, kernels, strides, norms and attention
+    placement it has, with :data:`NARROW` times fewer channels in every block (latent channels unchanged);
+    built and loaded under :func:`narrow_host` (see :data:`NARROW_KINDS`)."""
 
     def config(self) -> dict:
-        """Constructor kwargs of ``model_class``, identical to what ``comfy.sd.VAE`` uses."""
+        """Constructor kwargs of ``model_class``, identical to what ``comfy.sd.VAE`` uses (a narrow twin: its
+        full kind's; :func:`narrow_host` narrows the blocks)."""
+        if self.full is not None:
+            return FIXTURES[self.full].config()
         if self.kind == "kl_f8":
             return {"ddconfig": dict(_KL_DDCONFIG), "embed_dim": 4}
         if self.kind == "hunyuan_video":
@@ -264,6 +274,9 @@ _FILE_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
 
 def _spec(kind: str, dtype: torch.dtype, **kw) -> FixtureSpec:
     return FixtureSpec(kind=kind, filename=f"vramfit_fixture_{kind}.safetensors", dtype=dtype, **kw)
+
+
+_LTX = "comfy.ldm.lightricks.vae.causal_video_autoencoder"
 
 
 def _ltx_spec(kind: str, **kw) -> FixtureSpec:
@@ -452,6 +465,109 @@ FIXTURES: dict[str, FixtureSpec] = {
     ),
 }
 
+NARROW = 4
+"""Channel divisor of the narrow twins (Mochi's: 2, its encoder's 64 channels hold 32 GroupNorm groups)."""
+_NARROW_DIVISOR = {"mochi": 2}
+
+# ``{full kind: (module, names of the host's constructors called narrower, keyword, parameter count(s))}``;
+# the counts as (ComfyUI 0.3.75, 0.33.0) where the hosts' classes differ, measured.
+_NARROW_BUILD: dict[str, tuple[str, tuple[str, ...], str, int | tuple[int, ...]]] = {
+    "wan22": ("comfy.ldm.wan.vae2_2", ("WanVAE",), "dim", 44_654_660),
+    "hunyuan_image": ("comfy.ldm.hunyuan_video.vae", ("Encoder", "Decoder"), "block_out_channels", 25_710_643),
+    "mochi": ("comfy.ldm.genmo.vae.model", ("Encoder", "Decoder"), "base_channels", 114_971_267),
+    "hunyuan_video15": ("comfy.ldm.hunyuan_video.vae_refiner", ("Encoder", "Decoder"), "block_out_channels",
+                        (79_310_387, 79_835_699)),
+    "ltx_video": (_LTX, ("Encoder", "Decoder"), "base_channels", (80_396_802, 80_396_418)),
+    "ltx_video_v0": (_LTX, ("Encoder", "Decoder"), "base_channels", (26_936_273, 26_935_889)),
+    "ltx_video_v1": (_LTX, ("Encoder", "Decoder"), "base_channels", (59_903_474, 59_903_090)),
+}
+NARROW_KINDS = {full: f"{full}_narrow" for full in _NARROW_BUILD}
+"""``{full-size kind: its narrow twin}``: the families whose full-size test decodes would take GBs and minutes (the
+1.2-billion-parameter HunyuanVideo 1.5 and LTX-Video 0.9.5+, the other LTX-Video versions, Hunyuan Image 2.1, Wan
+2.2, Mochi). ComfyUI's loader builds them with fixed widths (``comfy/sd.py``: Hunyuan's ``block_out_channels``, Wan
+2.2's ``dim``, Mochi's constructor, LTX-Video's ``base_channels`` and its version told by a block's width), so a
+narrow twin is built and loaded under :func:`narrow_host`."""
+for _full, (_mod, _names, _kw, _params) in _NARROW_BUILD.items():
+    FIXTURES[NARROW_KINDS[_full]] = dataclasses.replace(
+        FIXTURES[_full], kind=NARROW_KINDS[_full], filename=f"vramfit_fixture_{NARROW_KINDS[_full]}.safetensors",
+        params=_params, full=_full,
+        description=f"{FIXTURES[_full].description}, 1/{_NARROW_DIVISOR.get(_full, NARROW)} of the channels "
+                    "(narrow twin)")
+del _full, _mod, _names, _kw, _params
+KINDS = (*KINDS, *NARROW_KINDS.values())
+COMFY_KINDS = tuple(k for k in KINDS if k != "dcae_sana")
+"""The kinds ComfyUI's own ``VAELoader`` loads (``dcae_sana`` loads through ``scripts/sana_vae.py``)."""
+
+
+def narrow(kind: str) -> str:
+    """The narrow twin of ``kind`` (``kind`` itself when it has none)."""
+    return NARROW_KINDS.get(kind, kind)
+
+
+def narrow_divisor(kind: str) -> int:
+    """How many times fewer channels the narrow twin ``kind`` has than its full kind (1 for a full kind)."""
+    full = FIXTURES[kind].full
+    return 1 if full is None else _NARROW_DIVISOR.get(full, NARROW)
+
+
+def _narrower(value, div: int):
+    return [c // div for c in value] if isinstance(value, (list, tuple)) else value // div
+
+
+@contextlib.contextmanager
+def narrow_host(kind: str) -> Iterator[None]:
+    """Inside the block, ComfyUI builds ``kind``'s blocks with 1/:func:`narrow_divisor` of the channels (a no-op for
+    a kind without :attr:`FixtureSpec.full`): the host's own constructors of the family's module (:data:`_NARROW_BUILD`)
+    called with narrower widths (Hunyuan's ``block_out_channels``, LTX-Video's and Mochi's ``base_channels``, Wan
+    2.2's ``dim`` and ``dec_dim``); LTX-Video's ``VideoVAE`` is also told the version ``comfy/sd.py`` reads from the
+    full-width block. Same classes, key names, kernels, strides, norms and attention placement as the full-size
+    model, the latent channels unchanged. Use it around ``VAELoader().load_vae`` of a narrow file
+    (:func:`load_vae`, :meth:`FixtureFolder.load`)."""
+    spec = FIXTURES[kind]
+    if spec.full is None:
+        yield
+        return
+    name, ctors, keyword, _ = _NARROW_BUILD[spec.full]
+    div = narrow_divisor(kind)
+    mod = _import_comfy_module(name)
+    orig = {c: getattr(mod, c) for c in ctors}
+    defaults = {"base_channels": {"Encoder": 64, "Decoder": 128} if spec.full == "mochi" else 128,
+                "dim": 160}
+
+    def narrower(ctor: str):
+        cls = orig[ctor]
+
+        def build(*a, **kw):
+            if spec.full == "mochi":  # VideoVAE() passes its widths by keyword
+                kw[keyword] //= div
+            elif keyword in kw:
+                kw[keyword] = _narrower(kw[keyword], div)
+            else:  # LTX-Video's VideoVAE leaves base_channels at the default
+                kw[keyword] = defaults[keyword] // div
+            if spec.full == "wan22":
+                kw["dec_dim"] = kw.get("dec_dim", 256) // div
+            return cls(*a, **kw)
+
+        return build
+
+    patched = {c: narrower(c) for c in ctors}
+    if name == _LTX:
+        fixed = spec.config()["version"]
+        video_vae = mod.VideoVAE
+
+        def ltx_vae(version=0, config=None):  # comfy/sd.py reads 0 from the narrow block's width
+            return video_vae(version=fixed, config=config)
+
+        orig["VideoVAE"], patched["VideoVAE"] = video_vae, ltx_vae
+    for c, v in patched.items():
+        setattr(mod, c, v)
+    try:
+        yield
+    finally:
+        for c, v in orig.items():
+            setattr(mod, c, v)
+
+
 _META_KIND = "vramfit_fixture_kind"
 _META_SEED = "vramfit_fixture_seed"
 _META_VERSION = "vramfit_fixture_generator"
@@ -512,9 +628,8 @@ def build_model(kind: str, device: str | torch.device = "meta") -> torch.nn.Modu
     on ``meta`` by default."""
     spec = FIXTURES[kind]
     mod = _import_comfy_module(spec.module)
-    cls = getattr(mod, spec.model_class)
-    with torch.device(device):
-        model = cls(**spec.config())
+    with torch.device(device), narrow_host(kind):
+        model = getattr(mod, spec.model_class)(**spec.config())
     return model.eval()
 
 
@@ -818,7 +933,8 @@ def load_vae(nodes: object, kind: str, vae_dir: pathlib.Path, dtype: torch.dtype
         from scripts.sana_vae import load_dcae
 
         return load_dcae(str(path), dtype)
-    return nodes.VAELoader().load_vae(path.name)[0]
+    with narrow_host(kind):
+        return nodes.VAELoader().load_vae(path.name)[0]
 
 
 class FixtureFolder(Mapping[str, str]):
@@ -848,6 +964,13 @@ class FixtureFolder(Mapping[str, str]):
 
     def __contains__(self, kind: object) -> bool:
         return kind in FIXTURES and available(kind)
+
+    def load(self, nodes: object, kind: str) -> object:
+        """``VAELoader().load_vae`` (``nodes``: ComfyUI's node module) of the fixture file of ``kind``, a narrow
+        twin under :func:`narrow_host`."""
+        name = self[kind]
+        with narrow_host(kind):
+            return nodes.VAELoader().load_vae(name)[0]
 
 
 def write_latent_file(path: str | os.PathLike, samples: torch.Tensor) -> pathlib.Path:

@@ -12,18 +12,27 @@
 * :func:`load_vae`: a VAE as ComfyUI's executor loads it (``VAELoader`` under ``torch.inference_mode``:
   ComfyUI runs every node so, and decodes are run the same way by the host tests), so that no plan is
   validated in a mode users never run (issue 22: views of inference tensors have no ``_base``).
+* :data:`full_size`: the mark of a test on a full-size fixture of a family that the default run covers with its
+  narrow twin (``scripts.fixtures.NARROW_KINDS``); it runs only with ``VRAMFIT_FULL_FIXTURES=1`` (``.ci/run``
+  sets it): GBs of memory and minutes on a 2-core CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import pytest
 import torch
 
 FLOOR = 1e-5
+
+FULL_FIXTURES = os.environ.get("VRAMFIT_FULL_FIXTURES", "") not in ("", "0")
+full_size = pytest.mark.skipif(
+    not FULL_FIXTURES, reason="a full-size fixture (narrow twin in the default run): set VRAMFIT_FULL_FIXTURES=1")
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:

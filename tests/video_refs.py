@@ -24,15 +24,16 @@ _REFS: dict[tuple, tuple[Any, torch.Tensor, torch.Tensor]] = {}
 
 def reference(comfy: Any, fixture_vaes: dict, kind: str, shape: tuple[int, ...],
               seed: int | None = None) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """``(vae, z, VAEDecode(z))`` for a fixture VAE ``kind`` and a structured latent, decoded once."""
-    from scripts.fixtures import structured_latent
+    """``(vae, z, VAEDecode(z))`` for a fixture VAE ``kind`` (a narrow twin: the seed of its full kind) and a
+    structured latent, decoded once."""
+    from scripts.fixtures import FIXTURES, structured_latent
 
-    seed = SEEDS.get(kind, 0) if seed is None else seed
+    seed = SEEDS.get(FIXTURES[kind].full or kind, 0) if seed is None else seed
     key = (kind, tuple(shape), seed)
     if key not in _REFS:
         z = structured_latent(shape, seed=seed)
         with torch.inference_mode():  # as ComfyUI runs nodes, loaders included (0.33 post-processes in place)
-            vae = comfy.VAELoader().load_vae(fixture_vaes[kind])[0]
+            vae = fixture_vaes.load(comfy, kind)
             (ref,) = comfy.VAEDecode().decode(vae, {"samples": z})
         _REFS[key] = (vae, z, ref)
     return _REFS[key]

@@ -7,7 +7,8 @@ A structure without shipped models is calibrated by meta sizing at first use (me
 stores are fresh, pointed at an empty folder (only the shipped defaults behind them), and each first decode
 under a budget that forces tiles must calibrate nothing: no calibrations in the result or the report, nothing learned or written. Sana's
 DC-AE (loaded as ComfyUI_ExtraModels does, exact split tiles) needs the untiled model and its suffix's
-(``bench/cost_model.py --families dcae_sana --write``).
+(``bench/cost_model.py --families dcae_sana --write``). The shipped models are keyed by the real structure, so Hunyuan
+Image 2.1 runs on its full-size fixture (``VRAMFIT_FULL_FIXTURES=1``; its narrow twin is another structure).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import FIXTURES, structured_latent
+from scripts.fixtures import FIXTURES, NARROW_KINDS, structured_latent
+from tests.helpers import full_size
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
 log = logging.getLogger("vramfit.tests.first_use_shipped")
@@ -70,7 +72,8 @@ def loaded_vae(comfy, fixture_vaes, host_config, request):
     mm.free_memory(1e30, vae.patcher.load_device, keep_loaded=others)
 
 
-@pytest.mark.parametrize("loaded_vae", list(BUDGET_MB), indirect=True)
+@pytest.mark.parametrize("loaded_vae", [pytest.param(k, marks=full_size) if k in NARROW_KINDS else k
+                                        for k in BUDGET_MB], indirect=True)
 def test_first_tiled_decode_calibrates_nothing(tiled, loaded_vae, fresh_stores, request) -> None:
     kind = request.node.callspec.params["loaded_vae"]
     stores, folder = fresh_stores

@@ -21,9 +21,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scripts import fixtures
-from scripts.fixtures import COMFY_KINDS, FIXTURES, KINDS, make_models, structured_latent, write_latent_file
+from scripts.fixtures import (
+    COMFY_KINDS,
+    FIXTURES,
+    KINDS,
+    NARROW_KINDS,
+    make_models,
+    structured_latent,
+    write_latent_file,
+)
+from tests.helpers import full_size
 
 log = logging.getLogger("vramfit.tests.fixtures")
+SMALL = "hunyuan_image_narrow"
+"""The smallest fixture (51 MB): the file-handling tests write it several times."""
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 host = pytest.mark.host
 
@@ -37,9 +48,12 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-@pytest.fixture(scope="module", params=COMFY_KINDS)
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=full_size) if k in NARROW_KINDS else k
+                                        for k in COMFY_KINDS])
 def loaded(request, comfy, fixture_vaes):
-    """(spec, VAE, log messages of the load) via ComfyUI's own VAELoader; one kind in memory at a time."""
+    """(spec, VAE, log messages of the load) via ComfyUI's own VAELoader (a narrow twin under
+    ``fixtures.narrow_host``); one kind in memory at a time. The full-size kinds with a narrow twin run with
+    ``VRAMFIT_FULL_FIXTURES=1``."""
     spec = FIXTURES[request.param]
     if not fixtures.available(spec.kind):
         pytest.skip(f"{spec.kind}: this host has no {spec.module} (added in ComfyUI {spec.min_comfyui})")
@@ -49,7 +63,7 @@ def loaded(request, comfy, fixture_vaes):
     root.addHandler(handler)
     root.setLevel(logging.DEBUG)  # "Leftover VAE keys" is logged at debug level
     try:
-        (vae,) = comfy.VAELoader().load_vae(fixture_vaes[spec.kind])
+        vae = fixture_vaes.load(comfy, spec.kind)
     finally:
         root.removeHandler(handler)
         root.setLevel(old_level)
@@ -101,32 +115,42 @@ def test_loader_detects_the_real_architecture(loaded, fixture_vaes):
     assert {floats.get(d, d) for d in dtypes} - {"I64"} == {spec.dtype}, dtypes  # int64: batch counts
     assert meta["vramfit_fixture_kind"] == spec.kind
     assert meta["vramfit_fixture_generator"] == fixtures.GENERATOR_VERSION
-    if spec.kind == "wan22":
+    kind, div = spec.full or spec.kind, fixtures.narrow_divisor(spec.kind)  # a narrow twin: its full kind's facts
+    if spec.full is not None:  # a narrow twin: the full kind's classes and key names, 1/div of the widths
+        full = fixtures.build_model(spec.full).state_dict()
+        narrow = fixtures.build_model(spec.kind).state_dict()
+        assert {spec.model_key(k) for k in keys} == set(full) == set(narrow)
+        for k, v in full.items():  # every dimension kept (kernels, latent channels) or narrower (widths)
+            assert all(n in (f, f // div) for n, f in zip(narrow[k].shape, v.shape, strict=True)), k
+        n_full, n_narrow = (sum(v.numel() for v in sd.values()) for sd in (full, narrow))
+        assert 0.9 < n_narrow * div**2 / n_full < 1.1, (n_narrow, n_full)
+        assert all(fsm.state_dict()[k].shape == v.shape for k, v in narrow.items())
+    if kind == "wan22":
         assert "decoder.upsamples.0.upsamples.0.residual.2.weight" in keys
-    if spec.kind == "hunyuan_video":
+    if kind == "hunyuan_video":
         assert fsm.decoder.conv_in.conv.weight.shape[1] == 16
-    if spec.kind == "hunyuan_video15":  # comfy/sd.py's "decoder.conv_in.conv.weight" 32-channel branch
+    if kind == "hunyuan_video15":  # comfy/sd.py's "decoder.conv_in.conv.weight" 32-channel branch
         assert fsm.decoder.conv_in.conv.weight.shape[1] == 32 and fsm.decoder.refiner_vae
-    if spec.kind == "ltx_video_v0":  # comfy/sd.py's lightricks branch: a 512-wide first up block -> version 0
-        assert fsm.decoder.up_blocks[0].res_blocks[0].conv1.conv.weight.shape[0] == 512
+    if kind == "ltx_video_v0":  # comfy/sd.py's lightricks branch: a 512-wide first up block -> version 0
+        assert fsm.decoder.up_blocks[0].res_blocks[0].conv1.conv.weight.shape[0] == 512 // div
         assert not fsm.timestep_conditioning and "decoder.up_blocks.4.norm3.norm.weight" in keys
-    if spec.kind == "ltx_video_v1":  # a 1024-wide first up block without encoder.down_blocks.1.conv.conv.bias -> 1
-        assert fsm.decoder.up_blocks[0].res_blocks[0].conv1.conv.weight.shape[0] == 1024
+    if kind == "ltx_video_v1":  # a 1024-wide first up block without encoder.down_blocks.1.conv.conv.bias -> 1
+        assert fsm.decoder.up_blocks[0].res_blocks[0].conv1.conv.weight.shape[0] == 1024 // div
         assert fsm.timestep_conditioning and "encoder.down_blocks.1.conv.conv.bias" not in keys
         assert any(getattr(m, "inject_noise", False) for m in fsm.decoder.modules())
-    if spec.kind == "mochi":  # comfy/sd.py's genmo mochi branch, both halves prefixed (no prefix rewrite)
+    if kind == "mochi":  # comfy/sd.py's genmo mochi branch, both halves prefixed (no prefix rewrite)
         assert "decoder.blocks.2.blocks.3.stack.5.weight" in keys
         assert "encoder.layers.4.layers.1.attn_block.attn.qkv.weight" in keys
         assert not any(k.startswith(("blocks.", "layers.")) for k in keys)
         assert fsm.decoder.blocks[0][0].weight.shape[1] == 12
         assert fsm.encoder.output_proj.weight.shape[0] == 24
-    if spec.kind == "cogvideox":  # comfy/sd.py 0.33.0 "CogVideoX VAE"; latent channels from encoder.conv_out
+    if kind == "cogvideox":  # comfy/sd.py 0.33.0 "CogVideoX VAE"; latent channels from encoder.conv_out
         assert {"decoder.conv_in.conv.weight", "decoder.mid_block.resnets.0.norm1.norm_layer.weight"} <= keys
         assert fsm.encoder.conv_out.conv.weight.shape[0] == 32 and fsm.latent_channels == 16
-    if spec.kind == "flux":  # FLUX's ae.safetensors: no quant convs, so ComfyUI builds an AutoencodingEngine
+    if kind == "flux":  # FLUX's ae.safetensors: no quant convs, so ComfyUI builds an AutoencodingEngine
         assert not any("quant_conv" in k for k in keys)
         assert fsm.decoder.conv_in.weight.shape[1] == 16
-    if spec.kind == "flux2":  # BFL's flux2-vae keys; ComfyUI builds AutoencoderKL with the latent BatchNorm
+    if kind == "flux2":  # BFL's flux2-vae keys; ComfyUI builds AutoencoderKL with the latent BatchNorm
         assert {"encoder.quant_conv.weight", "decoder.post_quant_conv.weight", "bn.running_var"} <= keys
         assert not any(k.startswith(("quant_conv.", "post_quant_conv.")) for k in keys)
         assert fsm.bn is not None and fsm.bn.num_features == 128 and fsm.decoder.conv_in.weight.shape[1] == 32
@@ -170,7 +194,7 @@ def test_decode_shape_and_statistics(loaded, comfy):
     frames_of_last = spec.temporal_ratio  # the last latent frame decodes to the last 4 (Mochi 6) frames
     last = diff[:, -frames_of_last:].mean().item()
     assert last > 0.03, f"the last latent frame barely changes its own frames ({last:.4f})"
-    if spec.kind in ("wan21", "wan22", "mochi"):
+    if (spec.full or spec.kind) in ("wan21", "wan22", "mochi"):
         # Wan's and Mochi's decoders are causal (Mochi: per-frame GroupNorm, no attention in the decoder):
         # earlier frames must not change at all. (LTX-Video's is symmetric in time and draws noise.)
         assert diff[:, :-frames_of_last].max().item() == 0.0
@@ -187,9 +211,9 @@ def test_make_models_is_deterministic_idempotent_and_atomic(fixture_vaes, tmp_pa
     import folder_paths
 
     rng_before = torch.get_rng_state()
-    a = make_models(tmp_path / "a", seed=0, kinds=["kl_f8"])["kl_f8"]
+    a = make_models(tmp_path / "a", seed=0, kinds=[SMALL])[SMALL]
     assert torch.equal(torch.get_rng_state(), rng_before), "global RNG state changed"
-    host_file = pathlib.Path(folder_paths.get_full_path_or_raise("vae", fixture_vaes["kl_f8"]))
+    host_file = pathlib.Path(folder_paths.get_full_path_or_raise("vae", fixture_vaes[SMALL]))
     sd_a = safetensors.torch.load_file(a)
     sd_host = safetensors.torch.load_file(host_file)
     assert sd_a.keys() == sd_host.keys()
@@ -200,18 +224,18 @@ def test_make_models_is_deterministic_idempotent_and_atomic(fixture_vaes, tmp_pa
     # idempotent: a current file is not rewritten ...
     st_before = a.stat()
     t0 = time.perf_counter()
-    make_models(tmp_path / "a", seed=0, kinds=["kl_f8"])
+    make_models(tmp_path / "a", seed=0, kinds=[SMALL])
     assert time.perf_counter() - t0 < 1.0
     st_after = a.stat()
     assert (st_after.st_ino, st_after.st_mtime_ns) == (st_before.st_ino, st_before.st_mtime_ns)
     # ... unless forced (written to a temporary file, then renamed over it)
-    make_models(tmp_path / "a", seed=0, kinds=["kl_f8"], force=True)
+    make_models(tmp_path / "a", seed=0, kinds=[SMALL], force=True)
     assert a.stat().st_ino != st_before.st_ino
     sd_forced = safetensors.torch.load_file(a)
     assert all(torch.equal(sd_forced[k].view(torch.uint8), sd_a[k].view(torch.uint8)) for k in sd_a)
 
     # another seed gives other weights (same keys) and is rebuilt in place of a stale file
-    make_models(tmp_path / "a", seed=1, kinds=["kl_f8"])
+    make_models(tmp_path / "a", seed=1, kinds=[SMALL])
     sd_b = safetensors.torch.load_file(a)
     with safetensors.safe_open(str(a), framework="pt") as f:
         assert f.metadata()["vramfit_fixture_seed"] == "1"
@@ -222,10 +246,10 @@ def test_make_models_is_deterministic_idempotent_and_atomic(fixture_vaes, tmp_pa
 
     # a truncated / corrupt file is rebuilt
     a.write_bytes(b"not a safetensors file")
-    make_models(tmp_path / "a", seed=0, kinds=["kl_f8"])
+    make_models(tmp_path / "a", seed=0, kinds=[SMALL])
     sd_c = safetensors.torch.load_file(a)
     assert all(torch.equal(sd_c[k], sd_a[k]) for k in sd_a)
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [FIXTURES["kl_f8"].filename]
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [FIXTURES[SMALL].filename]
 
     with pytest.raises(ValueError, match="unknown fixture kinds"):
         make_models(tmp_path / "a", kinds=["sd3"])
@@ -303,10 +327,10 @@ def test_fixture_folder_makes_each_file_when_named(fixture_vaes, comfy):
     assert "kl_f8" in fixture_vaes and "sd3" not in fixture_vaes and list(fixture_vaes) == [
         k for k in KINDS if fixtures.available(k)
     ]
-    path = pathlib.Path(folder_paths.get_full_path_or_raise("vae", fixture_vaes["flux2"]))
+    path = pathlib.Path(folder_paths.get_full_path_or_raise("vae", fixture_vaes[SMALL]))
     before = safetensors.torch.load_file(path)
     path.unlink()
-    assert fixture_vaes["flux2"] == path.name and path.is_file()
+    assert fixture_vaes[SMALL] == path.name and path.is_file()
     after = safetensors.torch.load_file(path)
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     with pytest.raises(KeyError):
@@ -369,7 +393,7 @@ def test_cli_writes_into_vae_dir(tmp_path, host_config):
             "--vae-dir",
             str(tmp_path),
             "--kinds",
-            "kl_f8",
+            SMALL,
             "--seed",
             "3",
         ],
@@ -380,7 +404,7 @@ def test_cli_writes_into_vae_dir(tmp_path, host_config):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = tmp_path / FIXTURES["kl_f8"].filename
+    out = tmp_path / FIXTURES[SMALL].filename
     assert out.is_file()
     assert str(out) in proc.stderr
     with safetensors.safe_open(str(out), framework="pt") as f:

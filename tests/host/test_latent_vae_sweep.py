@@ -24,7 +24,7 @@ import types
 import pytest
 import torch
 
-from scripts.fixtures import structured_latent
+from scripts.fixtures import narrow, structured_latent
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
 log = logging.getLogger("vramfit.tests.latent_vae_sweep")
@@ -98,7 +98,7 @@ def vaes(comfy, fixture_vaes):
     def get(kind: str):
         if kind not in loaded:
             with torch.inference_mode():  # as ComfyUI's executor runs the loader
-                loaded[kind] = comfy.VAELoader().load_vae(fixture_vaes[kind])[0]
+                loaded[kind] = fixture_vaes.load(comfy, narrow(kind))  # Wan 2.2: its narrow twin
         return loaded[kind]
 
     yield get

@@ -23,7 +23,7 @@ from vramfit.memory.measure.sizing import MetaSizer, decode_run, latent_shape
 from vramfit.memory.measure.tracker import PeakTracker, tracker_factory
 from vramfit.memory.vae.families import FAMILIES, identify
 
-from scripts.fixtures import structured_latent
+from scripts.fixtures import narrow_host, structured_latent
 from tests.helpers import load_vae
 
 pytestmark = pytest.mark.host
@@ -32,11 +32,12 @@ log = logging.getLogger("vramfit.tests.memory")
 TOLERANCE = 0.15
 # Held-out real decodes (not in real_grid nor in the meta fit grid): (family, out h/w px, latent frames)
 HELD_OUT = {"kl_f8": ("kl", 192, 0), "wan21": ("wan21", 64, 3)}
-KIND_FAMILY = {"kl_f8": "kl", "wan21": "wan21", "wan22": "wan22", "hunyuan_video": "hunyuan_video"}
+KIND_FAMILY = {"kl_f8": "kl", "wan21": "wan21", "wan22_narrow": "wan22", "hunyuan_video": "hunyuan_video"}
 
 
 def _load(comfy, fixture_vaes, kind):
-    vae = load_vae(comfy, fixture_vaes[kind])  # under inference mode, as ComfyUI's executor loads it
+    with narrow_host(kind):  # Wan 2.2: its narrow twin (the host's classes, a quarter of the channels)
+        vae = load_vae(comfy, fixture_vaes[kind])  # under inference mode, as ComfyUI's executor loads it
     assert identify(vae) == KIND_FAMILY[kind]
     return vae
 
@@ -125,7 +126,7 @@ def test_shipped_default_predicts_held_out_real_decode(held_out, record_property
 
 @pytest.mark.parametrize(
     "kind,px,frames",
-    [("kl_f8", 96, 0), ("wan21", 32, 2), ("wan22", 32, 2), ("hunyuan_video", 32, 2)],
+    [("kl_f8", 96, 0), ("wan21", 32, 2), ("wan22_narrow", 32, 2), ("hunyuan_video", 32, 2)],
 )
 def test_meta_sizing_counts_what_a_real_decode_counts(comfy, fixture_vaes, kind, px, frames) -> None:
     vae = _load(comfy, fixture_vaes, kind)

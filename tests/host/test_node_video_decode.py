@@ -31,7 +31,7 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import structured_latent
+from scripts.fixtures import narrow, structured_latent
 from tests.video_refs import HUNYUAN, WAN21, WAN22, reference
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread", "inference_mode")]
@@ -75,7 +75,7 @@ def wan21(comfy, fixture_vaes):
 
 @pytest.fixture(scope="module")
 def wan22(comfy, fixture_vaes):
-    return reference(comfy, fixture_vaes, "wan22", WAN22)
+    return reference(comfy, fixture_vaes, narrow("wan22"), WAN22)  # the narrow twin (scripts.fixtures.NARROW_KINDS)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,9 @@
 
 Each: at least 4 tiles, equal to the host's own decode within 1e-4 (float32), the first-use self-check passed,
 and an out-of-memory error inside a tile resumes from the finished tiles with the same result.
+
+Hunyuan Image 2.1 runs on its narrow twin (``scripts.fixtures.NARROW_KINDS``: the host's classes, a quarter of the
+channels); the full-size fixture in ``test_hunyuan_image_full_size_tiles_are_exact`` (``VRAMFIT_FULL_FIXTURES=1``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import structured_latent
+from scripts.fixtures import build_model, narrow, structured_latent
+from tests.helpers import full_size
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("inference_mode")]
 
@@ -43,11 +47,15 @@ def dcae(host_config, fixture_vaes):
     return load_dcae(str(host_config.models_dir / "vae" / fixture_vaes["dcae_sana"]), torch.float32)
 
 
-@pytest.fixture(scope="module")
-def hunyuan_image(comfy, fixture_vaes):
-    vae = comfy.VAELoader().load_vae(fixture_vaes["hunyuan_image"])[0]
+def _hunyuan_image(comfy, fixture_vaes, kind: str):
+    vae = fixture_vaes.load(comfy, kind)
     assert type(vae.first_stage_model.decoder).__module__.endswith("hunyuan_video.vae")
     return vae
+
+
+@pytest.fixture(scope="module")
+def hunyuan_image(comfy, fixture_vaes):
+    return _hunyuan_image(comfy, fixture_vaes, narrow("hunyuan_image"))
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +65,15 @@ def dcae_case(dcae):
         return z, dcae.decode(z)
 
 
-@pytest.fixture(scope="module")
-def hunyuan_case(comfy, hunyuan_image):
+def _hunyuan_case(comfy, vae):
     z = structured_latent((1, 64, 4, 6), seed=3)
     with torch.inference_mode():
-        return z, comfy.VAEDecode().decode(hunyuan_image, {"samples": z})[0].clone()
+        return z, comfy.VAEDecode().decode(vae, {"samples": z})[0].clone()
+
+
+@pytest.fixture(scope="module")
+def hunyuan_case(comfy, hunyuan_image):
+    return _hunyuan_case(comfy, hunyuan_image)
 
 
 def _oom_at(step: int, fired: list[int]):
@@ -107,15 +119,32 @@ def test_dcae_split_resumes_after_oom_in_a_tile(tiled, dcae, dcae_case, hook):
     assert (r.images - ref).abs().max().item() <= TOL, text
 
 
-def test_hunyuan_image_tiles_are_exact(tiled, hunyuan_image, hunyuan_case):
-    z, ref = hunyuan_case
-    r = tiled.decode(hunyuan_image, {"samples": z}, tile_size=64)
+def _assert_hunyuan_image_tiles_are_exact(tiled, vae, case):
+    z, ref = case
+    r = tiled.decode(vae, {"samples": z}, tile_size=64)
     text = r.report.text()
     assert r.plan.path == "exact", text
     assert "2x3 tiles" in r.report.summary, text
     assert "exact tiled walker: self-check passed" in text, text
     diff = (r.images - ref).abs().max().item()
     assert diff <= TOL, (diff, text)
+
+
+def test_hunyuan_image_tiles_are_exact(tiled, hunyuan_image, hunyuan_case):
+    _assert_hunyuan_image_tiles_are_exact(tiled, hunyuan_image, hunyuan_case)
+
+
+@full_size
+def test_hunyuan_image_full_size_tiles_are_exact(tiled, comfy, fixture_vaes):
+    """The full-size fixture (405 M parameters), as ComfyUI's loader detects it from the file."""
+    import comfy.model_management as mm
+
+    vae = _hunyuan_image(comfy, fixture_vaes, "hunyuan_image")
+    try:
+        _assert_hunyuan_image_tiles_are_exact(tiled, vae, _hunyuan_case(comfy, vae))
+    finally:
+        others = [lm for lm in mm.current_loaded_models if lm.model is not vae.patcher]
+        mm.free_memory(1e30, vae.patcher.load_device, keep_loaded=others)
 
 
 def test_hunyuan_image_resumes_after_oom_in_a_tile(tiled, hunyuan_image, hunyuan_case, hook):
@@ -130,10 +159,14 @@ def test_hunyuan_image_resumes_after_oom_in_a_tile(tiled, hunyuan_image, hunyuan
 
 def test_hunyuan_image_layout(hunyuan_image):
     """The walker reads Hunyuan Image 2.1's decoder in its forward order: 5 pixel-shuffle upsamples (32x),
-    channels 1024 -> 128, the latent repeated 16x onto conv_in's 1024 channels."""
-    base = sys.modules[type(hunyuan_image).__module__]  # noqa: F841 - ComfyUI loaded
+    channels 1024 -> 128, the latent repeated 16x onto conv_in's 1024 channels (the full-size host model, built on
+    the meta device as ComfyUI's loader configures it; its narrow twin: a quarter of each)."""
     kl_layout = sys.modules[[m for m in sys.modules if m.endswith(".memory.vae.kl_layout")][0]]
-    lay = kl_layout.kl_layout(hunyuan_image.first_stage_model)
+    small = kl_layout.kl_layout(hunyuan_image.first_stage_model)
+    assert small.reason is None and small.in_repeats == 4 and small.levels == 6
+    assert [(s.in_channels, s.out_channels, s.halo) for s in small.segments if s.kind == "upsample"] == [
+        (256, 256, 2), (256, 128, 2), (128, 128, 2), (128, 64, 2), (64, 32, 2)]
+    lay = kl_layout.kl_layout(build_model("hunyuan_image"))
     assert lay.reason is None and lay.in_repeats == 16 and lay.levels == 6
     ups = [s for s in lay.segments if s.kind == "upsample"]
     assert [(s.in_channels, s.out_channels, s.halo) for s in ups] == [

@@ -35,7 +35,9 @@ from vramfit.memory.executors import blend
 from vramfit.memory.executors import wan as vc
 from vramfit.memory.vae import wan_layout as wl
 
+from scripts.fixtures import narrow
 from scripts.host import core_decode_tiled
+from tests.helpers import full_size
 from tests.video_refs import HUNYUAN, WAN21, WAN22, reference
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread", "inference_mode")]
@@ -150,7 +152,24 @@ def test_wan21_no_temporal_seam_unlike_core_vaedecodetiled(comfy, wan21):
 
 @pytest.fixture(scope="module")
 def wan22(comfy, fixture_vaes):
-    return reference(comfy, fixture_vaes, "wan22", WAN22)  # odd latent, 9 frames of 16x48
+    return reference(comfy, fixture_vaes, narrow("wan22"), WAN22)  # odd latent, 9 frames of 16x48; narrow twin
+
+
+@full_size
+def test_wan22_full_size_matches_core_vaedecode(comfy, fixture_vaes):
+    """The full-size Wan 2.2 fixture (705 M parameters) as ComfyUI's loader detects it from the file."""
+    import comfy.model_management as mm
+
+    vae = fixture_vaes.load(comfy, "wan22")
+    try:
+        z = _z(WAN22, seed=1)
+        ref, _ = _core(comfy, vae, z)
+        img, _ = _ours(vae, z, 2, (1, 2))
+        assert img.shape == ref.shape == (9, 16, 48, 3)
+        assert _diff(img, ref) <= TOL
+    finally:
+        others = [lm for lm in mm.current_loaded_models if lm.model is not vae.patcher]
+        mm.free_memory(1e30, vae.patcher.load_device, keep_loaded=others)
 
 
 @pytest.mark.parametrize("k,tile", [(1, None), (2, (1, 2))])

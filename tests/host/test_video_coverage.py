@@ -22,6 +22,10 @@ exists, never a crash, and approximate with the reason where not.
   within 1e-4, 3 chunks. An even number of latent frames decodes to ``4 T`` frames, not the ``4 T - 3`` of its
   ``upscale_ratio``: the output takes the host's count. (Before: an approximate overlap-blend of odd chunks, and
   a shape error on an even latent.)
+
+Mochi, HunyuanVideo 1.5 and LTX-Video run on their narrow twins (``scripts.fixtures.NARROW_KINDS``: the host's
+classes with a half or a quarter of the channels; reach, tiles and chunks depend on the structure, not the width); the
+full-size fixtures once per family in ``test_full_size_decode_is_exact`` (``VRAMFIT_FULL_FIXTURES=1``, as CI runs).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import available, structured_latent
+from scripts.fixtures import FIXTURES, available, narrow, structured_latent
+from tests.helpers import full_size
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("inference_mode")]
 log = logging.getLogger("vramfit.tests.video_coverage")
@@ -46,7 +51,7 @@ def video(comfy):
 
 
 def _case(comfy, fixture_vaes, kind: str, shape: tuple[int, ...]):
-    vae = comfy.VAELoader().load_vae(fixture_vaes[kind])[0]
+    vae = fixture_vaes.load(comfy, kind)
     z = structured_latent(shape, seed=4)
     with torch.inference_mode():
         ref = comfy.VAEDecode().decode(vae, {"samples": z})[0].clone()
@@ -93,7 +98,7 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="class")
 def mochi(comfy, fixture_vaes):
-    yield from _held_case(comfy, fixture_vaes, "mochi", (1, 12, 4, 4, 4))
+    yield from _held_case(comfy, fixture_vaes, narrow("mochi"), (1, 12, 4, 4, 4))
 
 
 class TestMochi:
@@ -129,7 +134,7 @@ class TestMochi:
 
 @pytest.fixture(scope="class")
 def hv15(comfy, fixture_vaes):
-    yield from _held_case(comfy, fixture_vaes, "hunyuan_video15", (1, 32, 7, 2, 3))
+    yield from _held_case(comfy, fixture_vaes, narrow("hunyuan_video15"), (1, 32, 7, 2, 3))
 
 
 class TestHunyuanVideo15:
@@ -317,16 +322,16 @@ def _host_decode(comfy, vae, z):
         return _seeded(lambda: comfy.VAEDecode().decode(vae, {"samples": z})[0].clone())
 
 
-@pytest.fixture(scope="class", params=["ltx_video", "ltx_video_v0", "ltx_video_v1"])
+@pytest.fixture(scope="class", params=[narrow(k) for k in ("ltx_video", "ltx_video_v0", "ltx_video_v1")])
 def ltx(comfy, fixture_vaes, request):
     """0.9.5+ (timestep-conditioned: the host's decode draws noise into the latent), 0.9.0 (channel LayerNorms, no
-    noise) and 0.9.1 (noise into the latent, and fresh fields in its blocks on every call)."""
-    vae = comfy.VAELoader().load_vae(fixture_vaes[request.param])[0]
+    noise) and 0.9.1 (noise into the latent, and fresh fields in its blocks on every call); narrow twins."""
+    vae = fixture_vaes.load(comfy, request.param)
     z = structured_latent((1, 128, 2, 2, 2), seed=4)
     ref, again = _host_decode(comfy, vae, z), _host_decode(comfy, vae, z)
     with torch.inference_mode():
         other = comfy.VAEDecode().decode(vae, {"samples": z})[0].clone()
-    noise = request.param != "ltx_video_v0"
+    noise = FIXTURES[request.param].full != "ltx_video_v0"
     assert torch.equal(ref, again) and torch.equal(ref, other) != noise  # 0.9.0 alone draws no noise
     yield vae, z, ref
     _release(vae)
@@ -376,7 +381,7 @@ def test_ltx_video_091_replays_the_hosts_chunks_in_time(comfy, fixture_vaes, vid
     mod = importlib.import_module("comfy.ldm.lightricks.vae.causal_video_autoencoder")
     if not hasattr(mod, "get_max_chunk_size"):
         pytest.skip("this host's LTX-Video decoder does not split time (run_up is ComfyUI 0.33+)")
-    vae = comfy.VAELoader().load_vae(fixture_vaes["ltx_video_v1"])[0]
+    vae = fixture_vaes.load(comfy, narrow("ltx_video_v1"))
     try:
         z = structured_latent((1, 128, 3, 2, 2), seed=4)
         whole = _host_decode(comfy, vae, z)
@@ -390,6 +395,28 @@ def test_ltx_video_091_replays_the_hosts_chunks_in_time(comfy, fixture_vaes, vid
     finally:
         _release(vae)
 
+
+@full_size
+@pytest.mark.parametrize("kind", ["mochi", "hunyuan_video15", "ltx_video", "ltx_video_v0", "ltx_video_v1"])
+def test_full_size_decode_is_exact(comfy, fixture_vaes, video, kind):
+    """The full-size fixture of each family (1.2 B parameters for HunyuanVideo 1.5 and LTX-Video 0.9.5+), as
+    ComfyUI's loader detects it from the file: the same exact path as its narrow twin above."""
+    if kind in ("mochi", "hunyuan_video15"):
+        shape = (1, 12, 4, 4, 4) if kind == "mochi" else (1, 32, 7, 2, 3)
+        vae, z, ref = _case(comfy, fixture_vaes, kind, shape)
+        run = lambda: video.decode(vae, {"samples": z}, frames_per_chunk=2)  # noqa: E731
+    else:
+        vae, z = fixture_vaes.load(comfy, kind), structured_latent((1, 128, 2, 2, 2), seed=4)
+        ref = _host_decode(comfy, vae, z)
+        run = lambda: _seeded(lambda: video.decode(vae, {"samples": z}, tile_size=32))  # noqa: E731
+    try:
+        r = run()
+        text = r.report.text()
+        assert r.plan.path == "carry" and r.plan.exact and r.report.summary.startswith("exact"), text
+        assert r.stats["chunks"] >= 3 if kind in ("mochi", "hunyuan_video15") else r.stats["tiles"] == 4, text
+        assert r.images.shape == ref.shape and (r.images - ref).abs().max().item() <= 1e-4, text
+    finally:
+        _release(vae)
 
 
 @pytest.fixture(scope="class")

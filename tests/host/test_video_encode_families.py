@@ -16,6 +16,7 @@ import torch
 from vramfit.memory.executors import split_encode as se
 from vramfit.memory.vae import encode_split as es
 
+from scripts.fixtures import narrow
 from tests.video_refs import TINY_HV15_RATIO, TINY_LTX_RATIO, tiny_hv15, tiny_ltx
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread", "inference_mode")]
@@ -100,6 +101,7 @@ def test_a_global_module_in_the_prefix_is_refused(tiny):
 
 
 # ------------------------------------------------------------------------------ the node on the fixtures
+# (their narrow twins: the host's classes with a quarter of the channels, ``scripts.fixtures.NARROW_KINDS``)
 
 NODE_CASES = {
     # family: (frames, h, w in latent px, tile px); >= 4 tiles across
@@ -117,7 +119,7 @@ def test_node_tiles_equal_vae_encode(comfy, fixture_vaes, family):
     from tests.host.test_tiled_encode_exact import _pixels
 
     mod = sys.modules[comfy.NODE_CLASS_MAPPINGS["VRAMFit_TiledVAEEncode"].__module__]
-    vae = comfy.VAELoader().load_vae(fixture_vaes[family])[0]
+    vae = fixture_vaes.load(comfy, narrow(family))
     frames, h, w, tile = NODE_CASES[family]
     r = int(vae.spacial_compression_encode())
     pixels = _pixels(frames, h * r, w * r, seed=3)
@@ -143,7 +145,7 @@ def test_a_budget_below_the_untiled_peak_takes_tiles(comfy, fixture_vaes):
     from tests.host.test_tiled_encode_exact import _pixels
 
     mod = sys.modules[comfy.NODE_CLASS_MAPPINGS["VRAMFit_TiledVAEEncode"].__module__]
-    vae = comfy.VAELoader().load_vae(fixture_vaes["hunyuan_video15"])[0]
+    vae = fixture_vaes.load(comfy, narrow("hunyuan_video15"))
     pixels = _pixels(9, 64, 768, seed=8)  # 4 x 48 latent px: tiles of 8 latent px reach 26 of them
     (ref,) = comfy.VAEEncode().encode(vae, pixels)
     job = mod._validate(vae, pixels, 0)
