@@ -132,13 +132,13 @@ class Store(Generic[V]):
                 log.warning("could not write the %s cache %s (kept in memory): %s", self.what or self.section, self.path,
                             e)
 
-    def get_or_make(self, key: str, make: Callable[[], V]) -> V:
-        """The stored value for ``key``, or ``make()`` it once and keep it."""
+    def get_or_make(self, key: str, make: Callable[[], V], *, write: bool = True) -> V:
+        """The stored value for ``key``, or ``make()`` it once and keep it (``write``: to the file at once)."""
         found = self.get(key)
         if found is not None:
             return found
         value = make()
-        self._keep(key, value)
+        self._keep(key, value, write)
         return value
 
     def write_defaults(self, path: str | pathlib.Path, keys: Iterable[str] | None = None) -> None:

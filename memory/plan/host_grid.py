@@ -17,9 +17,8 @@ from typing import Any
 import torch
 
 from ..executors import host_grid as hg
-from ..measure.sizing import MetaSizer
 from .types import Plan
-from .video import PeakStore, VideoJob, model_key, out_bytes
+from .video import PeakStore, VideoJob, meta_peak, model_key, out_bytes
 
 log = logging.getLogger("vramfit.memory.plan.host_grid")
 
@@ -78,14 +77,8 @@ def tile_decode_peak(job: VideoJob, tokens: int, peaks: PeakStore) -> int:
     th = min(int(model.tile_size) // r, int(job.z.shape[3])) if model.tiling else int(job.z.shape[3])
     tw = min(int(model.tile_size) // r, int(job.z.shape[4])) if model.tiling else int(job.z.shape[4])
     key = f"{model_key(job)}/1x{c}x{tokens}x{th}x{tw}/host-grid-tile-{hg.EXECUTOR_VERSION}"
-    peak = peaks.get(key)
-    if peak is None:
-        with torch.inference_mode(), MetaSizer([model], job.dtype, job.device) as sizer:
-            out = model._decode_pixels(torch.empty((1, c, tokens, th, tw), dtype=job.dtype, device=job.device))
-            del out
-        peak = int(sizer.peak_bytes)
-        peaks.put(key, peak)
-    return peak
+    return peaks.get_or_make(key, lambda: meta_peak(
+        job, lambda: model._decode_pixels(torch.empty((1, c, tokens, th, tw), dtype=job.dtype, device=job.device))))
 
 
 def grid_peak(job: VideoJob, peaks: PeakStore) -> int:

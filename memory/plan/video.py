@@ -61,6 +61,14 @@ class PeakStore(Store[int]):
         return int(value)
 
 
+def meta_peak(job: VideoJob, run: Callable[[], Any]) -> int:
+    """Peak bytes of ``run()`` on fake tensors with the job's model, dtype and device, under
+    ``torch.inference_mode`` as ComfyUI runs nodes (what ``run`` returns is dropped at once)."""
+    with torch.inference_mode(), MetaSizer([job.vae.first_stage_model], job.dtype, job.device) as sizer:
+        run()
+    return int(sizer.peak_bytes)
+
+
 def executor_digest() -> str:
     """The chunked executor's version (``executors.wan.EXECUTOR_VERSION``), part of every persisted peak's key."""
     return vc.EXECUTOR_VERSION
@@ -385,16 +393,9 @@ def host_decode_peak(job: VideoJob, peaks: PeakStore) -> int:
     """Meta-sized peak bytes of the host's own decode of one batch item at the full clip length, its own
     output included (persisted in ``peaks``); the node's output buffer comes on top."""
     _, c, t, h, w = (int(v) for v in job.z.shape)
-    key = f"{model_key(job)}/1x{c}x{t}x{h}x{w}/host-decode"
-    peak = peaks.get(key)
-    if peak is None:
-        model = job.vae.first_stage_model
-        with torch.inference_mode(), MetaSizer([model], job.dtype, job.device) as sizer:
-            out = model.decode(torch.empty((1, c, t, h, w), dtype=job.dtype, device=job.device))
-            del out
-        peak = int(sizer.peak_bytes)
-        peaks.put(key, peak)
-    return peak
+    model = job.vae.first_stage_model
+    return peaks.get_or_make(f"{model_key(job)}/1x{c}x{t}x{h}x{w}/host-decode", lambda: meta_peak(
+        job, lambda: model.decode(torch.empty((1, c, t, h, w), dtype=job.dtype, device=job.device))))
 
 
 def plan_host_decode(job: VideoJob, budget: int, peaks: PeakStore, reason: str) -> Plan | None:
@@ -465,15 +466,8 @@ def blend_chunk_peak(job: VideoJob, k: int, peaks: PeakStore) -> int:
     persisted in ``peaks``."""
     b, c, t, h, w = (int(v) for v in job.z.shape)
     kk = min(int(k), t)
-    key = f"{model_key(job)}/{b}x{c}x{kk}x{h}x{w}/blend"
-    peak = peaks.get(key)
-    if peak is None:
-        with torch.inference_mode(), MetaSizer([job.vae.first_stage_model], job.dtype, job.device) as sizer:
-            out = blend_fn(job)(torch.empty((b, c, kk, h, w), dtype=job.dtype, device=job.device))
-            del out
-        peak = int(sizer.peak_bytes)
-        peaks.put(key, peak, write=False)
-    return peak
+    return peaks.get_or_make(f"{model_key(job)}/{b}x{c}x{kk}x{h}x{w}/blend", lambda: meta_peak(
+        job, lambda: blend_fn(job)(torch.empty((b, c, kk, h, w), dtype=job.dtype, device=job.device))), write=False)
 
 
 CARRY_MAX_K = 8
@@ -538,16 +532,10 @@ def carry_floor(job: VideoJob, peaks: PeakStore) -> int:
     floor = clip_out_bytes(job)[0]
     if desc.prefix is None:
         return floor
-    key = f"{model_key(job)}/{c}x{t}x{h}x{w}/carry-prefix"
-    peak = peaks.get(key)
-    if peak is None:
-        model = job.vae.first_stage_model
-        with torch.inference_mode(), MetaSizer([model], job.dtype, job.device) as sizer:
-            x = desc.prefix(model, torch.empty((1, c, t, h, w), dtype=job.dtype, device=job.device))
-            del x
-        peak = int(sizer.peak_bytes)
-        peaks.put(key, peak, write=False)
-    return floor + peak
+    model = job.vae.first_stage_model
+    return floor + peaks.get_or_make(f"{model_key(job)}/{c}x{t}x{h}x{w}/carry-prefix", lambda: meta_peak(
+        job, lambda: desc.prefix(model, torch.empty((1, c, t, h, w), dtype=job.dtype, device=job.device))),
+        write=False)
 
 
 def carry_planned(job: VideoJob, k: int, peaks: PeakStore, tile: tuple[int, int] | None = None,
