@@ -81,13 +81,16 @@ def decode(
     budget_mb: int = 0,
     unload_others: bool = True,
     node_id: str | None = None,
+    allow_approximate: bool = False,
 ) -> VideoDecodeResult:
-    """Everything the node does; returns frames ``(B*T, H, W, 3)`` on [0, 1] (as VAEDecode) and the report."""
+    """Everything the node does; returns frames ``(B*T, H, W, 3)`` on [0, 1] (as VAEDecode) and the report.
+    ``allow_approximate``: an overlap-blend that measures under 30 dB may run (else the host's own decode)."""
     t0 = time.perf_counter()
     job, note = _checked(vae, samples, int(frames_per_chunk), int(tile_size))
     with _decode_node.input_errors(REPORT_NODE):
         result = decode_video(job, comfy_env(node_id), budget_mb=int(budget_mb),
-                              unload_others=bool(unload_others), t_start=t0)
+                              unload_others=bool(unload_others), t_start=t0,
+                              allow_approximate=bool(allow_approximate))
     return noted(result, REPORT_NODE, note)
 
 
@@ -104,20 +107,21 @@ class TemporalChunkVideoDecode(io.ComfyNode):
             category=_comfy.CATEGORY,
             description=(
                 "Decodes a video latent within a memory budget, a few latent frames at a time. Wan 2.1/2.2, "
-                "HunyuanVideo 1.5, Mochi and CogVideoX decode exactly (causal context carried across chunks: same "
+                "HunyuanVideo 1.5, Mochi, CogVideoX and Cosmos decode exactly (causal context carried across chunks: same "
                 "frames as VAE Decode, no blinking at chunk borders), LTX-Video exactly in spatial tiles of "
                 "the whole clip; other video VAEs take their own decode when it fits, else overlapping chunks "
-                "(approximate, said in the report)."
+                "(approximate, their measured dB in the report) when they measure at least 30 dB against VAE "
+                "Decode or allow_approximate is on, else their own decode (exact, flagged over the budget)."
             ),
             inputs=[
                 io.Latent.Input("samples", tooltip="The video latent to decode (5-D: batch, channels, frames, "
                                 "height, width). Image latents: use Tiled VAE Decode (VRAM Fit)."),
                 io.Vae.Input("vae", tooltip="The video VAE used for decoding (Wan 2.1/2.2, HunyuanVideo 1.5, "
-                             "Mochi and CogVideoX exact in chunks, LTX-Video in tiles; others exact only when "
+                             "Mochi, CogVideoX and Cosmos exact in chunks, LTX-Video in tiles; others exact only when "
                              "their whole decode fits, else approximate)."),
                 io.Int.Input("frames_per_chunk", default=0, min=0, max=4096, step=1,
                              tooltip="Latent frames decoded per step after the first (each gives 4 video "
-                             "frames; 6 for Mochi; HunyuanVideo 1.5 takes at least 2; CogVideoX counts video "
+                             "frames; 6 for Mochi, 8 for Cosmos; HunyuanVideo 1.5 takes at least 2; CogVideoX counts video "
                              "frames, a multiple of its own 4). 0 = auto: the fastest chunk whose predicted peak "
                              "fits the budget."),
                 io.Int.Input("tile_size", default=0, min=0, max=16384, step=8,
@@ -125,6 +129,11 @@ class TemporalChunkVideoDecode(io.ComfyNode):
                              "with any size). 0 = auto: whole frames when they fit the budget, else the largest "
                              "tiles that do."),
                 *_decode_node.budget_inputs(),
+                io.Boolean.Input("allow_approximate", default=False, optional=True,
+                                 tooltip="Off (default): a video VAE without exact chunks whose overlapping chunks "
+                                 "measure under 30 dB against VAE Decode (checked once per VAE) is decoded whole "
+                                 "by the host (exact, flagged when over the budget). On: such chunks may run "
+                                 "(approximate; the report states the measured dB)."),
             ],
             outputs=[
                 io.Image.Output("IMAGE", display_name="IMAGE", tooltip="The decoded frames as one image batch (same shape, "
@@ -136,7 +145,9 @@ class TemporalChunkVideoDecode(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, samples, vae, frames_per_chunk=0, tile_size=0, budget_mb=0, unload_others=True) -> io.NodeOutput:
+    def execute(cls, samples, vae, frames_per_chunk=0, tile_size=0, budget_mb=0, unload_others=True,
+                allow_approximate=False) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        result = decode(vae, samples, frames_per_chunk, tile_size, budget_mb, unload_others, node_id)
+        result = decode(vae, samples, frames_per_chunk, tile_size, budget_mb, unload_others, node_id,
+                        allow_approximate)
         return _decode_node.output(result, log)

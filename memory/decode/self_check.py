@@ -59,8 +59,8 @@ from .first_use import FirstUse
 log = logging.getLogger("vramfit.memory.decode.self_check")
 
 __all__ = [
-    "BATCH_CHECK_ITEMS", "ENCODE_METHODS", "FILE_NAME", "RECHECK_HINT", "CheckStore", "Verdict", "check_batch",
-    "checked", "code_fingerprint",
+    "BATCH_CHECK_ITEMS", "ENCODE_METHODS", "FIDELITY_FLOOR_DB", "FILE_NAME", "RECHECK_HINT", "CheckStore", "Verdict",
+    "check_batch", "checked", "code_fingerprint", "fmt_db", "psnr_db",
     "memory_store", "store_at", "tolerance", "verify", "weights_digest",
 ]
 
@@ -68,6 +68,10 @@ NOISE_EPS = 8
 """Tolerance in machine epsilons of the dtype (float32: floored at :data:`MIN_TOLERANCE`)."""
 MIN_TOLERANCE = 1e-4
 """Smallest tolerance (outputs on [-1, 1]; float32 noise of both executors measured <= 1e-5)."""
+FIDELITY_FLOOR_DB = 30.0
+"""The least PSNR (dB, on ``[0, 1]`` outputs, vs the host's own decode of the check's input) an approximate path
+must measure to be taken without the user asking for approximate output (issue 36: an overlap-blend of LTX 2.4's
+diffusion decoder measured 10 dB, Cosmos's frames off by 1.0)."""
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -100,6 +104,11 @@ class Verdict:
     """The weights' digest a failure was found with (:func:`weights_digest`; "" for passes)."""
     cached: bool = dataclasses.field(default=False, compare=False)
     """Read from the store (not run now); not stored itself."""
+    psnr: float | None = None
+    """A fidelity check's (:func:`verify` with ``floor_db``) worst PSNR in dB on ``[0, 1]`` outputs (``inf``: equal);
+    None for an exactness check."""
+    floor_db: float | None = None
+    """The PSNR a fidelity check must reach to pass (None for an exactness check)."""
 
     @property
     def state(self) -> str:
@@ -108,6 +117,11 @@ class Verdict:
 
     def describe(self) -> str:
         what = f"vs the host's own result on a tiny input, checked in {fmt_seconds(self.seconds)}"
+        if self.floor_db is not None and self.conclusive and self.psnr is not None:
+            cmp = ">=" if self.ok else "<"
+            return (f"measured {fmt_db(self.psnr)} vs VAE Decode on the first-use check ({self.worst}; "
+                    f"{cmp} the {self.floor_db:g} dB floor; max abs diff {self.max_diff:.3g}; checked in "
+                    f"{fmt_seconds(self.seconds)})")
         if self.ok:
             return f"self-check passed on this host (max abs diff {self.max_diff:.1e} <= {self.tolerance:.0e} {what})"
         if not self.conclusive:
@@ -125,9 +139,23 @@ class Verdict:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Verdict:
+        def opt(v: Any) -> float | None:
+            return None if v is None else float(v)
+
         return cls(bool(d["ok"]), float(d["max_diff"]), float(d["tolerance"]), str(d["worst"]),
                    float(d["seconds"]), str(d.get("detail", "")), bool(d.get("conclusive", True)),
-                   str(d.get("weights", "")))
+                   str(d.get("weights", "")), psnr=opt(d.get("psnr")), floor_db=opt(d.get("floor_db")))
+
+
+def fmt_db(psnr: float) -> str:
+    """A PSNR for a report: ``23.4 dB``; ``inf dB`` for equal outputs."""
+    return "inf dB (equal)" if math.isinf(psnr) else f"{psnr:.1f} dB"
+
+
+def psnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """PSNR in dB of ``out`` against ``ref``, both on ``[0, 1]`` (peak 1); ``inf`` when equal."""
+    mse = (out.float() - ref.float()).pow(2).mean().item()
+    return math.inf if mse == 0 else 10.0 * math.log10(1.0 / mse)
 
 
 RECHECK_HINT = ("a verdict cached for this VAE file (its weights); other files of this structure check for "
@@ -304,6 +332,7 @@ def verify(
     configs: Sequence[tuple[str, Callable[[], torch.Tensor]]],
     dtype: torch.dtype,
     weights: str = "",
+    floor_db: float | None = None,
 ) -> Verdict:
     """The stored verdict for ``key`` and ``weights`` (:meth:`CheckStore.verdict`), or run the check now.
 
@@ -311,7 +340,11 @@ def verify(
     ``run()`` the executor's decode of the same latent in one configuration. Passes when every output has
     the reference's shape and is within :func:`tolerance` of it. Inconclusive (not stored, checked again next
     time) when an output is non-finite or the check runs out of memory. A run that raises otherwise fails
-    the check; that verdict is not stored either (it may be transient)."""
+    the check; that verdict is not stored either (it may be transient).
+
+    ``floor_db``: a *fidelity* check of an approximate path instead: the outputs (on ``[0, 1]``) pass when the
+    worst PSNR against the reference (:func:`psnr_db`) is at least ``floor_db``; the verdict carries it
+    (:attr:`Verdict.psnr`), stored and kept inconclusive exactly as an exactness check's."""
     found = store.verdict(key, weights)
     if found is not None:
         return found
@@ -319,13 +352,14 @@ def verify(
     t0 = time.perf_counter()
     label = "the host's decode"
     worst, worst_d, detail = "", -1.0, ""
+    worst_db: float | None = None
     try:
         with torch.inference_mode():
             ref = reference()
             if not bool(torch.isfinite(ref).all()):
                 verdict = Verdict(False, math.inf, tol, label, time.perf_counter() - t0,
                                   "the host's own decode of the check latent has non-finite values: broken "
-                                  "or overflowing weights", conclusive=False, weights=weights)
+                                  "or overflowing weights", conclusive=False, weights=weights, floor_db=floor_db)
                 log.warning("%s [%s]", verdict.describe(), key)
                 return verdict
             for label, run in configs:
@@ -333,22 +367,28 @@ def verify(
                 if not bool(torch.isfinite(out).all()):  # e.g. an fp16 overflow: no evidence either way
                     verdict = Verdict(False, math.inf, tol, label, time.perf_counter() - t0,
                                       f"{label} gave non-finite values where the host's decode has none",
-                                      conclusive=False, weights=weights)
+                                      conclusive=False, weights=weights, floor_db=floor_db)
                     log.warning("%s [%s]", verdict.describe(), key)
                     return verdict
                 d, why = _max_diff(out, ref)
-                if d > worst_d:
+                if floor_db is not None:
+                    db = psnr_db(out, ref) if not why else -math.inf
+                    if worst_db is None or db < worst_db:
+                        worst, worst_db, detail = label, db, why
+                    worst_d = max(worst_d, d)
+                elif d > worst_d:
                     worst, worst_d, detail = label, d, why
     except Exception as e:  # noqa: BLE001 - any failure means "not proven"; logged and reported
         oom = _is_oom(e)
         what = f"{label} ran out of memory: {e}" if oom else f"{type(e).__name__}: {e}"
         verdict = Verdict(False, math.inf, tol, label, time.perf_counter() - t0, what, conclusive=not oom,
-                          weights=weights)
+                          weights=weights, floor_db=floor_db)
         log.warning("%s [%s]", verdict.describe(), key)
         return verdict
-    ok = worst_d <= tol
+    ok = worst_d <= tol if floor_db is None else worst_db is not None and worst_db >= floor_db
     seconds = time.perf_counter() - t0
-    verdict = Verdict(ok, worst_d, tol, worst, seconds, detail, weights="" if ok else weights)
+    verdict = Verdict(ok, worst_d, tol, worst, seconds, detail, weights="" if ok else weights, psnr=worst_db,
+                      floor_db=floor_db)
     store.keep(key, verdict, weights)
     (log.info if verdict.ok else log.warning)("%s [%s]", verdict.describe(), key)
     return verdict
@@ -364,10 +404,11 @@ def checked(
     prepare: Callable[[], None] | None = None,
     first_use: FirstUse | None = None,
     what: str = "checking exactness against the host's own result",
+    floor_db: float | None = None,
 ) -> Verdict:
     """:func:`verify` for an executor over ``model``: the stored verdict for this structure (or, after a
     failure, for this file: :func:`weights_digest`), else ``prepare()`` (the node loads the weights) and check
-    now (a ``first_use`` phase named ``what``: shown and timed)."""
+    now (a ``first_use`` phase named ``what``: shown and timed). ``floor_db``: a fidelity check (:func:`verify`)."""
     weights = weights_digest(model)
     found = store.verdict(key, weights)
     if found is not None:
@@ -378,7 +419,7 @@ def checked(
         if prepare is not None:
             prepare()
             w = w or weights_digest(model)
-        return verify(key, store, reference, configs, dtype, w)
+        return verify(key, store, reference, configs, dtype, w, floor_db)
 
     if first_use is None:
         return check()

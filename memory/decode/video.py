@@ -18,9 +18,10 @@ from ..cost.observed import observed_key, ratio_text
 from ..executors.blend import decode_overlap_blend
 from ..executors.carry import decode_carried
 from ..executors.wan import decode_wan_chunked
+from ..oom import oom_types
 from ..plan import plan
 from ..plan.host_grid import host_grid_of
-from ..plan.types import Plan
+from ..plan.types import Chunking, Plan
 from ..plan.video import (
     REPORT_NODE,
     VideoJob,
@@ -30,6 +31,7 @@ from ..plan.video import (
     chunk_frames,
     model_key,
     output_geometry,
+    plan_host_decode,
 )
 from ..report import (
     Report,
@@ -40,16 +42,18 @@ from ..report import (
     peak_verdict,
     summary_line,
 )
-from ..vae.carry_layout import carry_layout
+from ..vae.carry_layout import blend_refusal, carry_layout
 from ..vae.families import identify, model_name
+from ..vae.seedvr2_layout import seedvr2_of
 from ..vae.wan_layout import cache_protocol, is_wan_vae, wan_layout
 from .env import DecodeEnv, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
-from .self_check import CheckStore, Verdict, checked, code_fingerprint
+from .self_check import FIDELITY_FLOOR_DB, CheckStore, Verdict, checked, code_fingerprint
 
 log = logging.getLogger("vramfit.memory.decode.video")
 
-__all__ = ["REPORT_NODE", "VideoDecodeResult", "VideoJob", "check_chunked", "decode_video", "make_job"]
+__all__ = ["REPORT_NODE", "VideoDecodeResult", "VideoJob", "check_blend", "check_chunked", "decode_video",
+           "make_job"]
 
 ProgressFn = Callable[[int, int], None]
 
@@ -154,6 +158,84 @@ def check_carried(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
                    first_use)
 
 
+def _seeded(job: VideoJob, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``fn`` from one random state (a decode that draws noise draws the same in every run of a check)."""
+    def go() -> torch.Tensor:
+        with torch.random.fork_rng(devices=[job.device] if job.device.type == "cuda" else []):
+            torch.manual_seed(0)
+            return fn()
+    return go
+
+
+BLEND_CHECK_HW = 4
+"""Most latent px per side of the blend's fidelity check (the job's own size when smaller)."""
+
+
+def check_blend(job: VideoJob, store: CheckStore, k: int, prepare: Callable[[], None] | None = None,
+                first_use: FirstUse | None = None) -> Verdict:
+    """Fidelity of the overlap-blend at ``k`` latent frames per chunk for this decoder on this host: a small random
+    latent (``2 k`` latent frames: three overlapping chunks; at most :data:`BLEND_CHECK_HW` latent px a side)
+    decoded whole by ``first_stage_model.decode`` and by :func:`..executors.blend.decode_overlap_blend`, both
+    through the VAE's ``process_output`` (``[0, 1]``, as the node's output), compared by PSNR
+    (:func:`.self_check.verify` with ``floor_db`` :data:`.self_check.FIDELITY_FLOOR_DB`). Cached per structure and
+    ``k`` as the exactness verdicts are (a failure per file, an inconclusive check never)."""
+    model = job.vae.first_stage_model
+    k = max(2, int(k))
+    key = f"blend-fidelity/{model_key(job)}/k{k}"
+    c, h, w = (int(job.z.shape[i]) for i in (1, 3, 4))
+    t, h, w = 2 * k, min(h, BLEND_CHECK_HW), min(w, BLEND_CHECK_HW)
+    z = torch.randn((1, c, t, h, w), generator=torch.Generator().manual_seed(0)).to(job.device, job.dtype)
+    frames_of, index_formula, _ = blend_ratios(job.vae)
+
+    def unit(x: torch.Tensor) -> torch.Tensor:
+        return job.vae.process_output(x.float().clone()).float()
+
+    def blended() -> torch.Tensor:
+        return unit(decode_overlap_blend(blend_fn(job), z, k, 1, upscale_ratio=frames_of,
+                                         index_formula=index_formula, out_device=job.device))
+
+    return checked(key, store, model, _seeded(job, lambda: unit(blend_fn(job)(z))),
+                   [(f"overlap-blend, k = {k}", _seeded(job, blended))], job.dtype, prepare, first_use,
+                   "measuring the overlap-blend's fidelity against the host's own result", FIDELITY_FLOOR_DB)
+
+
+def _blend_or_host(job: VideoJob, p: Plan, env: DecodeEnv, available: int, allow: bool,
+                   first: FirstUse | None) -> tuple[Plan, str]:
+    """The blend plan ``p`` as it may run: kept (its fidelity in its reason) when it measures at least
+    :data:`.self_check.FIDELITY_FLOOR_DB` or the user allows approximate output; else the host's own decode (exact),
+    flagged when over budget, its reason saying why the blend was not taken. A decoder the blend cannot serve
+    (:func:`..vae.carry_layout.blend_refusal`) always takes the host's decode. Returns ``(plan, refused)``:
+    ``refused`` the reason the blend was not taken ("" when it runs)."""
+    refused = blend_refusal(job.vae.first_stage_model)
+    if refused is None:
+        v = check_blend(job, env.checks, p.config.k, lambda: load_weights(job.vae, env, 0), first)
+        if v.ok or allow:
+            if v.ok:
+                fid = v.describe()
+            elif v.conclusive and v.psnr is not None:
+                fid = f"{v.describe()}; taken because allow_approximate is on"
+            else:
+                fid = f"fidelity not measured ({v.detail}); taken because allow_approximate is on"
+            return dataclasses.replace(p, reason=f"{p.reason}; {fid}"), ""
+        if v.conclusive and v.psnr is not None:
+            refused = f"the overlap-blend that fits {v.describe()}: not taken without allow_approximate"
+        else:
+            refused = (f"the overlap-blend's fidelity could not be measured ({v.detail or v.describe()}): not taken "
+                       "without allow_approximate")
+    else:
+        refused = f"no overlap-blend for this decoder: {refused}"
+    try:
+        host = plan_host_decode(job, 1 << 62, env.peaks, refused)
+    except Exception as e:  # noqa: BLE001 - an op without a fake kernel: the host's decode is not predicted
+        log.warning("meta sizing of %s's own decode failed (%s: %s)", job.family, type(e).__name__, e)
+        host = None
+    if host is None:
+        host = Plan("host", Chunking(max(1, int(job.z.shape[2]) - 1)), "the host's own decode "
+                    "(first_stage_model.decode, as VAE Decode), one batch item at a time", 0, reason=refused)
+    host.over_budget = host.planned > available
+    return host, refused
+
+
 # --------------------------------------------------------------------------------------------------
 # Decode
 
@@ -205,15 +287,20 @@ def decode_video(
     budget_mb: float = 0,
     unload_others: bool = True,
     t_start: float | None = None,
+    allow_approximate: bool = False,
 ) -> VideoDecodeResult:
     """Decode ``job`` within the budget; returns frames ``(B*T, H, W, 3)`` on [0, 1] (as VAEDecode) and the
     report. ``budget_mb``: 0 = free memory
     (``env.budget``); ``unload_others``: offload upstream models first (``env.offload``, VAEs with a
-    patcher). ``t_start``: ``time.perf_counter()`` when planning started. Raises
-    :class:`.grid.ImpossibleBudgetError` when no plan fits."""
+    patcher). ``t_start``: ``time.perf_counter()`` when planning started. ``allow_approximate``: an overlap-blend
+    that measures under :data:`.self_check.FIDELITY_FLOOR_DB` on its first-use check may run (else the host's own
+    decode runs, flagged when over budget). Raises :class:`.grid.ImpossibleBudgetError` when no plan fits."""
     if host_grid_of(job.vae.first_stage_model) is not None:  # tiles internally (MiniMax H3): the host's own grid
         from .host_grid import decode_host_grid_video
         return decode_host_grid_video(job, env, budget_mb=budget_mb, unload_others=unload_others, t_start=t_start)
+    if seedvr2_of(job.vae.first_stage_model) is not None:  # SeedVR2: exact tiles, the host's own time slices
+        from .seedvr2 import decode_seedvr2_video
+        return decode_seedvr2_video(job, env, budget_mb=budget_mb, unload_others=unload_others, t_start=t_start)
     vae, z = job.vae, job.z
     b, _, t, h, w = (int(v) for v in z.shape)
     model = vae.first_stage_model
@@ -240,6 +327,9 @@ def decode_video(
         frames_of, index_formula, _ = blend_ratios(vae)
     oh, ow = h * r, w * r
     p = plan(job, int(budget.available), env.peaks, ratio)
+    refused = ""
+    if p.path == "blend":  # approximate: measured first, never taken under the floor unless the user asked
+        p, refused = _blend_or_host(job, p, env, int(budget.available), allow_approximate, first)
     c = p.config
     plan_seconds = time.perf_counter() - t0
     load_weights(vae, env, p.planned)
@@ -250,7 +340,15 @@ def decode_video(
     hook = env.fault_hook
     t1 = time.perf_counter()
     with measured(env, job.device) as m:
-        if p.path == "host":
+        if p.path == "host" and refused and p.over_budget:
+            try:
+                _host_decode(job, view, bar, env, stats)
+            except oom_types(env.oom_exceptions) as e:
+                raise RuntimeError(
+                    f"{REPORT_NODE}: the host's own decode ran out of memory ({type(e).__name__}); it ran over "
+                    f"the budget because {refused}. Set allow_approximate to true to accept approximate output, "
+                    "or free memory") from e
+        elif p.path == "host":
             _host_decode(job, view, bar, env, stats)
         elif p.path == "wan":
             decode_wan_chunked(

@@ -34,6 +34,19 @@ calls (HunyuanVideo 1.5's ``conv_carry_in``/``conv_carry_out`` lists) describes 
   block and the temporal up blocks on the whole latent (GroupNorm over the clip: the prefix), then the spatial up
   blocks in chunks of 4 frames with causal caches (GroupNorm per chunk): our chunks are whole numbers of its
   chunks, its caches carried between them. Whole frames only (the per-chunk GroupNorm spans the frame).
+* Cosmos (``comfy.ldm.cosmos.vae.CausalContinuousVideoTokenizer``, both hosts): the latent's un-normalising uses
+  each latent frame's index (statistics with a period of 16 frames) and ``post_quant_conv`` is 1x1x1: the prefix,
+  through the host's own ``decode`` with its decoder swapped out. The decoder is causal: ``CausalConv3d`` pads
+  each clip with copies of its first frame (carried: the last ``time_pad`` input frames), GroupNorm with one
+  group per frame, attention per frame, a *temporal* attention that is causal over every earlier frame (carried:
+  the keys and values of every earlier frame of the clip), a temporal upsample that doubles the frames and drops
+  the clip's first (first chunk only; the host skips it for a 1-frame clip, which gives the same frame), and a
+  Haar unpatcher local in time that drops the clip's first ``patch_size - 1`` frames (first chunk only). Whole
+  frames only (per-frame GroupNorm and attention span the frame).
+
+Decoders the overlap-blend cannot serve (:func:`blend_refusal`) take the host's own decode: LTX 2.4's diffusion
+decoder (``na_diffusion_decoder.CausalDiffusionVAE``) draws its noise from a generator seeded on every call on the
+whole output, so each blended chunk would get other noise (measured 10 dB, issue 36).
 """
 
 from __future__ import annotations
@@ -53,8 +66,9 @@ from ..measure.sizing import MetaSizer
 from ..measure.tracker import uncounted
 from .describe import first_fit
 from .split_layout import is_global
+from .swap import swapped
 
-__all__ = ["CarryLayout", "Description", "DESCRIPTIONS", "carry_layout"]
+__all__ = ["CarryLayout", "Description", "DESCRIPTIONS", "blend_refusal", "carry_layout"]
 
 Forward = Callable[[Any, torch.Tensor, dict], torch.Tensor]
 """``forward(module, x, state)``: a module's forward in a chunk; ``state`` holds its carried context (the key
@@ -425,6 +439,131 @@ def _cog_chunk(model: Any, src: tuple[torch.Tensor, torch.Tensor], states: dict)
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
 
+_COSMOS = ("comfy.ldm.cosmos.vae", "comfy.ldm.cosmos.cosmos_tokenizer.layers3d",
+           "comfy.ldm.cosmos.cosmos_tokenizer.patching", "comfy.ldm.cosmos.cosmos_tokenizer.utils")
+"""Modules of Cosmos's tokenizer (both hosts: the same code)."""
+
+
+def _cosmos_reason(model: Any) -> str | None:
+    dec = getattr(model, "decoder", None)
+    if type(model).__name__ != "CausalContinuousVideoTokenizer" or type(model).__module__ != _COSMOS[0]:
+        return "not a Cosmos tokenizer (comfy.ldm.cosmos.vae.CausalContinuousVideoTokenizer)"
+    if dec is None or getattr(model, "post_quant_conv", None) is None:
+        return "its tokenizer has no decoder or post_quant_conv"
+    known = {"DecoderFactorized", "CausalConv3d", "CausalNormalize", "CausalAttnBlock", "CausalTemporalAttnBlock",
+             "CausalHybridUpsample3d", "CausalResnetBlockFactorized3d", "UnPatcher3D"}
+    for m in dec.modules():
+        name, mod = type(m).__name__, type(m).__module__
+        if mod.startswith("comfy.ldm.cosmos") and (mod not in _COSMOS or name not in known):
+            return f"its decoder has a {name} ({mod}; not described)"
+        if name == "CausalConv3d" and (int(m.conv3d.stride[0]) != 1 or int(m.conv3d.dilation[0]) != 1
+                                       or m.time_pad != int(m.conv3d.kernel_size[0]) - 1):
+            return "a CausalConv3d that is not stride-1, dilation-1 and padded kt - 1 frames in time"
+        if name == "CausalNormalize" and getattr(m, "num_groups", 1) != 1:
+            return "a CausalNormalize with several groups (its GroupNorm spans the whole clip)"
+        if name == "UnPatcher3D" and (m.patch_method != "haar" or not callable(getattr(m, "_idwt", None))):
+            return f"an unpatcher of method {m.patch_method!r} (Haar only)"
+    return None
+
+
+def _cosmos_prefix(model: Any, z: torch.Tensor) -> torch.Tensor:
+    """``decode`` without its decoder, on the whole latent: each latent frame un-normalised by its index's
+    statistics, then ``post_quant_conv`` (1x1x1)."""
+    with swapped((model, "decoder", torch.nn.Identity())):
+        return model.decode(z)
+
+
+def _cosmos_conv_forward(m: Any, x: torch.Tensor, state: dict) -> torch.Tensor:
+    """``CausalConv3d.forward`` with the previous chunk's last ``time_pad`` input frames instead of the clip's first
+    frame repeated (first chunk: the host's padding)."""
+    ctx, prev = int(m.time_pad), state.get("prev")
+    xt = torch.cat([x[:, :, :1].repeat(1, 1, ctx, 1, 1) if prev is None else prev, x], dim=2)
+    state["prev"] = xt[:, :, xt.shape[2] - ctx :].clone()
+    return m.conv3d(F.pad(xt, tuple(m.spatial_pad) + (0, 0), mode=m.pad_mode, value=0.0))
+
+
+def _cosmos_tattn_forward(m: Any, x: torch.Tensor, state: dict) -> torch.Tensor:
+    """``CausalTemporalAttnBlock.forward``, its queries attending to the keys and values of every earlier frame of
+    the clip (carried: ``state["k"]``, ``state["v"]``, ``(b h w, c, frames)``)."""
+    h_ = m.norm(x)
+    q, k, v = m.q(h_), m.k(h_), m.v(h_)
+    b, c, t, hh, ww = q.shape
+
+    def space2batch(y: torch.Tensor) -> torch.Tensor:
+        return y.permute(0, 3, 4, 1, 2).reshape(b * hh * ww, c, t)
+
+    q, k, v = space2batch(q), space2batch(k), space2batch(v)
+    if state.get("k") is not None:
+        k, v = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)
+    state["k"], state["v"] = k, v
+    past = int(k.shape[2]) - t
+    w_ = torch.bmm(q.permute(0, 2, 1), k) * (int(c) ** (-0.5))  # (bhw, t, past + t)
+    mask = torch.ones((t, past + t), dtype=torch.bool, device=w_.device).tril(diagonal=past)
+    w_ = F.softmax(w_.masked_fill(~mask, float("-inf")), dim=2)
+    h_ = torch.bmm(w_, v.permute(0, 2, 1)).permute(0, 2, 1).reshape(b, hh, ww, c, t).permute(0, 3, 4, 1, 2)
+    return x + m.proj_out(h_)
+
+
+def _cosmos_upsample_forward(m: Any, x: torch.Tensor, state: dict) -> torch.Tensor:
+    """``CausalHybridUpsample3d.forward``: every frame doubled in time, the clip's first copy dropped in the first
+    chunk only (the host doubles only a clip of more than one frame: for one frame, doubling and dropping gives the
+    same frame)."""
+    if not m.spatial_up and not m.temporal_up:
+        return x
+    if m.temporal_up:
+        x = x.repeat_interleave(2, dim=2)
+        if state.get("first", True):
+            x = x[:, :, 1:]
+        x = m.conv1(x) + x
+    if m.spatial_up:
+        x = x.repeat_interleave(2, dim=3).repeat_interleave(2, dim=4)
+        x = m.conv2(x) + x
+    return m.conv3(x)
+
+
+def _cosmos_unpatch_forward(m: Any, x: torch.Tensor, state: dict) -> torch.Tensor:
+    """``UnPatcher3D`` (Haar): its inverse wavelet levels (each input frame gives its own output frames); the clip's
+    first ``patch_size - 1`` frames dropped in the first chunk only."""
+    for _ in m.range:
+        x = m._idwt(x, "haar", rescale=True)
+    return x[:, :, m.patch_size - 1 :] if state.get("first", True) else x
+
+
+def _cosmos_forwards(model: Any) -> dict[Any, Forward]:
+    out: dict[Any, Forward] = {}
+    for m in model.decoder.modules():
+        name = type(m).__name__
+        if name == "CausalConv3d" and int(m.time_pad) > 0:
+            out[m] = _cosmos_conv_forward
+        elif name == "CausalTemporalAttnBlock":
+            out[m] = _cosmos_tattn_forward
+        elif name == "CausalHybridUpsample3d":
+            out[m] = _cosmos_upsample_forward
+        elif name == "UnPatcher3D":
+            out[m] = _cosmos_unpatch_forward
+    return out
+
+
+def _cosmos_chunk(model: Any, x: torch.Tensor, states: dict) -> torch.Tensor:
+    """One chunk: the host's decoder on the prefix's frames (its described modules' forwards swapped)."""
+    return model.decoder(x)
+
+
+def blend_refusal(model: Any) -> str | None:
+    """Why an overlap-blend of independently decoded chunks cannot serve this decoder at all (None: it may, if it
+    measures well): LTX 2.4's diffusion decoder draws the noise it denoises from a generator it seeds on every call,
+    at the shape of what it decodes, so each chunk gets other noise (issue 36 measured 10 dB); its neighbourhood
+    attention is not causal either. The host's own decode (exact) runs instead."""
+    if type(model).__name__ == "CausalDiffusionVAE" and type(model).__module__.endswith("na_diffusion_decoder"):
+        blocks = getattr(getattr(model, "decoder", None), "diff_blocks", ())
+        kernel = getattr(getattr(blocks[0], "attn", None), "kernel_size", None) if len(blocks) else None
+        reach = (f"; its {len(blocks)} diffusion blocks' neighbourhood attention ({kernel[0]} frames wide, not "
+                 "causal) reads the frames after a chunk too") if kernel else ""
+        return ("LTX 2.4's diffusion decoder draws the noise it denoises on every call, seeded, at the shape it "
+                f"decodes: each chunk would denoise other noise (measured 10 dB){reach}")
+    return None
+
+
 DESCRIPTIONS: tuple[Description, ...] = (
     Description("mochi", _mochi_reason, _mochi_forwards),
     Description("hunyuan_video15", _hv15_reason, chunk=_hv15_chunk, prefix=_hv15_prefix, min_k=2,
@@ -440,6 +579,10 @@ DESCRIPTIONS: tuple[Description, ...] = (
                 unit="frames", first_alone=False, check_t=3,
                 how=f"the host's rolling decode: its low-resolution phase once on the whole latent, then its chunks of "
                     f"{COG_CHUNK} frames with their causal caches"),
+    Description("cosmos", _cosmos_reason, _cosmos_forwards, chunk=_cosmos_chunk, prefix=_cosmos_prefix,
+                how="each causal convolution reads the previous chunk's last frames and the causal temporal "
+                    "attention every earlier frame's keys and values; the latent un-normalised once by its frame "
+                    "index"),
 )
 
 
