@@ -31,6 +31,7 @@ from ..memory.offload import (
     residency,
 )
 from ..memory.plan.host_grid import host_grid_of
+from ..memory.vae.seedvr2_layout import seedvr2_of
 
 log = logging.getLogger("vramfit")
 
@@ -100,8 +101,10 @@ def latent_tensor(node: str, vae: Any, samples: Any, stream: str) -> tuple[torch
         raise error(f"{label} is a 5-D video latent of {shape[2]} frames, but this is an image VAE, which "
                     "decodes single images: wrong VAE for this latent; connect the VAE of the video model "
                     "that made it (e.g. Wan's VAE)")
-    if getattr(vae, "handles_tiling", False) and (dim != 3 or host_grid_of(vae.first_stage_model) is None):
-        # ComfyUI >= 0.33: SeedVR2 bounds its own memory; MiniMax H3's grid is reproduced (memory/plan/host_grid.py)
+    if getattr(vae, "handles_tiling", False) and (dim != 3 or (host_grid_of(vae.first_stage_model) is None
+                                                              and seedvr2_of(vae.first_stage_model) is None)):
+        # ComfyUI >= 0.33: MiniMax H3's grid is reproduced (memory/plan/host_grid.py), SeedVR2 decoded in exact
+        # tiles (memory/executors/seedvr2.py); another VAE that tiles internally is refused
         raise error(f"this VAE ({type(vae.first_stage_model).__name__}) tiles internally (handles_tiling); "
                     f"{label}: decode it with ComfyUI's VAE Decode, which lets the model bound its memory")
     want = getattr(vae, "latent_channels", None)

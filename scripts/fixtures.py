@@ -85,6 +85,7 @@ KINDS = (
     "ltx_video",
     "ltx_video_v0",
     "ltx_video_v1",
+    "seedvr2",
 )
 """The full-size kinds; the narrow twins (:data:`NARROW_KINDS`) are appended below."""
 
@@ -238,6 +239,8 @@ class FixtureSpec:
             return {"version": 0}  # comfy/sd.py: decoder.up_blocks.0.res_blocks.0.conv1 512 wide -> 0
         if self.kind == "ltx_video_v1":
             return {"version": 1}  # comfy/sd.py: conv1 1024 wide, no encoder.down_blocks.1.conv.conv.bias -> 1
+        if self.kind == "seedvr2":
+            return {}  # comfy/sd.py: VideoAutoencoderKLWrapper(), its constructor holds the one configuration
         if self.kind == "hunyuan_video15":
             module = "comfy.ldm.hunyuan_video.vae_refiner"
             return {
@@ -463,6 +466,22 @@ FIXTURES: dict[str, FixtureSpec] = {
         description="LTX-Video 0.9.1 VAE (z 128, 32x, 8x temporal; pixel norms, timestep-conditioned decoder that "
                     "injects fresh noise in its blocks)",
     ),
+    "seedvr2": _spec(
+        "seedvr2",
+        torch.float16,
+        latent_channels=16,
+        latent_dim=3,
+        spatial_ratio=8,
+        temporal_ratio=4,
+        model_class="VideoAutoencoderKLWrapper",
+        module="comfy.ldm.seedvr.vae",
+        params=250_648_227,
+        example_latent=(1, 16, 3, 4, 4),
+        example_output=(1, 9, 32, 32, 3),
+        description="SeedVR2 VAE (z 16, 8x, 4x temporal; causal convs carried across time slices, GroupNorm and "
+                    "mid attention per frame)",
+        min_comfyui="0.33.0",
+    ),
 }
 
 NARROW = 4
@@ -480,6 +499,7 @@ _NARROW_BUILD: dict[str, tuple[str, tuple[str, ...], str, int | tuple[int, ...]]
     "ltx_video": (_LTX, ("Encoder", "Decoder"), "base_channels", (80_396_802, 80_396_418)),
     "ltx_video_v0": (_LTX, ("Encoder", "Decoder"), "base_channels", (26_936_273, 26_935_889)),
     "ltx_video_v1": (_LTX, ("Encoder", "Decoder"), "base_channels", (59_903_474, 59_903_090)),
+    "seedvr2": ("comfy.ldm.seedvr.vae", ("Encoder3D", "Decoder3D"), "block_out_channels", 15_807_939),
 }
 NARROW_KINDS = {full: f"{full}_narrow" for full in _NARROW_BUILD}
 """``{full-size kind: its narrow twin}``: the families whose full-size test decodes would take GBs and minutes (the

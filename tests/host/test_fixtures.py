@@ -264,8 +264,11 @@ def test_optional_kinds_follow_the_host(fixture_vaes, tmp_path, comfy, monkeypat
     has_cogvideo = importlib.util.find_spec("comfy.ldm.cogvideo") is not None
     assert fixtures.available("cogvideox") == has_cogvideo
     assert ("cogvideox" in fixture_vaes) == has_cogvideo
-    assert [k for k in KINDS if FIXTURES[k].min_comfyui is not None] == ["cogvideox"]
-    assert all(fixtures.available(k) and k in fixture_vaes for k in KINDS if k != "cogvideox")
+    optional = [k for k in KINDS if FIXTURES[k].min_comfyui is not None]
+    assert optional == ["cogvideox", "seedvr2", "seedvr2_narrow"]
+    has_seedvr = importlib.util.find_spec("comfy.ldm.seedvr") is not None
+    assert fixtures.available("seedvr2_narrow") == has_seedvr and ("seedvr2" in fixture_vaes) == has_seedvr
+    assert all(fixtures.available(k) and k in fixture_vaes for k in KINDS if k not in optional)
     if not has_cogvideo:
         expected = r"cogvideox \(comfy\.ldm\.cogvideo\.vae, ComfyUI >= 0\.33\.0\)"
         with pytest.raises(RuntimeError, match=expected):
@@ -439,7 +442,7 @@ def test_specs_are_consistent():
     assert FIXTURES["mochi"].dtype == FIXTURES["cogvideox"].dtype == torch.bfloat16
     assert FIXTURES["mochi"].example_output[1] == 6 * FIXTURES["mochi"].example_latent[2] - 5
     assert FIXTURES["cogvideox"].min_comfyui == "0.33.0"
-    assert all(FIXTURES[k].min_comfyui is None for k in KINDS if k != "cogvideox")
+    assert all(FIXTURES[k].min_comfyui is None for k in KINDS if k not in ("cogvideox", "seedvr2", "seedvr2_narrow"))
     assert FIXTURES["wan21"].dtype == FIXTURES["wan22"].dtype == FIXTURES["flux2"].dtype == torch.bfloat16
     flux2 = FIXTURES["flux2"]
     assert (flux2.latent_channels, flux2.spatial_ratio) == (128, 16)

@@ -1,0 +1,112 @@
+"""Planning SeedVR2's exact decode (:mod:`..executors.seedvr2`): the tile side and where whole-frame activations
+and carried frames wait, chosen from peaks sized on fake tensors like every video path (:func:`.video.meta_peak`,
+persisted in the :class:`.video.PeakStore`). The time slices are the host's (they are part of its result), so the
+lever is the tile: whole frames first (fewest calls), then tiles of 512 .. 32 px at every activation's own
+resolution; on an accelerator, the same again with the store in host memory. The first that fits the budget is the
+plan; none fits: the smallest, flagged over budget. Entered from ``decode/seedvr2`` (``decode/video.decode_video``
+dispatches there when :func:`..vae.seedvr2_layout.seedvr2_of` recognises the model). Nothing here imports ComfyUI."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from ..executors import seedvr2 as sx
+from ..vae.seedvr2_layout import seedvr2_layout
+from .types import Plan
+from .video import PeakStore, VideoJob, meta_peak, model_key, out_bytes
+
+log = logging.getLogger("vramfit.memory.plan.seedvr2")
+
+__all__ = ["SIZED_FRAMES", "TILES", "SeedVR2Config", "candidates", "plan_seedvr2", "seedvr2_peak"]
+
+TILES = (None, 512, 256, 128, 64, 32)
+"""Tile sides (px at every activation's own resolution; None: whole frames) in the order the plan tries them."""
+SIZED_FRAMES = 3
+"""Latent frames the peak is sized at: the host's first slice (2 frames) and one carried slice (the later slices
+repeat it: same shapes, the carried frames of every convolution already held)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SeedVR2Config:
+    tile: tuple[int, int] | None
+    store: str
+    """``device`` (the compute device) or ``host`` (CPU memory, on an accelerator)."""
+    slices: int
+    grid: tuple[int, int] = (1, 1)
+    """Tiles of the output-resolution segments."""
+
+    def describe(self) -> str:
+        tiles = "whole frames" if self.tile is None else (
+            f"{self.grid[0]}x{self.grid[1]} tiles of {self.tile[0]} px at full resolution (the same px at every "
+            "level)")
+        return (f"the host's {self.slices} time slice(s) with carried causal frames; per slice the mid block once "
+                f"on the whole latent, the up path in {tiles}, per-frame GroupNorm statistics shared; "
+                f"store on {self.store}")
+
+
+def candidates(job: VideoJob) -> list[SeedVR2Config]:
+    lay = seedvr2_layout(job.vae.first_stage_model)
+    _, _, t, h, w = (int(v) for v in job.z.shape)
+    r = 8
+    tiles = [(job.tile_size, job.tile_size)] if job.tile_size > 0 else [
+        None if s is None else (s, s) for s in TILES]
+    stores = ["device"] + (["host"] if job.device.type != "cpu" else [])
+    out = []
+    for store in stores:
+        for tile in tiles:
+            if tile is not None and tile[0] >= max(h, w) * r and job.tile_size <= 0:
+                continue  # one tile of the whole frame: the whole-frame candidate
+            g = (1, 1) if tile is None else (-(-h * r // tile[0]), -(-w * r // tile[1]))
+            out.append(SeedVR2Config(tile, store, len(lay.slices(t)), g))
+    return out
+
+
+def seedvr2_peak(job: VideoJob, cfg: SeedVR2Config, peaks: PeakStore) -> int:
+    """Meta-sized peak bytes of the executor on one batch item of :data:`SIZED_FRAMES` latent frames (fewer when the
+    latent has fewer) without its output (persisted in ``peaks``)."""
+    model = job.vae.first_stage_model
+    _, c, t, h, w = (int(v) for v in job.z.shape)
+    tm = min(t, SIZED_FRAMES)
+    tile = "whole" if cfg.tile is None else f"{cfg.tile[0]}x{cfg.tile[1]}"
+    key = f"{model_key(job)}/1x{c}x{tm}x{h}x{w}/seedvr2-{sx.EXECUTOR_VERSION}/{tile}/{cfg.store}"
+    lay = seedvr2_layout(model)
+    frames = lay.frames(tm)
+    store = "cpu" if cfg.store == "host" else job.device
+
+    def run() -> None:
+        out = torch.empty((1, 3, frames, h * 8, w * 8), dtype=torch.float32, device=job.out_device)
+        sx.decode_seedvr2(model, torch.empty((1, c, tm, h, w), dtype=job.dtype, device=job.device), cfg.tile,
+                          out=out, compute_device=job.device, dtype=job.dtype, store_device=store)
+
+    def sized() -> int:
+        peak = meta_peak(job, run)
+        return max(0, peak - (frames * 3 * h * w * 64 * 4 if job.out_device.type == job.device.type else 0))
+
+    return peaks.get_or_make(key, sized)
+
+
+def plan_seedvr2(job: VideoJob, budget: int, peaks: PeakStore, reason: str, exact: bool) -> Plan:
+    """The first candidate (:func:`candidates`) whose peak plus the node's output buffer fits ``budget``, else the
+    last one sized, over budget. ``reason``/``exact``: the self-check's verdict."""
+    model = job.vae.first_stage_model
+    lay = seedvr2_layout(model)
+    b, _, t, h, w = (int(v) for v in job.z.shape)
+    buf = out_bytes(job, lay.frames(t), h * 8, w * 8)
+    chosen, planned = None, 0
+    for cfg in candidates(job):
+        try:
+            peak = seedvr2_peak(job, cfg, peaks)
+        except Exception as e:  # noqa: BLE001 - an op without a fake kernel: run unpredicted
+            log.warning("meta sizing of the SeedVR2 executor failed (%s: %s)", type(e).__name__, e)
+            chosen, planned = cfg, 0
+            break
+        chosen, planned = cfg, peak + buf
+        if planned <= budget:
+            break
+    assert chosen is not None
+    units = sx.units(lay, t, h, w, chosen.tile)
+    return Plan("seedvr2", chosen, chosen.describe(), planned, exact=exact, reason=reason,
+                over_budget=bool(planned) and planned > budget, units=units)
