@@ -20,10 +20,14 @@ builds the same ``first_stage_model`` it would for the real releases:
 * ``cogvideox``      CogVideoX ``comfy.ldm.cogvideo.vae.AutoencoderKLCogVideoX`` (16 channels, 8x spatial, 4x
                      temporal), bfloat16. ComfyUI 0.33.0+ only: on an older host (0.3.75) the kind is
                      unavailable (:func:`available`); ``make_models`` skips it by default.
-* ``<kind>_narrow``  narrow twins of ``wan22``, ``hunyuan_image``, ``mochi``, ``hunyuan_video15`` and the three
-                     ``ltx_video`` versions:
+* ``<kind>_narrow``  narrow twins of ``wan22``, ``hunyuan_image``, ``mochi``, ``hunyuan_video15``, ``mage`` and
+                     the three ``ltx_video`` versions:
                      the same host classes with a quarter (Mochi: half) of the channels (:data:`NARROW_KINDS`), for the
                      exactness and coverage tests; ComfyUI's loader builds them under :func:`narrow_host`.
+* ``mage``           Mage-VAE ``comfy.ldm.mage_flow.vae.MageVAE`` (128 channels, 16x spatial; a one-step diffusion
+                     decoder: a GroupNorm/window-attention CoD decoder, DiCo blocks at latent resolution, a per-patch
+                     MLP), keyed as the released file (``student.dconv_encoder.*``, ``pipeline.*``), bfloat16.
+                     ComfyUI 0.33.0+ only.
 * ``dcae_sana``      Sana's DC-AE (``dc-ae-f32c32-sana-1.0``: 32 channels, 32x spatial), diffusers'
                      ``AutoencoderDC``, bfloat16; not a ComfyUI model: ComfyUI_ExtraModels' ``ExtraVAELoader``
                      loads it into its own ``VAE`` subclass, which ``scripts/sana_vae.py`` mirrors.
@@ -86,6 +90,7 @@ KINDS = (
     "ltx_video_v0",
     "ltx_video_v1",
     "seedvr2",
+    "mage",
 )
 """The full-size kinds; the narrow twins (:data:`NARROW_KINDS`) are appended below."""
 
@@ -241,6 +246,8 @@ class FixtureSpec:
             return {"version": 1}  # comfy/sd.py: conv1 1024 wide, no encoder.down_blocks.1.conv.conv.bias -> 1
         if self.kind == "seedvr2":
             return {}  # comfy/sd.py: VideoAutoencoderKLWrapper(), its constructor holds the one configuration
+        if self.kind == "mage":
+            return {}  # comfy/sd.py: MageVAE(), its constructors hold the one configuration
         if self.kind == "hunyuan_video15":
             module = "comfy.ldm.hunyuan_video.vae_refiner"
             return {
@@ -257,14 +264,14 @@ class FixtureSpec:
     def file_key(self, key: str) -> str:
         """The key of the model's state-dict entry ``key`` in the released file (BFL's FLUX.2 file nests
         the quant convs in the encoder and decoder; ComfyUI's loader moves them back)."""
-        for model_prefix, file_prefix in _FILE_PREFIXES.get(self.kind, ()):
+        for model_prefix, file_prefix in _FILE_PREFIXES.get(self.full or self.kind, ()):
             if key.startswith(model_prefix):
                 return file_prefix + key[len(model_prefix):]
         return key
 
     def model_key(self, key: str) -> str:
         """Inverse of :meth:`file_key`."""
-        for model_prefix, file_prefix in _FILE_PREFIXES.get(self.kind, ()):
+        for model_prefix, file_prefix in _FILE_PREFIXES.get(self.full or self.kind, ()):
             if key.startswith(file_prefix):
                 return model_prefix + key[len(file_prefix):]
         return key
@@ -272,6 +279,8 @@ class FixtureSpec:
 
 _FILE_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
     "flux2": (("quant_conv.", "encoder.quant_conv."), ("post_quant_conv.", "decoder.post_quant_conv.")),
+    # comfy/sd.py (0.33.0) detects Mage-VAE by student.dconv_encoder.proj_out.weight and strips these prefixes
+    "mage": (("dconv_encoder.", "student.dconv_encoder."), ("decoder_model.", "pipeline.")),
 }
 
 
@@ -482,6 +491,22 @@ FIXTURES: dict[str, FixtureSpec] = {
                     "mid attention per frame)",
         min_comfyui="0.33.0",
     ),
+    "mage": _spec(
+        "mage",
+        torch.bfloat16,
+        latent_channels=128,
+        latent_dim=2,
+        spatial_ratio=16,
+        temporal_ratio=1,
+        model_class="MageVAE",
+        module="comfy.ldm.mage_flow.vae",
+        params=138_052_035,
+        example_latent=(1, 128, 2, 2),
+        example_output=(1, 32, 32, 3),
+        description="Mage-VAE (z 128, 16x; one-step diffusion decoder: GroupNorm ResBlocks and attention in 32-px "
+                    "windows, DiCo blocks with channel attention over the whole map, a per-patch MLP)",
+        min_comfyui="0.33.0",
+    ),
 }
 
 NARROW = 4
@@ -500,6 +525,7 @@ _NARROW_BUILD: dict[str, tuple[str, tuple[str, ...], str, int | tuple[int, ...]]
     "ltx_video_v0": (_LTX, ("Encoder", "Decoder"), "base_channels", (26_936_273, 26_935_889)),
     "ltx_video_v1": (_LTX, ("Encoder", "Decoder"), "base_channels", (59_903_474, 59_903_090)),
     "seedvr2": ("comfy.ldm.seedvr.vae", ("Encoder3D", "Decoder3D"), "block_out_channels", 15_807_939),
+    "mage": ("comfy.ldm.mage_flow.vae", ("DConvEncoder", "DConvDenoiser"), "hidden_size", 10_284_291),
 }
 NARROW_KINDS = {full: f"{full}_narrow" for full in _NARROW_BUILD}
 """``{full-size kind: its narrow twin}``: the families whose full-size test decodes would take GBs and minutes (the
@@ -539,7 +565,7 @@ def narrow_host(kind: str) -> Iterator[None]:
     """Inside the block, ComfyUI builds ``kind``'s blocks with 1/:func:`narrow_divisor` of the channels (a no-op for
     a kind without :attr:`FixtureSpec.full`): the host's own constructors of the family's module (:data:`_NARROW_BUILD`)
     called with narrower widths (Hunyuan's ``block_out_channels``, LTX-Video's and Mochi's ``base_channels``, Wan
-    2.2's ``dim`` and ``dec_dim``); LTX-Video's ``VideoVAE`` is also told the version ``comfy/sd.py`` reads from the
+    2.2's ``dim`` and ``dec_dim``, Mage-VAE's ``hidden_size`` and ``head_size``); LTX-Video's ``VideoVAE`` is also told the version ``comfy/sd.py`` reads from the
     full-width block. Same classes, key names, kernels, strides, norms and attention placement as the full-size
     model, the latent channels unchanged. Use it around ``VAELoader().load_vae`` of a narrow file
     (:func:`load_vae`, :meth:`FixtureFolder.load`)."""
@@ -552,7 +578,7 @@ def narrow_host(kind: str) -> Iterator[None]:
     mod = _import_comfy_module(name)
     orig = {c: getattr(mod, c) for c in ctors}
     defaults = {"base_channels": {"Encoder": 64, "Decoder": 128} if spec.full == "mochi" else 128,
-                "dim": 160}
+                "dim": 160, "hidden_size": 384}
 
     def narrower(ctor: str):
         cls = orig[ctor]
@@ -566,6 +592,8 @@ def narrow_host(kind: str) -> Iterator[None]:
                 kw[keyword] = defaults[keyword] // div
             if spec.full == "wan22":
                 kw["dec_dim"] = kw.get("dec_dim", 256) // div
+            if ctor == "DConvEncoder":  # Mage-VAE's encoder head
+                kw["head_size"] = kw.get("head_size", 768) // div
             return cls(*a, **kw)
 
         return build

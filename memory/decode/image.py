@@ -113,7 +113,14 @@ def check_exact(job: ImageJob, store: CheckStore, norm_params: te.NormParamsFn |
 
 
 CHECK_SPLIT_TILE = 8
-"""Suffix tiles of the split path's self-check, in px of the prefix's output (2x3 tiles for DC-AE)."""
+"""Suffix tiles of the split path's self-check, in px of the prefix's output, for a prefix at 4x the latent's
+resolution (2x3 tiles for DC-AE); :func:`check_split_tile` scales it to other prefixes."""
+
+
+def check_split_tile(scale: int) -> int:
+    """The self-check's suffix tile for a prefix output at ``scale`` px per latent px: 2x3 tiles of the check's
+    latent whatever the scale (Mage-VAE's prefix stays at latent resolution: tiles of 2 px)."""
+    return max(1, CHECK_SPLIT_TILE * scale // 4)
 
 
 def check_split(job: ImageJob, store: CheckStore, prepare: Callable[[], None] | None = None,
@@ -121,7 +128,7 @@ def check_split(job: ImageJob, store: CheckStore, prepare: Callable[[], None] | 
     """Self-check of the split path for this decoder on this host: a tiny random latent
     (:data:`CHECK_LATENT_HW`) through the VAE's own decode (``first_stage_model.decode``; for a VAE that
     overrides ``VAE.decode``, that decode, against ComfyUI's output processing of ours) and through
-    :func:`..executors.split.decode_split` in tiles of :data:`CHECK_SPLIT_TILE` px with the traced halo."""
+    :func:`..executors.split.decode_split` in tiles of :func:`check_split_tile` px with the traced halo."""
     model = job.vae.first_stage_model
     layout = split_layout(model)
     cls = type(model)
@@ -129,16 +136,17 @@ def check_split(job: ImageJob, store: CheckStore, prepare: Callable[[], None] | 
            f"/{str(job.dtype).removeprefix('torch.')}/{job.device.type}")
     z = torch.randn((1, job.channels, *CHECK_LATENT_HW), generator=torch.Generator().manual_seed(0))
     z = z.to(job.device, job.dtype)
-    halo = default_halo(suffix_reach(layout, model, job.channels, job.dtype, job.device)[2])
+    scale, _, reach = suffix_reach(layout, model, job.channels, job.dtype, job.device)
+    halo, tile = default_halo(reach), check_split_tile(scale)
 
     def tiled() -> torch.Tensor:
-        out = decode_split(layout, z, CHECK_SPLIT_TILE, halo)
+        out = decode_split(layout, z, tile, halo)
         return out if job.core else _process(out).movedim(1, -1)
 
     def reference() -> torch.Tensor:
         return model.decode(z).float() if job.core else job.vae.decode(z).float()
 
-    configs = [(f"suffix tiles of {CHECK_SPLIT_TILE} px", tiled)]
+    configs = [(f"suffix tiles of {tile} px", tiled)]
     return checked(key, store, model, reference, configs, job.dtype, prepare, first_use)
 
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .swap import swapped
+
 __all__ = [
     "DCAE_MODULES", "DESCRIPTIONS", "Description", "SplitLayout", "Stage", "is_dcae", "is_global", "split_layout",
 ]
@@ -50,18 +52,21 @@ class Description:
 
 
 _NORMS_OVER_SPACE = (torch.nn.GroupNorm, torch.nn.LayerNorm, torch.nn.InstanceNorm2d, torch.nn.InstanceNorm3d)
+_ADAPTIVE_POOLS = (torch.nn.AdaptiveAvgPool1d, torch.nn.AdaptiveAvgPool2d, torch.nn.AdaptiveAvgPool3d,
+                   torch.nn.AdaptiveMaxPool1d, torch.nn.AdaptiveMaxPool2d, torch.nn.AdaptiveMaxPool3d)
 
 
 def is_global(m: Any) -> bool:
     """A module whose output at one pixel may depend on every pixel: attention (by class name, as
-    :func:`..measure.reach.traced_reach`) or a norm with statistics that may span space (GroupNorm, LayerNorm,
-    InstanceNorm). Local: per-pixel RMS norms, and a LayerNorm over one axis of fixed length, which in a
+    :func:`..measure.reach.traced_reach`), a norm with statistics that may span space (GroupNorm, LayerNorm,
+    InstanceNorm) or an adaptive pool (its windows follow the input's size: Mage-VAE's channel attention pools
+    the whole map). Local: per-pixel RMS norms, and a LayerNorm over one axis of fixed length, which in a
     convolutional decoder is the channel axis moved last (LTX-Video 0.9.0's ``LayerNorm``): over a spatial axis it
     would fail on a tile of another size rather than differ (and the self-check proves every exact path)."""
     name = type(m).__name__.lower()
     if isinstance(m, torch.nn.LayerNorm) and len(m.normalized_shape) == 1:
         return False
-    return "attn" in name or "attention" in name or isinstance(m, _NORMS_OVER_SPACE)
+    return "attn" in name or "attention" in name or isinstance(m, _NORMS_OVER_SPACE + _ADAPTIVE_POOLS)
 
 
 def _has_global(stage: Stage) -> bool:
@@ -154,8 +159,74 @@ def _dcae_stages(model: Any) -> list[Stage]:
             + [Stage("out", out, (dec.norm_out, dec.conv_act, dec.conv_out))])
 
 
+def _mage_reason(model: Any) -> str | None:
+    if not type(model).__module__.endswith("mage_flow.vae"):
+        return "not Mage-VAE (comfy.ldm.mage_flow.vae)"
+    dm = getattr(model, "decoder_model", None)
+    for name in ("t_embedder", "s_embedder", "blocks", "y_embedder", "hidden_size", "in_channels", "patch_size"):
+        if getattr(dm, name, None) is None:
+            return f"Mage-VAE's denoiser has no {name}"
+    if getattr(dm.y_embedder, "decoder", None) is None or getattr(dm.s_embedder, "proj1", None) is None:
+        return "Mage-VAE's denoiser has no y_embedder.decoder or s_embedder.proj1"
+    return None
+
+
+class _Given(torch.nn.Module):
+    """A stand-in submodule that returns ``value`` whatever it is called with."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        super().__init__()
+        self.value = value
+
+    def forward(self, *_: Any) -> torch.Tensor:
+        return self.value
+
+
+def _mage_stages(model: Any) -> list[Stage]:
+    """ComfyUI 0.33's ``MageVAE.decode``: the CoD decoder (GroupNorm ResBlocks, attention in 32-px windows) on the
+    latent, then the one-step denoiser from zero noise at t=0: its patch embedding and DiCo blocks (adaptive layer
+    norm by the timestep, channel attention over the whole map) at latent resolution, then a per-patch MLP that
+    paints each latent px's 16x16 px. Between the stages the tensor is the blocks' state ``s`` and the CoD decoder's
+    ``cond`` side by side (channels). The tail is the host's own ``forward`` on a tile, its embedding and blocks
+    swapped for the prefix's ``s``; the patch embedding of the zero noise (a stride-16 convolution: the same value at
+    every latent px) is taken from one zero patch."""
+    dm = model.decoder_model
+    hidden = int(dm.hidden_size)
+
+    def timestep(x: torch.Tensor) -> torch.Tensor:
+        return dm.t_embedder(torch.zeros(x.shape[0], device=x.device, dtype=x.dtype).view(-1), x.dtype)
+
+    def embed(cond: torch.Tensor) -> torch.Tensor:
+        ps = int(dm.patch_size)
+        zero = torch.zeros((cond.shape[0], int(dm.in_channels), ps, ps), device=cond.device, dtype=cond.dtype)
+        noise = dm.s_embedder.proj1(zero).expand(-1, -1, *cond.shape[-2:])
+        return torch.cat([dm.s_embedder.proj2(torch.cat([noise, cond], dim=1)), cond], dim=1)
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:
+        s, cond, c = x[:, :hidden], x[:, hidden:], timestep(x)
+        for block in dm.blocks:
+            s = block(s, c)
+        return torch.cat([s, cond], dim=1)
+
+    def tail(x: torch.Tensor) -> torch.Tensor:
+        s, cond = x[:, :hidden], x[:, hidden:]
+        ps = int(dm.patch_size)
+        noise = torch.zeros((x.shape[0], int(dm.in_channels), x.shape[-2] * ps, x.shape[-1] * ps), device=x.device,
+                            dtype=x.dtype)
+        with swapped((dm, "s_embedder", _Given(s)), (dm, "blocks", torch.nn.ModuleList())):
+            return dm(noise, torch.zeros(x.shape[0], device=x.device, dtype=x.dtype), cond)
+
+    patch_tail = tuple(getattr(dm, n) for n in ("y_embedder_x", "x_embedder", "dec_net", "final_layer")
+                       if getattr(dm, n, None) is not None)
+    return [Stage("y_embedder.decoder", dm.y_embedder.decoder, (dm.y_embedder.decoder,)),
+            Stage("s_embedder", embed, (dm.s_embedder,)),
+            Stage("blocks", blocks, (dm.t_embedder, dm.blocks)),
+            Stage("per-patch tail", tail, patch_tail)]
+
+
 DESCRIPTIONS: tuple[Description, ...] = (
     Description("dc-ae", _dcae_reason, _dcae_stages),
+    Description("mage", _mage_reason, _mage_stages),
 )
 
 

@@ -120,10 +120,13 @@ def test_loader_detects_the_real_architecture(loaded, fixture_vaes):
         full = fixtures.build_model(spec.full).state_dict()
         narrow = fixtures.build_model(spec.kind).state_dict()
         assert {spec.model_key(k) for k in keys} == set(full) == set(narrow)
+        cat = kind == "mage"  # Mage-VAE concatenates latent-wide and hidden-wide inputs (s_embedder.proj2, x_embedder)
         for k, v in full.items():  # every dimension kept (kernels, latent channels) or narrower (widths)
-            assert all(n in (f, f // div) for n, f in zip(narrow[k].shape, v.shape, strict=True)), k
+            assert all(n in (f, f // div) or (cat and f // div < n < f)
+                       for n, f in zip(narrow[k].shape, v.shape, strict=True)), k
         n_full, n_narrow = (sum(v.numel() for v in sd.values()) for sd in (full, narrow))
-        assert 0.9 < n_narrow * div**2 / n_full < 1.1, (n_narrow, n_full)
+        hi = 1.25 if kind == "mage" else 1.1  # Mage-VAE's per-patch MLP (32 wide) and latent-side layers keep theirs
+        assert 0.9 < n_narrow * div**2 / n_full < hi, (n_narrow, n_full)
         assert all(fsm.state_dict()[k].shape == v.shape for k, v in narrow.items())
     if kind == "wan22":
         assert "decoder.upsamples.0.upsamples.0.residual.2.weight" in keys
@@ -147,6 +150,10 @@ def test_loader_detects_the_real_architecture(loaded, fixture_vaes):
     if kind == "cogvideox":  # comfy/sd.py 0.33.0 "CogVideoX VAE"; latent channels from encoder.conv_out
         assert {"decoder.conv_in.conv.weight", "decoder.mid_block.resnets.0.norm1.norm_layer.weight"} <= keys
         assert fsm.encoder.conv_out.conv.weight.shape[0] == 32 and fsm.latent_channels == 16
+    if kind == "mage":  # comfy/sd.py 0.33.0 "Mage-VAE": detected and re-prefixed from the released file's keys
+        assert "student.dconv_encoder.proj_out.weight" in keys
+        assert all(k.startswith(("student.dconv_encoder.", "pipeline.")) for k in keys)
+        assert fsm.decoder_model.y_embedder.decoder.conv_in.weight.shape[1] == 128
     if kind == "flux":  # FLUX's ae.safetensors: no quant convs, so ComfyUI builds an AutoencodingEngine
         assert not any("quant_conv" in k for k in keys)
         assert fsm.decoder.conv_in.weight.shape[1] == 16
@@ -265,9 +272,10 @@ def test_optional_kinds_follow_the_host(fixture_vaes, tmp_path, comfy, monkeypat
     assert fixtures.available("cogvideox") == has_cogvideo
     assert ("cogvideox" in fixture_vaes) == has_cogvideo
     optional = [k for k in KINDS if FIXTURES[k].min_comfyui is not None]
-    assert optional == ["cogvideox", "seedvr2", "seedvr2_narrow"]
-    has_seedvr = importlib.util.find_spec("comfy.ldm.seedvr") is not None
-    assert fixtures.available("seedvr2_narrow") == has_seedvr and ("seedvr2" in fixture_vaes) == has_seedvr
+    assert {"cogvideox", "mage", "mage_narrow", "seedvr2", "seedvr2_narrow"} <= set(optional)
+    for k in optional:  # each follows its module (SeedVR2: comfy.ldm.seedvr; Mage-VAE: comfy.ldm.mage_flow)
+        has = importlib.util.find_spec(FIXTURES[k].module.rsplit(".", 1)[0]) is not None
+        assert fixtures.available(k) == has and (k in fixture_vaes) == has, k
     assert all(fixtures.available(k) and k in fixture_vaes for k in KINDS if k not in optional)
     if not has_cogvideo:
         expected = r"cogvideox \(comfy\.ldm\.cogvideo\.vae, ComfyUI >= 0\.33\.0\)"
@@ -441,8 +449,12 @@ def test_specs_are_consistent():
     assert FIXTURES["kl_f8"].dtype == torch.float16
     assert FIXTURES["mochi"].dtype == FIXTURES["cogvideox"].dtype == torch.bfloat16
     assert FIXTURES["mochi"].example_output[1] == 6 * FIXTURES["mochi"].example_latent[2] - 5
-    assert FIXTURES["cogvideox"].min_comfyui == "0.33.0"
-    assert all(FIXTURES[k].min_comfyui is None for k in KINDS if k not in ("cogvideox", "seedvr2", "seedvr2_narrow"))
+    assert FIXTURES["cogvideox"].min_comfyui == FIXTURES["mage"].min_comfyui == "0.33.0"
+    assert all(FIXTURES[k].min_comfyui is None for k in KINDS
+               if k not in ("cogvideox", "mage", "mage_narrow", "seedvr2", "seedvr2_narrow"))
+    mage = FIXTURES["mage_narrow"]  # comfy/sd.py detects Mage-VAE by student.dconv_encoder.proj_out.weight
+    assert mage.file_key("dconv_encoder.proj_out.weight") == "student.dconv_encoder.proj_out.weight"
+    assert mage.model_key("pipeline.blocks.0.conv1.weight") == "decoder_model.blocks.0.conv1.weight"
     assert FIXTURES["wan21"].dtype == FIXTURES["wan22"].dtype == FIXTURES["flux2"].dtype == torch.bfloat16
     flux2 = FIXTURES["flux2"]
     assert (flux2.latent_channels, flux2.spatial_ratio) == (128, 16)
