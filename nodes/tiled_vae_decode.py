@@ -5,7 +5,8 @@ This file is the ComfyUI adapter: the schema, input validation and the wiring of
 bounded mid-block attention, GroupNorm weight casting) into ``memory.decode.image.decode_image``, which
 chooses the path (untiled / exact tiles / approximate tiles), plans, re-plans after out-of-memory
 errors, decodes the batch and writes the report (see its docstring and docs/TILED_DECODE.md). Single
-frames of a video VAE (a 4-D latent on Wan, Qwen-Image...) go to ``memory.decode.video.decode_video``.
+frames of a video VAE (a 4-D latent on Wan, Qwen-Image...) go to ``memory.decode.video.decode_video``; those of
+a 3-D image VAE (Hunyuan Image 2.1's refiner) are images (``memory.vae.one_frame``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from comfy_api.v0_0_2 import io
 from ..memory.decode.env import DecodeEnv
 from ..memory.decode.image import REPORT_NODE, DecodeResult, ImageJob, decode_image, make_job
 from ..memory.decode.video import VideoDecodeResult, VideoJob, decode_video
+from ..memory.vae.one_frame import one_frame_vae
 from . import _comfy, _decode_node, video_decode
 
 log = logging.getLogger("vramfit.nodes.tiled_vae_decode")
@@ -56,6 +58,16 @@ def _checked(vae: Any, samples: Any, tile_size: int, halo: int) -> tuple[ImageJo
         raise _error(f"halo {halo}: use -1 (auto: the decoder's convolutional reach) or >= 0 latent px")
     if hasattr(vae, "throw_exception_if_invalid"):
         vae.throw_exception_if_invalid()
+    one = one_frame_vae(vae) if z.ndim == 5 else None
+    if one is not None:  # a 3-D image VAE (Hunyuan Image 2.1's refiner): its one-frame latents are images
+        route = ("one-frame latents of a 3-D image VAE: decoded as images, the 3-D decoder's tiles holding all of "
+                 "its frames")
+        note = f"{note}; {route}" if note else route
+        try:
+            return make_job(one, z[:, :, 0], core=_comfy.has_core_decode(vae), out_device=_comfy.intermediate_device(),
+                            tile_size=tile_size, halo=halo), note
+        except ValueError as e:
+            raise _error(str(e)) from e
     if z.ndim == 5:  # single frames of a video VAE: the video engine (exact Wan path), as the video node does
         route = "the video engine decodes them, as Temporal-Chunk Video Decode (VRAM Fit) does"
         note = f"{note}; {route}" if note else f"single frames of a video VAE: {route}"

@@ -89,6 +89,7 @@ KINDS = (
     "ltx_video",
     "ltx_video_v0",
     "ltx_video_v1",
+    "hunyuan_image_refiner",
     "seedvr2",
     "mage",
 )
@@ -153,6 +154,9 @@ _HUNYUAN_VIDEO15_DDCONFIG = {
     "upsample_match_channel": True,
     "z_channels": 32,
 }
+# Hunyuan Image 2.1's refiner VAE (comfy/sd.py: a 32-channel 5-D ``decoder.conv_in.weight``, ``not_video``): the
+# ``vae_refiner`` classes with ``refiner_vae`` False (zero-padded Conv3d, GroupNorm over the clip), same on both hosts.
+_HUNYUAN_REFINER_DDCONFIG = dict(_HUNYUAN_VIDEO15_DDCONFIG, refiner_vae=False)
 _WAN_DDCONFIG = {
     "dim_mult": [1, 2, 4, 4],
     "num_res_blocks": 2,
@@ -248,6 +252,13 @@ class FixtureSpec:
             return {}  # comfy/sd.py: VideoAutoencoderKLWrapper(), its constructor holds the one configuration
         if self.kind == "mage":
             return {}  # comfy/sd.py: MageVAE(), its constructors hold the one configuration
+        if self.kind == "hunyuan_image_refiner":
+            module = "comfy.ldm.hunyuan_video.vae_refiner"
+            return {
+                "regularizer_config": {"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
+                "encoder_config": {"target": f"{module}.Encoder", "params": dict(_HUNYUAN_REFINER_DDCONFIG)},
+                "decoder_config": {"target": f"{module}.Decoder", "params": dict(_HUNYUAN_REFINER_DDCONFIG)},
+            }
         if self.kind == "hunyuan_video15":
             module = "comfy.ldm.hunyuan_video.vae_refiner"
             return {
@@ -475,6 +486,24 @@ FIXTURES: dict[str, FixtureSpec] = {
         description="LTX-Video 0.9.1 VAE (z 128, 32x, 8x temporal; pixel norms, timestep-conditioned decoder that "
                     "injects fresh noise in its blocks)",
     ),
+    "hunyuan_image_refiner": _spec(
+        "hunyuan_image_refiner",
+        torch.bfloat16,
+        latent_channels=32,
+        latent_dim=3,
+        spatial_ratio=16,
+        temporal_ratio=4,
+        model_class="AutoencodingEngine",
+        module="comfy.ldm.models.autoencoder",
+        # 0.33 builds the mid blocks' ResnetBlocks with an (unused) 512-wide temb_proj: 2,101,248 more
+        params=(1_260_674_947, 1_262_776_195),
+        # a 2-frame latent decodes to 8 frames (the host keeps only the last of a 1-frame latent's 4: one image)
+        example_latent=(1, 32, 2, 2, 2),
+        example_output=(1, 8, 32, 32, 3),
+        description="Hunyuan Image 2.1's refiner VAE (z 32, 16x; vae_refiner with refiner_vae False: zero-padded "
+                    "3-D convs, GroupNorm over the clip, mid attention, pixel-shuffle up in space and time; "
+                    "not_video: a one-frame latent is one image)",
+    ),
     "seedvr2": _spec(
         "seedvr2",
         torch.float16,
@@ -524,6 +553,8 @@ _NARROW_BUILD: dict[str, tuple[str, tuple[str, ...], str, int | tuple[int, ...]]
     "ltx_video": (_LTX, ("Encoder", "Decoder"), "base_channels", (80_396_802, 80_396_418)),
     "ltx_video_v0": (_LTX, ("Encoder", "Decoder"), "base_channels", (26_936_273, 26_935_889)),
     "ltx_video_v1": (_LTX, ("Encoder", "Decoder"), "base_channels", (59_903_474, 59_903_090)),
+    "hunyuan_image_refiner": ("comfy.ldm.hunyuan_video.vae_refiner", ("Encoder", "Decoder"), "block_out_channels",
+                              (79_320_595, 79_845_907)),
     "seedvr2": ("comfy.ldm.seedvr.vae", ("Encoder3D", "Decoder3D"), "block_out_channels", 15_807_939),
     "mage": ("comfy.ldm.mage_flow.vae", ("DConvEncoder", "DConvDenoiser"), "hidden_size", 10_284_291),
 }

@@ -50,9 +50,10 @@ def signature(info: SegmentInfo) -> str:
     """Segments with the same signature run the same code on the same channel counts."""
     inplace = "i" if info.inplace_of is not None else ""
     shortcut = "+s" if info.shortcut_output is not None else ""
+    frames = f":t{info.frames}" if info.frames != 1 else ""  # a 3-D decoder's frames (2-D keys unchanged)
     return (
         f"{info.kind}:{info.in_channels}>{info.out_channels}:r{info.residual_channels}"
-        f":h{info.halo}:s{info.scale}{inplace}{shortcut}"
+        f":h{info.halo}:s{info.scale}{inplace}{shortcut}{frames}"
     )
 
 

@@ -73,14 +73,17 @@ class _StatAcc:
         self.parts: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
 
     def tile_stats(self, core: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]:
-        """(count, mean, M2) of one (1, C, h, w) tile per group."""
+        """(count, mean, M2) of one (1, C, h, w) tile per group ((1, C, T, h, w): all its frames)."""
         g = self.groups
-        c, h, w = int(core.shape[1]), int(core.shape[2]), int(core.shape[3])
-        grouped = core.view(g, c // g, h, w)  # a view even of a cropped (strided) tile
+        c = int(core.shape[1])
+        rest = tuple(int(v) for v in core.shape[2:])
+        grouped = core.view(g, c // g, *rest)  # a view even of a cropped (strided) tile
         if grouped.dtype not in (torch.float32, torch.float64):
             grouped = grouped.float()
-        var, mean = torch.var_mean(grouped, dim=(1, 2, 3), correction=0)
-        cnt = (c // g) * h * w
+        var, mean = torch.var_mean(grouped, dim=tuple(range(1, grouped.ndim)), correction=0)
+        cnt = c // g
+        for v in rest:
+            cnt *= v
         return float(cnt), mean.to(self.device, torch.float64), var.to(self.device, torch.float64) * cnt
 
     def record(self, b: int, stats: tuple[float, torch.Tensor, torch.Tensor]) -> None:
@@ -127,17 +130,20 @@ class _Bands:
     """One activation in the store: per batch item, row bands (``rows``: the tile rows of the segment that
     writes it), each allocated when a row of tiles first writes it and released once no remaining tile
     reads it. ``whole``: one ``(B, C, H, W)`` tensor allocated at once and never released (the returned
-    image)."""
+    image). ``lead``: the sizes between channels and rows (a 3-D decoder's frames, every band holding all of
+    them; () for 2-D)."""
 
     def __init__(self, run: _ExactRun, c: int, h: int, w: int, rows: list[tuple[int, int]],
-                 device: torch.device, whole: bool, base: torch.Tensor | None = None) -> None:
+                 device: torch.device, whole: bool, base: torch.Tensor | None = None,
+                 lead: tuple[int, ...] = ()) -> None:
         self.run = run
         self.c, self.h, self.w = c, h, w
+        self.lead = lead
         self.rows = rows
         self.starts = [r[0] for r in rows]
         self.device = device if base is None else base.device
         if base is None and whole:
-            base = run._alloc((run.batch, c, h, w), device)
+            base = run._alloc((run.batch, c, *lead, h, w), device)
         self.base = base
         self.bands: list[list[torch.Tensor | None]] = [[None] * len(rows) for _ in range(run.batch)]
 
@@ -147,7 +153,7 @@ class _Bands:
         for i in bands_in(self.rows, y0, y1, self.starts):
             if self.bands[b][i] is None:
                 r0, r1 = self.rows[i]
-                self.bands[b][i] = self.run._alloc((1, self.c, r1 - r0, self.w), self.device)
+                self.bands[b][i] = self.run._alloc((1, self.c, *self.lead, r1 - r0, self.w), self.device)
 
     def _band(self, b: int, i: int) -> torch.Tensor:
         t = self.bands[b][i]
@@ -157,27 +163,27 @@ class _Bands:
 
     def read(self, b: int, y0: int, y1: int, x0: int, x1: int, device: torch.device) -> torch.Tensor:
         if self.base is not None:
-            return self.base[b : b + 1, :, y0:y1, x0:x1].to(device, non_blocking=True)
+            return self.base[b : b + 1, ..., y0:y1, x0:x1].to(device, non_blocking=True)
         idx = bands_in(self.rows, y0, y1, self.starts)
         if len(idx) == 1:
             r0 = self.rows[idx[0]][0]
-            return self._band(b, idx[0])[:, :, y0 - r0 : y1 - r0, x0:x1].to(device, non_blocking=True)
-        out = torch.empty((1, self.c, y1 - y0, x1 - x0), dtype=self.run.dtype, device=device)
+            return self._band(b, idx[0])[..., y0 - r0 : y1 - r0, x0:x1].to(device, non_blocking=True)
+        out = torch.empty((1, self.c, *self.lead, y1 - y0, x1 - x0), dtype=self.run.dtype, device=device)
         for i in idx:
             r0, r1 = self.rows[i]
             a, e = max(y0, r0), min(y1, r1)
-            out[:, :, a - y0 : e - y0].copy_(self._band(b, i)[:, :, a - r0 : e - r0, x0:x1], non_blocking=True)
+            out[..., a - y0 : e - y0, :].copy_(self._band(b, i)[..., a - r0 : e - r0, x0:x1], non_blocking=True)
         return out
 
     def write(self, r: Rect, core: torch.Tensor) -> None:
         if self.base is not None:
-            self.base[r.b : r.b + 1, :, r.y0 : r.y1, r.x0 : r.x1].copy_(core, non_blocking=True)
+            self.base[r.b : r.b + 1, ..., r.y0 : r.y1, r.x0 : r.x1].copy_(core, non_blocking=True)
             return
         for i in bands_in(self.rows, r.y0, r.y1, self.starts):
             r0, r1 = self.rows[i]
             a, e = max(r.y0, r0), min(r.y1, r1)
-            self._band(r.b, i)[:, :, a - r0 : e - r0, r.x0 : r.x1].copy_(core[:, :, a - r.y0 : e - r.y0],
-                                                                         non_blocking=True)
+            self._band(r.b, i)[..., a - r0 : e - r0, r.x0 : r.x1].copy_(core[..., a - r.y0 : e - r.y0, :],
+                                                                        non_blocking=True)
 
     def release_below(self, b: int, row: int) -> None:
         """Release item ``b``'s bands that end at or above ``row``."""
@@ -190,7 +196,7 @@ class _Bands:
     def tensor(self) -> torch.Tensor:
         if self.base is not None:
             return self.base
-        return torch.cat([torch.cat([self._band(b, i) for i in range(len(self.rows))], dim=2)
+        return torch.cat([torch.cat([self._band(b, i) for i in range(len(self.rows))], dim=-2)
                           for b in range(len(self.bands))])
 
 
@@ -247,7 +253,9 @@ class _ExactRun:
             down = layout.ratio
             self.latent_hw = (int(z.shape[2]) // down, int(z.shape[3]) // down)
         else:
-            self.latent_hw = (int(z.shape[2]), int(z.shape[3]))
+            self.latent_hw = (int(z.shape[-2]), int(z.shape[-1]))
+        self.last_frame = layout.dims == 3 and not self.encode and int(z.shape[2]) == 1
+        """A one-frame latent on the 3-D decoder: only the last decoded frame is the image (the host's rule)."""
         self.out: torch.Tensor | None = None
         self.stat_device = compute_device if compute_device.type not in ("mps",) else torch.device("cpu")
 
@@ -335,8 +343,9 @@ class _ExactRun:
                 shift = shift + bias.to(mean.device, torch.float64)
             # Cast before moving: MPS has no float64.
             work = torch.float64 if x.dtype == torch.float64 else torch.float32
-            scale = scale.to(work).to(x.device).view(1, c, 1, 1)
-            shift = shift.to(work).to(x.device).view(1, c, 1, 1)
+            ones = (1,) * (x.ndim - 2)
+            scale = scale.to(work).to(x.device).view(1, c, *ones)
+            shift = shift.to(work).to(x.device).view(1, c, *ones)
             cached = (scale, shift)
             self.affine_cache[key] = cached
         scale, shift = cached
@@ -375,9 +384,10 @@ class _ExactRun:
             self._check_stop()
             b = self.mid_done
             h = self._run_mid_item(b)
-            c, mh, mw = (int(v) for v in h.shape[1:])
+            c, *lead, mh, mw = (int(v) for v in h.shape[1:])
             if self.mid_name not in self.stores:
-                self.stores[self.mid_name] = _Bands(self, c, mh, mw, [(0, mh)], self.store_device, not self.segs)
+                self.stores[self.mid_name] = _Bands(self, c, mh, mw, [(0, mh)], self.store_device, not self.segs,
+                                                    lead=tuple(lead))
                 self.acc[self.mid_name] = _StatAcc(self.batch, self.consumer[self.mid_name], self.stat_device)
             acc = self.acc[self.mid_name]
             stats = acc.tile_stats(h)
@@ -415,19 +425,30 @@ class _ExactRun:
         self.mid_finished = True
 
     # -- segments --------------------------------------------------------------------------------
+    def _lead_out(self, info: SegmentInfo) -> tuple[int, ...]:
+        """Frames of a segment's output (3-D decoder), as ``_Bands.lead``."""
+        lead = self.stores[info.inputs[0]].lead
+        if not lead:
+            return ()
+        if info.kind == "out" and self.last_frame:
+            return (1,)
+        return (lead[0] * info.tscale,)
+
     def _start_segment(self, seg: _Seg) -> None:
         info = seg.info
         h, w = self._out_hw(seg)
         k = self.segs.index(seg)
         rows = band_rows(h, self.tile[0])
+        lead = self._lead_out(info)
         if info.inplace_of is not None:
             self.stores[info.output] = self.stores[info.inplace_of]
         elif info.store_output and info.output not in self.stores:
             dev = self.out_device if info.output == "image" else self.store_device
             self.stores[info.output] = _Bands(self, info.out_channels, h, w, rows, dev,
-                                              whole_output(info, k, len(self.segs)))
+                                              whole_output(info, k, len(self.segs)), lead=lead)
         if info.shortcut_output is not None and info.shortcut_output not in self.stores:
-            self.stores[info.shortcut_output] = _Bands(self, info.out_channels, h, w, rows, self.store_device, False)
+            self.stores[info.shortcut_output] = _Bands(self, info.out_channels, h, w, rows, self.store_device, False,
+                                                       lead=lead)
         norm = self.consumer.get(info.output)
         if norm is not None and info.output not in self.acc:
             self.acc[info.output] = _StatAcc(self.batch, norm, self.stat_device)
@@ -511,7 +532,7 @@ class _ExactRun:
 
     @staticmethod
     def _crop(t: torch.Tensor, oy: int, ox: int, r: Rect) -> torch.Tensor:
-        return t[:, :, r.y0 - oy : r.y1 - oy, r.x0 - ox : r.x1 - ox]
+        return t[..., r.y0 - oy : r.y1 - oy, r.x0 - ox : r.x1 - ox]
 
     def _run_tile(self, seg: _Seg, r: Rect) -> tuple[torch.Tensor, torch.Tensor | None]:
         step = self.step
@@ -583,6 +604,8 @@ class _ExactRun:
             self._hook(step)
             t = act(self._gn(xn, r.b, t), inplace=True)
             t = self._crop(dec.conv_out(t), y0, x0, r)
+            if self.last_frame:
+                t = t[:, :, -1:]
             if getattr(dec, "tanh_out", False):
                 t = torch.tanh(t)
             return t, None
@@ -715,8 +738,12 @@ def _run_exact(
     layout = kl_layout(model, recompute, direction).require()
     bound = layout.bind(model)
     what = "latent" if direction == "decode" else "image"
-    if x.ndim != 4:
-        raise ValueError(f"expected a (B, C, h, w) {what}, got shape {tuple(x.shape)}")
+    squeeze = False
+    if layout.dims == 3 and x.ndim == 4:  # images of a 3-D decoder: one-frame latents, as VAE Encode makes them
+        x, squeeze = x.unsqueeze(2), True
+    elif x.ndim != layout.dims + 2:
+        shape = "(B, C, h, w)" if layout.dims == 2 else "(B, C, h, w) or (B, C, T, h, w)"
+        raise ValueError(f"expected a {shape} {what}, got shape {tuple(x.shape)}")
     if direction == "encode":
         down = layout.ratio
         if x.shape[2] % down or x.shape[3] % down:
@@ -733,7 +760,7 @@ def _run_exact(
     if run.shrinks:
         log.info("exact tiled %s finished with tile %s after %d OOM shrink(s)", direction, run.tile,
                  run.shrinks)
-    return result
+    return result.squeeze(2) if squeeze else result
 
 
 def decode_exact(model: Any, z: torch.Tensor, tile: int | tuple[int, int] | None, **kw: Any

@@ -179,8 +179,12 @@ def identify(vae: Any) -> str | None:
 
 
 def model_name(vae: Any) -> str:
-    """The name of an unknown VAE: its ``first_stage_model`` class (module-qualified)."""
+    """The name of an unknown VAE: its ``first_stage_model`` class (module-qualified), or the ``family_name`` a
+    wrapper gives it (:class:`.one_frame.OneFrameModel`)."""
     model = getattr(vae, "first_stage_model", None)
+    named = getattr(model, "family_name", None)
+    if isinstance(named, str):
+        return named
     cls = type(model)
     return f"{cls.__module__}.{cls.__qualname__}"
 

@@ -31,6 +31,7 @@ __all__ = [
     "RowStep",
     "SegmentInfo",
     "axis_extents",
+    "conv_dims",
     "find_decoder",
     "hunyuan_image",
     "kl_layout",
@@ -38,6 +39,7 @@ __all__ = [
     "store_schedule",
     "supports_exact",
     "unsupported_reason",
+    "whole_clip_3d",
 ]
 
 
@@ -51,20 +53,38 @@ def find_decoder(model: Any) -> Any:
     return dec if dec is not None else model
 
 
-def _is_conv2d(m: Any, kernel: int | None = None) -> bool:
-    if not isinstance(m, torch.nn.Conv2d):
+def _is_conv(m: Any, kernel: int | None = None, dims: int = 2) -> bool:
+    """A ``dims``-D convolution with a cubic ``kernel`` (any odd size when None), stride 1, no dilation or groups,
+    zero padding of half the kernel on every side (3-D: in time too, the whole clip in one tile)."""
+    if not isinstance(m, torch.nn.Conv3d if dims == 3 else torch.nn.Conv2d):
         return False
-    if kernel is not None and tuple(m.kernel_size) != (kernel, kernel):
+    ks = tuple(m.kernel_size)
+    k = ks[0]
+    if len(set(ks)) != 1 or (kernel is not None and k != kernel):
         return False
-    k = m.kernel_size[0]
     return (
-        tuple(m.stride) == (1, 1)
-        and tuple(m.dilation) == (1, 1)
+        tuple(m.stride) == (1,) * dims
+        and tuple(m.dilation) == (1,) * dims
         and m.groups == 1
         and m.padding_mode == "zeros"
-        and tuple(m.padding) == (k // 2, k // 2)
-        and m.kernel_size[0] == m.kernel_size[1]
+        and tuple(m.padding) == (k // 2,) * dims
     )
+
+
+def _is_conv2d(m: Any, kernel: int | None = None) -> bool:
+    return _is_conv(m, kernel, 2)
+
+
+def conv_dims(dec: Any) -> int:
+    """3 for a decoder of 3-D convolutions (Hunyuan Image 2.1's refiner), else 2."""
+    return 3 if isinstance(getattr(dec, "conv_in", None), torch.nn.Conv3d) else 2
+
+
+def whole_clip_3d(dec: Any) -> bool:
+    """The one 3-D decoder the walker runs: ``comfy.ldm.hunyuan_video.vae_refiner.Decoder`` with ``refiner_vae``
+    False (Hunyuan Image 2.1's refiner VAE: zero-padded 3-D convolutions and GroupNorm over the whole clip, the
+    up path in one chunk, and only the last decoded frame kept for a one-frame latent)."""
+    return conv_dims(dec) == 3 and getattr(dec, "refiner_vae", None) is False and hunyuan_image(dec)
 
 
 def _is_gn(m: Any) -> bool:
@@ -119,7 +139,7 @@ def _block_call_reason(blk: Any, where: str) -> str | None:
     return None
 
 
-def _resnet_reason(blk: Any, where: str) -> str | None:
+def _resnet_reason(blk: Any, where: str, dims: int = 2) -> str | None:
     for name in ("norm1", "conv1", "norm2", "conv2"):
         if getattr(blk, name, None) is None:
             return f"{where}: no {name}"
@@ -128,8 +148,8 @@ def _resnet_reason(blk: Any, where: str) -> str | None:
         return reason
     if not (_is_gn(blk.norm1) and _is_gn(blk.norm2)):
         return f"{where}: norm1/norm2 are not GroupNorm"
-    if not (_is_conv2d(blk.conv1, 3) and _is_conv2d(blk.conv2, 3)):
-        return f"{where}: conv1/conv2 are not 3x3 stride-1 Conv2d"
+    if not (_is_conv(blk.conv1, 3, dims) and _is_conv(blk.conv2, 3, dims)):
+        return f"{where}: conv1/conv2 are not 3x3 stride-1 Conv{dims}d"
     if getattr(blk, "temb_proj", None) is not None:
         return f"{where}: has a timestep projection"
     cin = blk.conv1.in_channels
@@ -138,14 +158,14 @@ def _resnet_reason(blk: Any, where: str) -> str | None:
         sc = getattr(blk, "nin_shortcut", None)
         if getattr(blk, "use_conv_shortcut", False):
             sc = getattr(blk, "conv_shortcut", None)
-            if not _is_conv2d(sc, 3):
-                return f"{where}: conv_shortcut is not a 3x3 Conv2d"
-        elif not _is_conv2d(sc, 1):
-            return f"{where}: nin_shortcut is not a 1x1 Conv2d"
+            if not _is_conv(sc, 3, dims):
+                return f"{where}: conv_shortcut is not a 3x3 Conv{dims}d"
+        elif not _is_conv(sc, 1, dims):
+            return f"{where}: nin_shortcut is not a 1x1 Conv{dims}d"
     return None
 
 
-def _level_reason(level: Any, where: str, path: str) -> str | None:
+def _level_reason(level: Any, where: str, path: str, dims: int = 2) -> str | None:
     """Why one level of the up (down) path is not resnet blocks without attention, or None."""
     blocks = getattr(level, "block", None)
     if blocks is None or len(blocks) == 0:
@@ -153,17 +173,27 @@ def _level_reason(level: Any, where: str, path: str) -> str | None:
     if len(getattr(level, "attn", ())) > 0:
         return f"{where} has attention in the {path}"
     for j in range(len(blocks)):
-        reason = _resnet_reason(blocks[j], f"{where}.block[{j}]")
+        reason = _resnet_reason(blocks[j], f"{where}.block[{j}]", dims)
         if reason:
             return reason
     return None
 
 
-def _is_pixel_shuffle_up(m: Any) -> bool:
+def _is_pixel_shuffle_up(m: Any, dims: int = 2) -> bool:
     """Hunyuan Image 2.1's upsample (``comfy.ldm.hunyuan_video.vae.PixelUnshuffle2D``): a 3x3 conv to 4x the
-    output channels at the low resolution, then depth-to-space 2x, plus the channel-repeated input."""
+    output channels at the low resolution, then depth-to-space 2x, plus the channel-repeated input. 3-D: its
+    refiner's (``vae_refiner.UpSmpl`` with ``refiner_vae`` False), the same in space and, where ``tus``, 2x in time
+    (:func:`time_scale`)."""
+    if dims == 3:
+        return type(m).__name__ == "UpSmpl" and _is_conv(getattr(m, "conv", None), 3, 3) \
+            and isinstance(getattr(m, "tus", None), bool) and getattr(m, "refiner_vae", None) is False
     return type(m).__name__ == "PixelUnshuffle2D" and _is_conv2d(getattr(m, "conv", None), 3) \
         and isinstance(getattr(m, "scale", None), int)
+
+
+def time_scale(upsample: Any) -> int:
+    """Output frames per input frame of an upsample (2 for the refiner's temporal ``UpSmpl``, else 1)."""
+    return 2 if getattr(upsample, "tus", False) is True else 1
 
 
 def hunyuan_image(dec: Any) -> bool:
@@ -199,8 +229,12 @@ def _structure_reason(model: Any) -> str | None:
     for name in ("conv_in", "mid", "up", "norm_out", "conv_out"):
         if getattr(dec, name, None) is None:
             return f"decoder has no {name}"
-    if not (_is_conv2d(dec.conv_in, 3) and _is_conv2d(dec.conv_out, 3)):
-        return "conv_in/conv_out are not 3x3 Conv2d (3-D or video decoder)"
+    dims = conv_dims(dec)
+    if dims == 3 and not whole_clip_3d(dec):
+        return ("conv_in/conv_out are not 3x3 Conv2d (a 3-D or video decoder other than Hunyuan Image 2.1's "
+                "refiner, vae_refiner with refiner_vae False: the one 3-D decoder the walker runs)")
+    if not (_is_conv(dec.conv_in, 3, dims) and _is_conv(dec.conv_out, 3, dims)):
+        return f"conv_in/conv_out are not 3x3 Conv{dims}d (3-D or video decoder)"
     for name in ("conv_in", "conv_out"):
         inner = [n for n, _ in getattr(dec, name).named_children()]
         if inner:
@@ -230,15 +264,17 @@ def _structure_reason(model: Any) -> str | None:
         return "conv_in's latent shortcut does not match its channels"
     for i, has_upsample in stage_order(dec):
         level = up[i]
-        reason = _level_reason(level, f"up[{i}]", "up path")
+        reason = _level_reason(level, f"up[{i}]", "up path", dims)
         if reason:
             return reason
         if has_upsample:
             upsample = getattr(level, "upsample", None)
             if upsample is None:
                 return f"up[{i}] has no upsample"
-            if _is_pixel_shuffle_up(upsample):
+            if _is_pixel_shuffle_up(upsample, dims):
                 continue
+            if dims == 3:
+                return f"up[{i}].upsample is not the refiner's 3x3x3 conv + depth-to-space (UpSmpl)"
             sf = getattr(upsample, "scale_factor", None)
             if isinstance(sf, (tuple, list)):
                 if len(sf) != 2 or any(float(s) != 2.0 for s in sf):
@@ -372,6 +408,10 @@ class SegmentInfo:
     ``[2a, 2b + 1)``, the module's own asymmetric zero pad supplying the row past a map's last one; with
     ``halo`` 2, Hunyuan Image 2.1's conv-then-space-to-depth, ``[2a - 2, 2b + 2)``: whole 2x2 cells around the
     conv's 1-px reach)."""
+    frames: int = 1
+    """Frames of the output for a one-frame latent (a 3-D decoder: every tile holds all frames; 1 for 2-D)."""
+    tscale: int = 1
+    """Output frames per input frame (2 for the refiner's temporal upsample)."""
 
 
 def module_at(dec: Any, path: str) -> Any:
@@ -401,14 +441,16 @@ class _Builder:
         self.cur = cur
         self.n = 0
         self.scale = level_scale
+        self.frames = 1
         self.recompute = recompute
 
     def add(self, name: str, kind: str, inputs: tuple[str, ...], output: str, stored: bool, cin: int,
             cout: int, halo: int, module: str, *, up: int = 1, residual: int = 0,
             inplace_of: str | None = None, shortcut_output: str | None = None, residual_halo: int = 0,
-            stride: int = 1) -> None:
+            stride: int = 1, tscale: int = 1) -> None:
         self.segs.append(SegmentInfo(name, kind, inputs, output, stored, cin, cout, up, self.scale, halo,
-                                     residual, inplace_of, residual_halo, shortcut_output, module, stride))
+                                     residual, inplace_of, residual_halo, shortcut_output, module, stride,
+                                     self.frames, tscale))
 
     def block(self, blk: Any, prefix: str) -> None:
         """The segments of one resnet block reading ``self.cur``; ``self.cur`` becomes its output."""
@@ -444,6 +486,7 @@ class _Builder:
 def _build_segments(dec: Any, recompute: bool) -> tuple[list[SegmentInfo], dict[str, str]]:
     """The decoder's segments in execution order and the path of the GroupNorm consuming each activation."""
     b = _Builder("mid", recompute, 1)
+    dims = conv_dims(dec)
     for i, has_upsample in stage_order(dec):
         blocks = dec.up[i].block
         for j in range(len(blocks)):
@@ -452,17 +495,21 @@ def _build_segments(dec: Any, recompute: bool) -> tuple[list[SegmentInfo], dict[
             upsample = dec.up[i].upsample
             c = int(blocks[len(blocks) - 1].conv2.out_channels)
             b.scale *= 2
-            if _is_pixel_shuffle_up(upsample):
+            ts = time_scale(upsample) if dims == 3 else 1
+            if _is_pixel_shuffle_up(upsample, dims):
                 # Its 3x3 conv runs at the low resolution: 1 low-res px of context = 2 output px.
-                halo, c_out = 2, int(upsample.conv.out_channels) // 4
+                halo, c_out = 2, int(upsample.conv.out_channels) // (4 * ts)
             else:
                 halo, c_out = (1 if getattr(upsample, "with_conv", False) else 0), c
+            b.frames *= ts
             b.add(f"up.{i}.upsample", "upsample", (b.cur,), f"u{i}", True, c, c_out, halo, f"up.{i}.upsample",
-                  up=2)
+                  up=2, tscale=ts)
             b.cur = f"u{i}"
     if not getattr(dec, "give_pre_end", False):
         b.consumer[b.cur] = "norm_out"
         c_in, c_out = int(dec.conv_out.in_channels), int(dec.conv_out.out_channels)
+        if dims == 3:  # a one-frame latent keeps the last decoded frame only (the refiner's forward)
+            b.frames = 1
         b.add("out", "out", (b.cur,), "image", True, c_in, c_out, 1, "")
     return b.segs, b.consumer
 
@@ -619,6 +666,11 @@ class KlLayout:
     whole tail (mid block, output convolution and the host's own regularizer) on the latent-resolution map."""
     pre_scale: int = 1
     """Mid-block resolution / latent resolution (2 for Flux-2 style latent batch-norm + pixel shuffle)."""
+    dims: int = 2
+    """3: a decoder of 3-D convolutions over a ``(B, C, T, h, w)`` latent (:func:`whole_clip_3d`): every tile holds
+    all frames, and a one-frame latent keeps only the last decoded frame. The store schedule and the cost
+    model's geometry are those of a one-frame latent (:attr:`SegmentInfo.frames`), the case the image decode
+    plans (a clip of several frames decodes exactly, unplanned)."""
     in_repeats: int = 0
     """Channel repeats of the latent added to ``conv_in``'s output (:func:`in_shortcut_repeats`); 0: none."""
     mid_channels: int = 0
@@ -697,12 +749,12 @@ class KlLayout:
             if info.inplace_of is not None:
                 entries[info.output] = entries[info.inplace_of]
             elif info.store_output:
-                e = _SimEntry(info.out_channels, wo, bands, whole_output(info, k, len(segs)), live)
+                e = _SimEntry(info.out_channels * info.frames, wo, bands, whole_output(info, k, len(segs)), live)
                 entries[info.output] = e
                 fresh.append(e)
             if info.shortcut_output is not None:
                 hw[info.shortcut_output] = (ho, wo)
-                e = _SimEntry(info.out_channels, wo, bands, False, live)
+                e = _SimEntry(info.out_channels * info.frames, wo, bands, False, live)
                 entries[info.shortcut_output] = e
                 fresh.append(e)
             dying = dying_inputs(info, k, self.last_use)
@@ -786,6 +838,7 @@ def _walk(model: Any, recompute: bool, direction: str = "decode") -> KlLayout:
         reason=None,
         recompute=recompute,
         pre_scale=2 if isinstance(getattr(model, "bn", None), torch.nn.BatchNorm2d) else 1,
+        dims=conv_dims(dec),
         in_repeats=in_shortcut_repeats(dec),
         mid_channels=int(dec.conv_in.out_channels),
         levels=1 + sum(s.kind == "upsample" for s in segs),
