@@ -16,8 +16,10 @@ from typing import Any
 
 from comfy_api.v0_0_2 import io
 
+from ..memory.decode import image as image_engine
 from ..memory.decode.env import DecodeEnv
 from ..memory.decode.video import REPORT_NODE, VideoDecodeResult, VideoJob, decode_video, make_job
+from ..memory.vae.one_frame import one_frame_vae
 from . import _comfy, _decode_node
 
 log = logging.getLogger("vramfit.nodes.video_decode")
@@ -39,8 +41,11 @@ def _error(message: str) -> _comfy.NodeInputError:
     return _comfy.NodeInputError(REPORT_NODE, message)
 
 
-def _checked(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int) -> tuple[VideoJob, str]:
-    """``(job, note)``: a 4-D latent on a video VAE is its batch of single frames; ``note`` says so."""
+def _checked(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int
+             ) -> tuple[VideoJob | image_engine.ImageJob, str]:
+    """``(job, note)``: a 4-D latent on a video VAE is its batch of single frames; ``note`` says so. One-frame
+    latents of a 3-D image VAE (Hunyuan Image 2.1's refiner, ``memory/vae/one_frame.py``) are images: an image
+    job (Tiled VAE Decode's engine: exact tiles under a budget)."""
     z, label, note = _comfy.latent_tensor(REPORT_NODE, vae, samples, "video stream")
     if z.ndim == 4:  # the VAE is an image VAE (latent_tensor laid the latent out as it decodes)
         raise _error(f"this VAE is an image VAE, not a video VAE; {label} decodes as images: use "
@@ -51,11 +56,23 @@ def _checked(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int) -> t
         raise _error(f"tile_size {tile_size}: use 0 (auto) or a tile side in output pixels")
     if hasattr(vae, "throw_exception_if_invalid"):
         vae.throw_exception_if_invalid()
+    one = one_frame_vae(vae) if z.shape[2] == 1 else None
+    if one is not None:
+        route = ("one-frame latents of a 3-D image VAE: decoded as images (Tiled VAE Decode's engine), the 3-D "
+                 "decoder's tiles holding all of its frames")
+        if frames_per_chunk > 1:
+            route += f"; frames_per_chunk {frames_per_chunk} does not apply (one latent frame)"
+        note = f"{note}; {route}" if note else route
+        try:
+            return image_engine.make_job(one, z[:, :, 0], core=_comfy.has_core_decode(vae),
+                                         out_device=_comfy.intermediate_device(), tile_size=tile_size), note
+        except ValueError as e:
+            raise _error(str(e)) from e
     return make_job(vae, z, _comfy.intermediate_device(), frames_per_chunk=frames_per_chunk,
                     tile_size=tile_size), note
 
 
-def _validate(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int) -> VideoJob:
+def _validate(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int) -> VideoJob | image_engine.ImageJob:
     """The job of :func:`_checked`."""
     return _checked(vae, samples, frames_per_chunk, tile_size)[0]
 
@@ -82,15 +99,19 @@ def decode(
     unload_others: bool = True,
     node_id: str | None = None,
     allow_approximate: bool = False,
-) -> VideoDecodeResult:
+) -> VideoDecodeResult | image_engine.DecodeResult:
     """Everything the node does; returns frames ``(B*T, H, W, 3)`` on [0, 1] (as VAEDecode) and the report.
     ``allow_approximate``: an overlap-blend that measures under 30 dB may run (else the host's own decode)."""
     t0 = time.perf_counter()
     job, note = _checked(vae, samples, int(frames_per_chunk), int(tile_size))
     with _decode_node.input_errors(REPORT_NODE):
-        result = decode_video(job, comfy_env(node_id), budget_mb=int(budget_mb),
-                              unload_others=bool(unload_others), t_start=t0,
-                              allow_approximate=bool(allow_approximate))
+        if isinstance(job, image_engine.ImageJob):
+            result = image_engine.decode_image(job, comfy_env(node_id), budget_mb=int(budget_mb),
+                                               unload_others=bool(unload_others), t_start=t0)
+        else:
+            result = decode_video(job, comfy_env(node_id), budget_mb=int(budget_mb),
+                                  unload_others=bool(unload_others), t_start=t0,
+                                  allow_approximate=bool(allow_approximate))
     return noted(result, REPORT_NODE, note)
 
 

@@ -36,6 +36,11 @@ def tiled(comfy):
 
 
 @pytest.fixture(scope="module")
+def video(comfy):
+    return sys.modules[comfy.NODE_CLASS_MAPPINGS["VRAMFit_TemporalChunkVideoDecode"].__module__]
+
+
+@pytest.fixture(scope="module")
 def refiner(comfy, fixture_vaes):
     vae = fixture_vaes.load(comfy, narrow(KIND))
     assert type(vae.first_stage_model.decoder).__module__.endswith("hunyuan_video.vae_refiner")
@@ -150,4 +155,16 @@ def test_a_budget_below_the_hosts_decode_plans_exact_tiles(tiled, refiner, case)
     tile = r.plan.config.tile
     assert -(-h // tile) * -(-w // tile) >= 4, text
     assert "OVER BUDGET" not in text, text
+    assert (r.images - ref).abs().max().item() <= TOL, text
+
+
+def test_the_video_node_decodes_its_one_frame_latents_as_images(video, refiner, case):
+    """Temporal-Chunk Video Decode given the refiner's one-frame latent takes the same image engine (before: the
+    host's decode over budget, tile_size ignored): exact tiles of the user's size within the budget."""
+    z, ref = case
+    r = video.decode(refiner, {"samples": z}, frames_per_chunk=4, tile_size=32, budget_mb=64)
+    text = r.report.text()
+    assert r.report.node == "Temporal-Chunk Video Decode" and "3x4 tiles" in r.report.summary, text
+    assert r.report.summary.startswith("exact") and "OVER BUDGET" not in text, text
+    assert "frames_per_chunk 4 does not apply" in text and "blend" not in text, text
     assert (r.images - ref).abs().max().item() <= TOL, text
