@@ -28,6 +28,10 @@ builds the same ``first_stage_model`` it would for the real releases:
                      decoder: a GroupNorm/window-attention CoD decoder, DiCo blocks at latent resolution, a per-patch
                      MLP), keyed as the released file (``student.dconv_encoder.*``, ``pipeline.*``), bfloat16.
                      ComfyUI 0.33.0+ only.
+* ``cosmos``         Cosmos's tokenizer ``comfy.ldm.cosmos.vae.CausalContinuousVideoTokenizer`` (16 channels, 8x
+                     spatial, 8x temporal: causal factorized convolutions, per-frame GroupNorm, attention per
+                     frame and causal over time, a Haar unpatcher), bfloat16; its narrow twin in
+                     :data:`NARROW_KINDS`.
 * ``dcae_sana``      Sana's DC-AE (``dc-ae-f32c32-sana-1.0``: 32 channels, 32x spatial), diffusers'
                      ``AutoencoderDC``, bfloat16; not a ComfyUI model: ComfyUI_ExtraModels' ``ExtraVAELoader``
                      loads it into its own ``VAE`` subclass, which ``scripts/sana_vae.py`` mirrors.
@@ -86,6 +90,7 @@ KINDS = (
     "cogvideox",
     "dcae_sana",
     "hunyuan_video15",
+    "cosmos",
     "ltx_video",
     "ltx_video_v0",
     "ltx_video_v1",
@@ -157,6 +162,24 @@ _HUNYUAN_VIDEO15_DDCONFIG = {
 # Hunyuan Image 2.1's refiner VAE (comfy/sd.py: a 32-channel 5-D ``decoder.conv_in.weight``, ``not_video``): the
 # ``vae_refiner`` classes with ``refiner_vae`` False (zero-padded Conv3d, GroupNorm over the clip), same on both hosts.
 _HUNYUAN_REFINER_DDCONFIG = dict(_HUNYUAN_VIDEO15_DDCONFIG, refiner_vae=False)
+# Cosmos's tokenizer (comfy/sd.py: "decoder.unpatcher3d.wavelets" in the state dict), same on 0.3.75 and 0.33.0.
+_COSMOS_DDCONFIG = {
+    "z_channels": 16,
+    "latent_channels": 16,
+    "z_factor": 1,
+    "resolution": 1024,
+    "in_channels": 3,
+    "out_channels": 3,
+    "channels": 128,
+    "channels_mult": [2, 4, 4],
+    "num_res_blocks": 2,
+    "attn_resolutions": [32],
+    "dropout": 0.0,
+    "patch_size": 4,
+    "num_groups": 1,
+    "temporal_compression": 8,
+    "spacial_compression": 8,
+}
 _WAN_DDCONFIG = {
     "dim_mult": [1, 2, 4, 4],
     "num_res_blocks": 2,
@@ -259,6 +282,8 @@ class FixtureSpec:
                 "encoder_config": {"target": f"{module}.Encoder", "params": dict(_HUNYUAN_REFINER_DDCONFIG)},
                 "decoder_config": {"target": f"{module}.Decoder", "params": dict(_HUNYUAN_REFINER_DDCONFIG)},
             }
+        if self.kind == "cosmos":
+            return dict(_COSMOS_DDCONFIG)
         if self.kind == "hunyuan_video15":
             module = "comfy.ldm.hunyuan_video.vae_refiner"
             return {
@@ -467,6 +492,21 @@ FIXTURES: dict[str, FixtureSpec] = {
         description="HunyuanVideo 1.5 VAE (z 32, 16x, 4x temporal; causal convs with carried frames, RMS norms, "
                     "mid attention over the clip)",
     ),
+    "cosmos": _spec(
+        "cosmos",
+        torch.bfloat16,
+        latent_channels=16,
+        latent_dim=3,
+        spatial_ratio=8,
+        temporal_ratio=8,
+        model_class="CausalContinuousVideoTokenizer",
+        module="comfy.ldm.cosmos.vae",
+        params=105_654_208,
+        example_latent=(1, 16, 2, 2, 2),
+        example_output=(1, 9, 16, 16, 3),
+        description="Cosmos tokenizer CV8x8x8 (z 16, 8x, 8x temporal; causal factorized convs, per-frame GroupNorm "
+                    "and attention, causal temporal attention, Haar unpatcher)",
+    ),
     "ltx_video": _ltx_spec(
         "ltx_video",
         # 0.3.75's per-channel statistics hold 3 more 128-wide buffers than 0.33's
@@ -548,6 +588,7 @@ _NARROW_BUILD: dict[str, tuple[str, tuple[str, ...], str, int | tuple[int, ...]]
     "wan22": ("comfy.ldm.wan.vae2_2", ("WanVAE",), "dim", 44_654_660),
     "hunyuan_image": ("comfy.ldm.hunyuan_video.vae", ("Encoder", "Decoder"), "block_out_channels", 25_710_643),
     "mochi": ("comfy.ldm.genmo.vae.model", ("Encoder", "Decoder"), "base_channels", 114_971_267),
+    "cosmos": ("comfy.ldm.cosmos.vae", ("CausalContinuousVideoTokenizer",), "channels", 6_877_312),
     "hunyuan_video15": ("comfy.ldm.hunyuan_video.vae_refiner", ("Encoder", "Decoder"), "block_out_channels",
                         (79_310_387, 79_835_699)),
     "ltx_video": (_LTX, ("Encoder", "Decoder"), "base_channels", (80_396_802, 80_396_418)),
@@ -707,6 +748,9 @@ def build_model(kind: str, device: str | torch.device = "meta") -> torch.nn.Modu
     on ``meta`` by default."""
     spec = FIXTURES[kind]
     mod = _import_comfy_module(spec.module)
+    if (spec.full or kind) == "cosmos" and torch.device(device).type == "meta":
+        with narrow_host(kind):  # its patchers read a tensor's value (.item()) while built: on the CPU, then meta
+            return getattr(mod, spec.model_class)(**spec.config()).to(device).eval()
     with torch.device(device), narrow_host(kind):
         model = getattr(mod, spec.model_class)(**spec.config())
     return model.eval()
@@ -728,7 +772,7 @@ def _torch_reset(module: torch.nn.Module) -> bool:
 def _init_custom(module: torch.nn.Module) -> bool:
     """Parameters of non-torch modules, set to their own constructors' values: Wan's ``RMS_norm``
     (gamma 1, bias 0) and diffusers' ``RMSNorm`` (weight 1, bias 0); LTX-Video's (:func:`_init_ltx`)."""
-    if _init_ltx(module):
+    if _init_ltx(module) or _init_cosmos(module):
         return True
     scale = {"RMS_norm": "gamma", "RMSNorm": "weight"}.get(type(module).__name__)
     if scale is None:
@@ -760,6 +804,26 @@ def _init_ltx(module: torch.nn.Module) -> bool:
             else:
                 t.copy_(0.5 * torch.randn_like(t))
     return True
+
+
+def _init_cosmos(module: torch.nn.Module) -> bool:
+    """Cosmos's own tensors: the tokenizer's per-frame latent statistics (means N(0, 0.5^2), stds log-uniform on
+    [e^-1, e], as :func:`_init_ltx`'s), and its (un)patchers' fixed Haar filters (buffers not in the file, rebuilt
+    as their constructor makes them)."""
+    name = type(module).__name__
+    if not type(module).__module__.startswith("comfy.ldm.cosmos"):
+        return False
+    with torch.no_grad():
+        if name == "CausalContinuousVideoTokenizer":
+            module.latent_mean.copy_(0.5 * torch.randn_like(module.latent_mean))
+            module.latent_std.copy_(torch.exp(2 * torch.rand_like(module.latent_std) - 1))
+            return True
+        if name in ("Patcher3D", "UnPatcher3D", "Patcher", "UnPatcher"):
+            wavelets = sys.modules[type(module).__module__]._WAVELETS[module.patch_method]
+            module.wavelets.copy_(wavelets)
+            module._arange.copy_(torch.arange(wavelets.shape[0]))
+            return True
+    return False
 
 
 CURRENT_FRAME_SHARE = 0.9
@@ -847,6 +911,15 @@ def _materialise(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 raise TypeError(f"tensor attribute {type(module).__qualname__}.{attr} left on meta")
 
 
+FILE_ONLY_KEYS: dict[str, tuple[str, ...]] = {
+    "cosmos": ("encoder.patcher3d.wavelets", "encoder.patcher3d._arange", "decoder.unpatcher3d.wavelets",
+               "decoder.unpatcher3d._arange"),
+}
+"""Tensors a released file holds beyond the model's state dict (its loader leaves them over): Cosmos's patchers'
+Haar filters, by which ``comfy/sd.py`` tells the family (``decoder.unpatcher3d.wavelets``; ComfyUI registers them
+non-persistent)."""
+
+
 def build_state_dict(kind: str, seed: int = 0) -> dict[str, torch.Tensor]:
     """Deterministic random weights for ``kind`` in the saved dtype (CPU), keyed as the real files."""
     spec = FIXTURES[kind]
@@ -854,7 +927,13 @@ def build_state_dict(kind: str, seed: int = 0) -> dict[str, torch.Tensor]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         _materialise(model, spec.dtype)
-    return {spec.file_key(k): v.detach().contiguous() for k, v in model.state_dict().items()}
+    sd = {spec.file_key(k): v.detach().contiguous() for k, v in model.state_dict().items()}
+    buffers = dict(model.named_buffers())
+    sd.update({k: buffers[k].detach().contiguous() for k in FILE_ONLY_KEYS.get(spec.full or kind, ())})
+    if (spec.full or kind) == "cosmos":  # torch's init gives pixels of std ~0.8 (40 % clipped); a trained VAE's ~0.2
+        for k in ("decoder.conv_out.1.conv3d.weight", "decoder.conv_out.1.conv3d.bias"):
+            sd[k] = (sd[k].float() * 0.3).to(spec.dtype)
+    return sd
 
 
 # --------------------------------------------------------------------------------------------------
@@ -976,7 +1055,8 @@ def make_models(
         t0 = time.perf_counter()
         sd = build_state_dict(kind, seed)
         t_build = time.perf_counter() - t0
-        n_params = sum(v.numel() for v in sd.values())
+        extra = FILE_ONLY_KEYS.get(spec.full or kind, ())
+        n_params = sum(v.numel() for k, v in sd.items() if k not in extra)
         if n_params not in spec.param_counts():
             raise AssertionError(f"{kind}: {n_params} parameters, expected {spec.params}")
         make_room(vae_dir, sum(v.numel() * v.element_size() for v in sd.values()), keep=out.values())
