@@ -4,9 +4,9 @@
   exists in 0.3.75 too) is not a ``torch.Tensor``; its ``shape`` is its first stream's and its ``ndim`` the
   largest of all streams. 0.33's VAE Decode decodes the first stream; both nodes do the same, or refuse it
   with the node's name and the stream's shape when that stream is the wrong kind.
-* VAEs that tile and chunk internally (0.33's ``VAE.handles_tiling``: SeedVR2) and whose grid the pack does not
+* VAEs that tile and chunk internally (0.33's ``VAE.handles_tiling``) whose grid or structure the pack does not
   reproduce: refused with the node's name, the model and the latent shape. (MiniMax H3's grid is reproduced:
-  tests/host/test_host_grid.py.) 0.3.75 has no such VAE: the attribute is set on a real VAE as 0.33's
+  tests/host/test_host_grid.py; SeedVR2 is decoded in exact tiles: tests/host/test_seedvr2.py.) 0.3.75 has no such VAE: the attribute is set on a real VAE as 0.33's
   ``VAE.__init__`` sets it, so both hosts run every test.
 """
 
