@@ -174,16 +174,17 @@ BLEND_CHECK_HW = 4
 def check_blend(job: VideoJob, store: CheckStore, k: int, prepare: Callable[[], None] | None = None,
                 first_use: FirstUse | None = None) -> Verdict:
     """Fidelity of the overlap-blend at ``k`` latent frames per chunk for this decoder on this host: a small random
-    latent (``2 k`` latent frames: three overlapping chunks; at most :data:`BLEND_CHECK_HW` latent px a side)
+    latent (``2 k - 1`` latent frames: two chunks of ``k`` overlapping by one, the chunk length the plan checked
+    against the VAE's frame formula; at most :data:`BLEND_CHECK_HW` latent px a side)
     decoded whole by ``first_stage_model.decode`` and by :func:`..executors.blend.decode_overlap_blend`, both
     through the VAE's ``process_output`` (``[0, 1]``, as the node's output), compared by PSNR
-    (:func:`.self_check.verify` with ``floor_db`` :data:`.self_check.FIDELITY_FLOOR_DB`). Cached per structure and
-    ``k`` as the exactness verdicts are (a failure per file, an inconclusive check never)."""
+    (:func:`.self_check.verify` with ``floor_db`` :data:`.self_check.FIDELITY_FLOOR_DB`). Cached per structure, ``k``
+    and check size as the exactness verdicts are (a failure per file, an inconclusive check never)."""
     model = job.vae.first_stage_model
     k = max(2, int(k))
-    key = f"blend-fidelity/{model_key(job)}/k{k}"
     c, h, w = (int(job.z.shape[i]) for i in (1, 3, 4))
-    t, h, w = 2 * k, min(h, BLEND_CHECK_HW), min(w, BLEND_CHECK_HW)
+    t, h, w = 2 * k - 1, min(h, BLEND_CHECK_HW), min(w, BLEND_CHECK_HW)
+    key = f"blend-fidelity/{model_key(job)}/k{k}/{t}x{h}x{w}"
     z = torch.randn((1, c, t, h, w), generator=torch.Generator().manual_seed(0)).to(job.device, job.dtype)
     frames_of, index_formula, _ = blend_ratios(job.vae)
 

@@ -35,10 +35,10 @@ def video(comfy):
     return sys.modules[comfy.NODE_CLASS_MAPPINGS["VRAMFit_TemporalChunkVideoDecode"].__module__]
 
 
-def _engine(name: str):
-    """A module of the pack's engine (``memory.<name>``), as the host imported it."""
-    vae_mod = [m for m in sys.modules if m.endswith(".memory.vae.carry_layout")][0]
-    return importlib.import_module(vae_mod.replace(".vae.carry_layout", f".{name}"))
+def _engine(video, name: str):
+    """A module of the pack's engine (``memory.<name>``), as the host imported it (the node module ``video``'s
+    package; the unit tier's ``vramfit`` copy may be loaded too)."""
+    return importlib.import_module(f"{video.__name__.rsplit('.nodes.', 1)[0]}.memory.{name}")
 
 
 def _release(vae) -> None:
@@ -58,11 +58,11 @@ def cosmos(comfy, fixture_vaes):
     _release(vae)
 
 
-def test_cosmos_loads_as_its_family(cosmos):
+def test_cosmos_loads_as_its_family(cosmos, video):
     vae, z, ref = cosmos
     assert type(vae.first_stage_model).__name__ == "CausalContinuousVideoTokenizer"
     assert ref.shape == (8 * 5 - 7, 24, 32, 3)
-    layout = _engine("vae.carry_layout").carry_layout(vae.first_stage_model)
+    layout = _engine(video, "vae.carry_layout").carry_layout(vae.first_stage_model)
     assert layout.reason is None and layout.family == "cosmos", layout.reason
 
 
@@ -85,7 +85,7 @@ def test_cosmos_chunks_are_exact_under_a_budget(cosmos, video):
 def test_a_sub_floor_blend_is_not_taken_silently(cosmos, video, monkeypatch):
     """Cosmos without its description (as before this issue): the blend that fits measures under 30 dB."""
     vae, z, ref = cosmos
-    layout = _engine("vae.carry_layout")
+    layout = _engine(video, "vae.carry_layout")
     monkeypatch.setattr(layout, "DESCRIPTIONS", tuple(d for d in layout.DESCRIPTIONS if d.name != "cosmos"))
     monkeypatch.setattr(layout, "_LAYOUTS", weakref.WeakKeyDictionary())
     r = video.decode(vae, {"samples": z}, frames_per_chunk=2)
