@@ -1,6 +1,7 @@
 """Coverage bench: the exact tiled decode of each newly covered image family vs the host's decodes, one run.
 
-For each fixture kind (default: Hunyuan Image 2.1 ``hunyuan_image``, Sana's DC-AE ``dcae_sana``) and image
+For each fixture kind (default: Hunyuan Image 2.1 ``hunyuan_image``, Sana's DC-AE ``dcae_sana``; also Mage-VAE
+``mage`` / ``mage_narrow`` on 0.33.0) and image
 size, in one process, CPU float32:
 
 1. the host's untiled decode (core ``VAEDecode``; for DC-AE, loaded as ComfyUI_ExtraModels does, its own
@@ -18,6 +19,14 @@ the whole clip; CogVideoX: 4 frames, its host's chunk), for the families that ti
 that chunk in time a ``budget_mb`` between the predictions with the carried context kept for a rollback and spent
 in place (the planner then spends it in place). Every row draws the decode's noise (LTX-Video) from
 one random state.
+
+``--families``: the families of ``comfy/sd.py`` no fixture file covers (TAESD, the SD x4 upscaler's KL VAE, Stable
+Cascade's Stage A and Stage C previewer, the pixel-space pass-through, TAEHV for Wan 2.1, SVD's temporal decoder
+on a 3-frame batch; also Mage-VAE's narrow fixture), each built by
+``comfy.sd.VAE`` from random weights of the host's own classes (the keys it detects): the host's decode and encode
+vs Tiled VAE Decode (Temporal-Chunk Video Decode for TAEHV) with tiles of a quarter of the output's side and Tiled
+VAE Encode with tiles of half the image's side: the path each takes, whether it says exact, PSNR and max abs
+difference. For README's coverage tables.
 
 ``--video --predict FRAMES``: nothing decoded; the planner's bfloat16 figures (meta sizing, within a few % of the
 measured peaks at the sizes above) for clips of FRAMES frames at 480p, 720p and 1080p: the host's decode, exact
@@ -53,6 +62,8 @@ log = logging.getLogger("vramfit.bench.coverage")
 log.setLevel(logging.INFO)
 MiB = 2**20
 KINDS = ("hunyuan_image", "dcae_sana")
+MORE_KINDS = ("hunyuan_image_narrow", "mage", "mage_narrow")
+"""Also accepted by ``--kinds`` (Mage-VAE: ComfyUI 0.33.0+)."""
 
 
 def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -220,6 +231,137 @@ def predict_video(nodes: Any, kind: str, frames: int, dtype: torch.dtype) -> lis
     return rows
 
 
+def _random_vae(model: torch.nn.Module, prefix: str = "", **kw: Any) -> Any:
+    """``comfy.sd.VAE`` of ``model``'s state dict (keys prefixed), ``model``'s layers given torch's initialisation
+    (``comfy.ops`` layers skip it; :func:`scripts.fixtures._torch_reset`), its own tensors left as built."""
+    import comfy.sd
+
+    from scripts.fixtures import _torch_reset
+
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(0)
+        for m in model.modules():
+            _torch_reset(m)
+    sd = {prefix + k: v for k, v in model.state_dict().items()}
+    return comfy.sd.VAE(sd=sd, **kw)
+
+
+def _family_vaes(nodes: Any = None) -> dict[str, Callable[[], tuple[Any, tuple[int, ...]]]]:
+    """``{family: () -> (VAE, latent shape)}``: the families of ``comfy/sd.py`` without a fixture file (SVD's: three
+    frames as its batch), and Mage-VAE's narrow fixture (its encode)."""
+
+    def meta(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:  # small models: built on the CPU
+        return build().float()
+
+    def taesd():
+        import comfy.taesd.taesd as t
+
+        return _random_vae(meta(lambda: t.TAESD())), (1, 4, 32, 32)
+
+    def x4_upscaler():
+        from comfy.ldm.models.autoencoder import AutoencoderKL
+
+        dd = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+              "ch_mult": [1, 2, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+        return _random_vae(meta(lambda: AutoencoderKL(ddconfig=dd, embed_dim=4))), (1, 4, 32, 32)
+
+    def stage_a():
+        from comfy.ldm.cascade.stage_a import StageA
+
+        return _random_vae(meta(StageA)), (1, 4, 32, 32)
+
+    def stage_c_previewer():
+        from comfy.ldm.cascade.stage_c_coder import Previewer
+
+        return _random_vae(meta(Previewer)), (1, 16, 16, 16)
+
+    def svd():
+        from comfy.ldm.models.autoencoder import AutoencodingEngine
+
+        enc = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+               "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+        model = meta(lambda: AutoencodingEngine(
+            regularizer_config={"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
+            encoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Encoder", "params": enc},
+            decoder_config={"target": "comfy.ldm.modules.temporal_ae.VideoDecoder",
+                            "params": dict(enc, video_kernel_size=[3, 1, 1], alpha=0.0)}))
+        with torch.no_grad():
+            for m in model.modules():
+                if getattr(m, "mix_factor", None) is not None:
+                    m.mix_factor.normal_()
+        return _random_vae(model), (3, 4, 16, 16)
+
+    def mage():
+        return _load(nodes, "mage_narrow"), (1, 128, 4, 6)
+
+    def hunyuan_video_image():  # a 4-D latent on HunyuanVideo 1.0's 3-D KL VAE: an image
+        return _load(nodes, "hunyuan_video"), (1, 16, 16, 16)
+
+    def pixel_space():
+        import comfy.sd
+
+        return comfy.sd.VAE(sd={"pixel_space_vae": torch.tensor(1.0)}), (1, 3, 128, 128)
+
+    def taehv_wan21():
+        import comfy.taesd.taehv as t
+
+        return _random_vae(meta(lambda: t.TAEHV(latent_channels=16, latent_format=None))), (1, 16, 3, 16, 16)
+
+    return {"taesd": taesd, "sd_x4_upscaler": x4_upscaler, "stage_a": stage_a,
+            "stage_c_previewer": stage_c_previewer, "pixel_space": pixel_space, "taehv_wan21": taehv_wan21,
+            "svd": svd, "mage_narrow": mage, "hunyuan_video_image": hunyuan_video_image}
+
+
+def bench_families(nodes: Any, mod: Any, names: list[str]) -> list[str]:
+    """One markdown row per family and direction (see ``--families``)."""
+    from scripts.fixtures import structured_latent
+
+    video = sys.modules[nodes.NODE_CLASS_MAPPINGS["VRAMFit_TemporalChunkVideoDecode"].__module__]
+    enc = sys.modules[nodes.NODE_CLASS_MAPPINGS["VRAMFit_TiledVAEEncode"].__module__]
+    rows = []
+
+    def row(name: str, what: str, r: Any, out: torch.Tensor, ref: torch.Tensor) -> str:
+        ref = ref.reshape(out.shape) if ref.numel() == out.numel() else ref
+        diff = (out.float() - ref.float()).abs().max().item() if out.shape == ref.shape else math.inf
+        ps = _psnr(out.float().clamp(0, 1), ref.float().clamp(0, 1)) if what == "decode" else math.nan
+        exact = "exact" if r.plan.exact else "approximate"
+        return (f"| {name} | {what} | {r.plan.path} ({exact}) | {r.report.summary[:70]} | "
+                f"{'bit-equal' if math.isinf(ps) else f'{ps:.1f} dB'} | {diff:.1e} |")
+
+    for name in names:
+        try:
+            vae, shape = _family_vaes(nodes)[name]()
+        except Exception as e:  # the host lacks the class, or builds it differently
+            rows.append(f"| {name} | - | not built: {type(e).__name__}: {str(e)[:80]} | | | |")
+            continue
+        z = structured_latent(shape, seed=5)
+        with torch.inference_mode():
+            ref = nodes.VAEDecode().decode(vae, {"samples": z})[0].clone()
+        side = int(ref.shape[-2])
+        try:
+            if len(shape) == 5:
+                r = _seeded(lambda vae=vae, z=z, side=side: video.decode(vae, {"samples": z}, frames_per_chunk=1,
+                                                                          tile_size=side // 2))
+            else:
+                r = mod.decode(vae, {"samples": z}, tile_size=max(16, side // 4))
+            rows.append(row(name, "decode", r, r.images, ref))
+            log.info("%s decode: %s", name, r.report.text())
+        except Exception as e:
+            rows.append(f"| {name} | decode | error: {type(e).__name__}: {str(e)[:100]} | | | |")
+        if len(shape) == 5:
+            continue
+        try:
+            with torch.inference_mode():
+                lat = nodes.VAEEncode().encode(vae, ref)[0]["samples"].clone()
+            r = enc.encode(vae, ref, tile_size=max(16, side // 2))
+            out = r.latent["samples"] if isinstance(r.latent, dict) else r.latent
+            rows.append(row(name, "encode", r, out, lat))
+            log.info("%s encode: %s", name, r.report.text())
+        except Exception as e:
+            rows.append(f"| {name} | encode | error: {type(e).__name__}: {str(e)[:100]} | | | |")
+    return rows
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     out = ["| family | size | decode | wall s | tensor peak MiB | PSNR vs untiled | time vs untiled | "
            "peak vs untiled |", "|---|---|---|---|---|---|---|---|"]
@@ -237,7 +379,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--kinds", nargs="+", choices=KINDS + MORE_KINDS, default=list(KINDS))
     parser.add_argument("--sizes", type=int, nargs="+", default=[512])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--video", action="store_true", help="bench the carried-chunk video VAEs instead")
@@ -247,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--predict", type=int, default=0, metavar="FRAMES",
                         help="--video: the planner's bf16 predictions at 480p/720p/1080p clips of FRAMES frames "
                              "instead of decodes")
+    parser.add_argument("--families", nargs="*", default=None, metavar="FAMILY",
+                        help="the families without a fixture file (all when none is named): taesd, sd_x4_upscaler, "
+                             "stage_a, stage_c_previewer, pixel_space, taehv_wan21, svd, mage_narrow, hunyuan_video_image")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     if str(ROOT) not in sys.path:
@@ -258,6 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     mod = sys.modules[nodes.NODE_CLASS_MAPPINGS["VRAMFit_TiledVAEDecode"].__module__]
     tracker_mod = importlib.import_module(mod.__name__.rsplit(".nodes.", 1)[0] + ".memory.measure.tracker")
     t0 = time.perf_counter()
+    if args.families is not None:
+        found = bench_families(nodes, mod, args.families or list(_family_vaes()))
+        log.info("\n| family | direction | path | report | PSNR vs host | max abs diff |\n|---|---|---|---|---|---|"
+                 "\n%s\n\nrandom weights, float32, CPU, torch %s, bench %.0f s", "\n".join(found), torch.__version__,
+                 time.perf_counter() - t0)
+        return 0
     if args.video and args.predict:
         head = ("| family | clip | host decode GiB | exact, whole frames GiB | in place GiB | exact, 4x4 tiles "
                 "GiB | auto plan (cold planning time) |\n|---|---|---|---|---|---|---|")
