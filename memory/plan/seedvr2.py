@@ -2,8 +2,10 @@
 and carried frames wait, chosen from peaks sized on fake tensors like every video path (:func:`.video.meta_peak`,
 persisted in the :class:`.video.PeakStore`). The time slices are the host's (they are part of its result), so the
 lever is the tile: whole frames first (fewest calls), then tiles of 512 .. 32 px at every activation's own
-resolution; on an accelerator, the same again with the store in host memory. The first that fits the budget is the
-plan; none fits: the smallest, flagged over budget. Entered from ``decode/seedvr2`` (``decode/video.decode_video``
+resolution; on an accelerator, whole frames and 512-px tiles with the store on the device, then every tile with the
+store (whole-frame activations and carried frames) in host memory, which leaves less on the device than any
+device-store tile (and sizing many small tiles of a 4K frame on fake tensors takes minutes). The first that fits the
+budget is the plan; none fits: the smallest, flagged over budget. Entered from ``decode/seedvr2`` (``decode/video.decode_video``
 dispatches there when :func:`..vae.seedvr2_layout.seedvr2_of` recognises the model). Nothing here imports ComfyUI."""
 
 from __future__ import annotations
@@ -53,14 +55,16 @@ def candidates(job: VideoJob) -> list[SeedVR2Config]:
     r = 8
     tiles = [(job.tile_size, job.tile_size)] if job.tile_size > 0 else [
         None if s is None else (s, s) for s in TILES]
-    stores = ["device"] + (["host"] if job.device.type != "cpu" else [])
+    if job.device.type == "cpu":
+        pairs = [(tile, "device") for tile in tiles]
+    else:  # the store in host memory holds less on the device than any device-store tile: small tiles host-side only
+        pairs = [(tile, "device") for tile in tiles[:2]] + [(tile, "host") for tile in tiles]
     out = []
-    for store in stores:
-        for tile in tiles:
-            if tile is not None and tile[0] >= max(h, w) * r and job.tile_size <= 0:
-                continue  # one tile of the whole frame: the whole-frame candidate
-            g = (1, 1) if tile is None else (-(-h * r // tile[0]), -(-w * r // tile[1]))
-            out.append(SeedVR2Config(tile, store, len(lay.slices(t)), g))
+    for tile, store in pairs:
+        if tile is not None and tile[0] >= max(h, w) * r and job.tile_size <= 0:
+            continue  # one tile of the whole frame: the whole-frame candidate
+        g = (1, 1) if tile is None else (-(-h * r // tile[0]), -(-w * r // tile[1]))
+        out.append(SeedVR2Config(tile, store, len(lay.slices(t)), g))
     return out
 
 

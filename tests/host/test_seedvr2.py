@@ -193,6 +193,30 @@ def test_video_node_decodes_it_exactly_in_tiles_under_a_budget(video, seedvr2, c
     assert (r.images - ref).abs().max().item() <= 1e-4, text
 
 
+def test_plan_candidates(seedvr2):
+    """The planner's order: on the CPU whole frames then ever smaller tiles (those not smaller than the frame left
+    out); on an accelerator whole frames and 512 px with the store on the device, then every tile with the store in
+    host memory; a user's tile_size alone."""
+    import dataclasses
+
+    from vramfit.memory.decode.video import make_job
+    from vramfit.memory.plan.seedvr2 import candidates
+
+    z = torch.zeros(1, 16, 5, 135, 240)  # 1080p
+    job = make_job(seedvr2, z, "cpu")
+    cpu = [(c.tile, c.store) for c in candidates(job)]
+    assert cpu == [(None, "device"), ((512, 512), "device"), ((256, 256), "device"), ((128, 128), "device"),
+                   ((64, 64), "device"), ((32, 32), "device")]
+    assert candidates(job)[1].grid == (3, 4) and candidates(job)[0].slices == 4
+    gpu = [(c.tile, c.store) for c in candidates(dataclasses.replace(job, device=torch.device("cuda")))]
+    assert gpu[:3] == [(None, "device"), ((512, 512), "device"), (None, "host")] and len(gpu) == 8
+    assert all(s == "host" for _, s in gpu[2:])
+    small = make_job(seedvr2, torch.zeros(1, 16, 2, 6, 5), "cpu")
+    assert [c.tile for c in candidates(small)] == [None, (32, 32)]
+    user = [(c.tile, c.store) for c in candidates(dataclasses.replace(job, tile_size=200))]
+    assert user == [((200, 200), "device")]
+
+
 def r_out_mb(ref: torch.Tensor) -> float:
     return ref.numel() * 4 / 2**20
 
