@@ -125,3 +125,23 @@ def test_ltx24_diffusion_decoder_never_blends():
     why = blend_refusal(CausalDiffusionVAE())
     assert why is not None and "noise" in why
     assert blend_refusal(FirstFrameDecoder()) is None
+
+
+def test_the_hosts_decode_out_of_memory_names_the_measure_and_allow_approximate():
+    """Under the floor the host's decode runs over the budget; when it then runs out of memory, the error names
+    the node, the measure and ``allow_approximate`` (the user decides)."""
+    vae = _far_off_vae()
+    budget = _blend_budget(vae)
+    decode = vae.first_stage_model.decode
+
+    def oom_on_the_whole_clip(z: torch.Tensor) -> torch.Tensor:
+        if z.shape[2] == Z.shape[2] and type(z).__name__ != "FakeTensor" and z.device.type != "meta":
+            raise torch.OutOfMemoryError("the whole clip does not fit")
+        return decode(z)
+
+    vae.first_stage_model.decode = oom_on_the_whole_clip
+    with pytest.raises(RuntimeError, match=r"Temporal-Chunk Video Decode: the host's own decode ran out of memory "
+                                           r".*measured [\d.]+ dB.*Set allow_approximate to true"):
+        _decode(vae, Z, budget)
+    r = _decode(vae, Z, budget, allow_approximate=True)  # the blend's chunks fit
+    assert r.plan.path == "blend", dict(r.report.rows)
