@@ -140,6 +140,7 @@ class _WanRun:
         pin: bool,
         split_hook: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
         sizing: bool = False,
+        phase_hook: Callable[[str], None] | None = None,
     ) -> None:
         self.model = model
         self.dec = model.decoder
@@ -164,6 +165,7 @@ class _WanRun:
         self.pin = pin
         self.split_hook = split_hook
         self.sizing = bool(sizing)
+        self.phase_hook = phase_hook
         self.store: _Store | None = None
         self.queue: list[_Item] = []
         self.global_left = 0  # phase-1 chunks still to run (progress)
@@ -607,6 +609,8 @@ class _WanRun:
                 tiles = self.peak_tiles()
             self.queue = [_Item(t, list(fresh), 0, False) for t in tiles]
             self.build_store(fresh, 0)
+            if self.phase_hook is not None:
+                self.phase_hook("store")
         while self.queue:
             subs = self.run_item(self.queue[0])
             self.queue[0:1] = subs
@@ -639,6 +643,7 @@ def decode_wan_chunked(
     stats: dict | None = None,
     split_hook: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
     sizing: bool = False,
+    phase_hook: Callable[[str], None] | None = None,
 ) -> torch.Tensor:
     """Decode a Wan 2.1/2.2 latent exactly, tile by tile, each tile over time in chunks; returns what
     ``model.decode(z)`` returns: ``(B, 3, 1 + 4 (T - 1), H, W)`` in [-1, 1] (``out_dtype``).
@@ -680,6 +685,8 @@ def decode_wan_chunked(
     ``sizing`` (meta sizing only, :class:`.sizing.MetaSizer`): with several tiles, phase 2 runs only the
     tiles that set its peak (per axis the spans whose core and extended lengths are not both reached by
     another span): the same peak as the full run, most tiles' work skipped; the output is incomplete.
+    ``phase_hook("store")``: called when phase 1 has built the store (several tiles only), before any tile
+    runs (the planner reads phase 1's own peak there, which no tile size changes).
     """
     lay = wan_layout(model)
     if z.ndim != 5:
@@ -739,6 +746,7 @@ def decode_wan_chunked(
         pin,
         split_hook,
         sizing,
+        phase_hook,
     )
     with torch.no_grad():
         result = run.run()

@@ -193,6 +193,11 @@ class MetaSizer:
         self._stack = stack
         return self
 
+    @property
+    def peak_so_far(self) -> int:
+        """Peak bytes reached so far inside the block (a phase's peak, read between phases)."""
+        return self._tracker.peak_so_far if self._tracker is not None else self.peak_bytes
+
     def __exit__(self, *exc: object) -> None:
         assert self._stack is not None and self._tracker is not None
         self._stack.__exit__(*exc)

@@ -227,6 +227,13 @@ class PeakTracker:
             return int(torch.cuda.memory_allocated(self.device)) - self._base_alloc
         return self.end_bytes
 
+    @property
+    def peak_so_far(self) -> int:
+        """Peak live bytes above the baseline reached so far (dispatch method; else the peak after exit)."""
+        if self._counter is not None and not self._done:
+            return self._counter.peak
+        return self.peak_bytes
+
     def __enter__(self) -> PeakTracker:
         if self._entered:
             raise RuntimeError("a PeakTracker can be entered only once; create a new one")

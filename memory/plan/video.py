@@ -159,22 +159,28 @@ def peak_key(job: VideoJob, cd: Chunking, fingerprint: str | None = None) -> str
             f"/{'host' if cd.store == 'host' else 'device'}")
 
 
-def size_candidate(job: VideoJob, cd: Chunking) -> int:
+def size_candidate(job: VideoJob, cd: Chunking, phases: dict | None = None) -> int:
     """Meta-sized peak bytes of ``decode_wan_chunked`` for this candidate at ``min(T, 1 + 2 k)`` latent
     frames, without the output buffer (the store's growth with ``T`` is added by :func:`decode_peak`). Sized
     under ``torch.inference_mode``, as ComfyUI runs the node (a persisted peak holds in any caller's mode:
-    the executor allocates the same either way, see docs/VIDEO_DECODE.md)."""
+    the executor allocates the same either way, see docs/VIDEO_DECODE.md). ``phases``: for tiles, filled with
+    ``store``: the peak of phase 1 alone (the global part into the store), which no tile size changes."""
     model = job.vae.first_stage_model
     lay = job.layout
     b, c, t, h, w = (int(v) for v in job.z.shape)
     t_meta = _t_meta(t, cd.k)
+    out_b = b * 3 * lay.out_frames(t_meta) * h * w * lay.spatial_ratio**2 * 4
     with torch.inference_mode(), MetaSizer([model], job.dtype, job.device) as sizer:  # as ComfyUI runs nodes
         zf = torch.empty((b, c, t_meta, h, w), dtype=job.dtype, device=job.device)
+
+        def mark(phase: str) -> None:
+            if phases is not None:
+                phases[phase] = max(0, sizer.peak_so_far - out_b)
+
         out = vc.decode_wan_chunked(model, zf, cd.k, cd.tile, halo=None, split=cd.split, compute_device=job.device,
                                     dtype=job.dtype, store_device="cpu" if cd.store == "host" else None,
-                                    out_device=job.device, rollback=cd.rollback, sizing=True)
+                                    out_device=job.device, rollback=cd.rollback, sizing=True, phase_hook=mark)
         del out, zf
-    out_b = b * 3 * lay.out_frames(t_meta) * h * w * lay.spatial_ratio**2 * 4
     return max(0, int(sizer.peak_bytes) - out_b)
 
 
@@ -212,14 +218,55 @@ def decode_peak(job: VideoJob, lay: WanLayout, cd: Chunking, peaks: PeakStore, f
                 sized: list[int] | None = None) -> int:
     """Peak bytes of the decode (without the output buffer) for the whole clip: the stored or sized peak
     plus the store's growth with ``T``."""
+    return decode_peaks(job, lay, cd, peaks, fingerprint, sized)[0]
+
+
+def decode_peaks(job: VideoJob, lay: WanLayout, cd: Chunking, peaks: PeakStore, fingerprint: str,
+                 sized: list[int] | None = None) -> tuple[int, int | None]:
+    """``(peak, phase 1's peak)`` of :func:`decode_peak`, both for the whole clip (the store's growth with
+    ``T`` added); phase 1 None for whole frames (one phase) and for a peak stored before phase 1 was kept."""
     key = peak_key(job, cd, fingerprint)
-    peak = peaks.get(key)
+    peak, store = peaks.get(key), peaks.get(key + "/phase1") if cd.tile is not None else None
     if peak is None:
-        peak = size_candidate(job, cd)
+        phases: dict = {}
+        peak = size_candidate(job, cd, phases)
         peaks.put(key, peak, write=False)
+        store = phases.get("store")
+        if store is not None:
+            peaks.put(key + "/phase1", store, write=False)
         if sized is not None:
             sized.append(1)
-    return peak + _store_growth(job, lay, cd)
+    growth = _store_growth(job, lay, cd)
+    return peak + growth, None if store is None else store + growth
+
+
+def _ext_area(lay: WanLayout, h: int, w: int, cd: Chunking) -> int:
+    """Latent px of the largest extended tile of ``cd`` (whole frames: the frame)."""
+    if cd.tile is None:
+        return h * w
+    halo = lay.split_info(cd.split).halo
+    return (max(e1 - e0 for *_, e0, e1 in spans(h, cd.tile[0], halo))
+            * max(e1 - e0 for *_, e0, e1 in spans(w, cd.tile[1], halo)))
+
+
+def scaled_bound(f: Chunking, peak: int, phase1: int | None, cd: Chunking, areas: tuple[int, int]) -> int:
+    """A lower bound of ``cd``'s peak from the sized ``f`` (``peak``; ``phase1``: its phase 1 alone), 0 when
+    none follows. Every tensor alive at a peak holds a fixed number of frames or a number proportional to
+    ``k``, over a fixed area or one proportional to the extended tile's (``areas``: ``f``'s, ``cd``'s), so a
+    peak is a max of sums of non-negative terms ``c k^i a^j`` (i, j in 0, 1): scaling ``k`` and the area down
+    by ``m_k``, ``m_a`` <= 1 leaves at least ``m_k m_a`` of it; phase 1 does not depend on the tiles. Holds
+    for ``cd`` of the same split and kind (tiles or whole frames), no larger ``k`` (the chunks' count changes
+    with ``k``: on a tiny Wan 2.1 two-frame chunks peaked above four-frame ones,
+    tests/host/test_video_chunked_tiny.py) and no less cache (rollback) or device store."""
+    if (cd.tile is None) != (f.tile is None) or cd.split != f.split or cd.k > f.k:
+        return 0
+    if cd.rollback < f.rollback or (cd.store == "host" and f.store != "host"):
+        return 0
+    mk = min(1.0, cd.k / f.k)
+    bound = peak * mk * min(1.0, areas[1] / areas[0])
+    if phase1 is not None and cd.tile is not None:
+        bound = max(bound, phase1 * mk)
+    return int(bound)
 
 
 def traffic(job: VideoJob, cd: Chunking) -> dict:
@@ -291,8 +338,9 @@ def _split_options(lay: WanLayout) -> list[int]:
 
 
 def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None, tiled: bool = True) -> list[Chunking]:
-    """Every candidate in the speed order the planner tries them (fastest first; among equals the rollback
-    cache, the device store, the smaller k); ``tiled`` False: whole frames only."""
+    """Every candidate in the speed order the planner tries them (fastest first; among equals the context spent
+    in place, which needs less: :func:`plan_wan` then tries its twin with the rollback cache; the device store,
+    the smaller k); ``tiled`` False: whole frames only."""
     lay = job.layout
     _, _, t, h, w = (int(v) for v in job.z.shape)
     rest = max(1, t - 1)
@@ -309,7 +357,7 @@ def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None, ti
                     speed = area * (1 + c / k) * (1 + 1e-3 * k) * (1.02 if host else 1.0)
                     for rollback in (True, False):
                         store = None if tile is None else ("host" if host else "device")
-                        cands.append((speed, not rollback, host, k, Chunking(k, tile, grid, split, rollback, store)))
+                        cands.append((speed, rollback, host, k, Chunking(k, tile, grid, split, rollback, store)))
     cands.sort(key=lambda e: e[:4])
     return [e[4] for e in cands]
 
@@ -338,13 +386,19 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
 
     found: Plan | None = None
     failed: list[Chunking] = []
+    over: list[tuple[Chunking, int, int | None, int]] = []  # sized and over: (candidate, peak, phase 1, area)
     # On a host whose caches the executor restores (0.33's Wan 2.1), one-frame chunks hold the old cache
     # entries beside the new ones: k = 1 failing says nothing about larger k.
     restores = cache_protocol(job.vae.first_stage_model).restores
     known: list[tuple[int, bool, Chunking]] = []  # (planned or its lower bound, exact, candidate)
+    scaled = 0
     try:
         for cd in candidates(job, k_user, tile_user, tiled):
             if any(cd.needs_more_than(f) and not (restores and f.k == 1 < cd.k) for f in failed):
+                continue
+            area = _ext_area(lay, h, w, cd)
+            if any(out_b + scaled_bound(f, pk, p1, cd, (fa, area)) > budget for f, pk, p1, fa in over):
+                scaled += 1
                 continue
             low = out_b + max(lower_bound(job, lay, cd), post)
             if low > budget:
@@ -352,12 +406,18 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
                 failed.append(cd)
                 known.append((low, False, cd))
                 continue
-            p = make(cd, decode_peak(job, lay, cd, peaks, fingerprint, sized))
+            peak, phase1 = decode_peaks(job, lay, cd, peaks, fingerprint, sized)
+            p = make(cd, peak)
             if p.planned <= budget:
                 found = p
+                if not cd.rollback:  # its twin with the rollback cache (an OOM resumes the tile), when it fits
+                    twin = dataclasses.replace(cd, rollback=True)
+                    tp = make(twin, decode_peak(job, lay, twin, peaks, fingerprint, sized))
+                    found = tp if tp.planned <= budget else p
                 break
             failed.append(cd)
             known.append((p.planned, True, cd))
+            over.append((cd, peak, phase1, area))
         if found is None:
             # Size lower-bounded candidates, smallest bound first, until a sized one is below every bound: the
             # smallest plan (run over budget with a user k / tile: few candidates); for the message of an
@@ -376,7 +436,7 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
     finally:
         peaks.flush()
         if stats is not None:
-            stats.update(sized=len(sized), bounded=bounded)
+            stats.update(sized=len(sized), bounded=bounded, scaled=scaled)
     if found.over_budget and tile_user is None and not k_user:
         raise ImpossibleBudgetError(
             f"no plan fits the budget of {fmt_bytes(budget)}: every plan needs at least {fmt_bytes(floor)}; the "
