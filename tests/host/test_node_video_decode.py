@@ -96,7 +96,7 @@ def test_schema_ids_and_tooltips(node):
     schema = node.define_schema()
     assert schema.node_id == NODE_ID and schema.display_name == "Temporal-Chunk Video Decode (VRAM Fit)"
     ids = [i.id for i in schema.inputs]
-    assert ids == ["samples", "vae", "frames_per_chunk", "tile_size", "budget_mb", "unload_others"]
+    assert ids == ["samples", "vae", "frames_per_chunk", "tile_size", "budget_mb", "unload_others", "allow_approximate"]
     assert all(i.tooltip for i in schema.inputs) and all(o.tooltip for o in schema.outputs)
     assert [o.get_io_type() for o in schema.outputs] == ["IMAGE", "STRING"]
 
