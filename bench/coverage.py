@@ -343,7 +343,7 @@ def bench_families(nodes: Any, mod: Any, names: list[str]) -> list[str]:
                 r = _seeded(lambda vae=vae, z=z, side=side: video.decode(vae, {"samples": z}, frames_per_chunk=1,
                                                                           tile_size=side // 2))
             else:
-                r = mod.decode(vae, {"samples": z}, tile_size=max(16, side // 4))
+                r = mod.decode(vae, {"samples": z}, tile_size=max(32, side // 4 // 8 * 8))
             rows.append(row(name, "decode", r, r.images, ref))
             log.info("%s decode: %s", name, r.report.text())
         except Exception as e:
