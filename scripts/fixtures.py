@@ -749,11 +749,28 @@ def build_model(kind: str, device: str | torch.device = "meta") -> torch.nn.Modu
     spec = FIXTURES[kind]
     mod = _import_comfy_module(spec.module)
     if (spec.full or kind) == "cosmos" and torch.device(device).type == "meta":
-        with narrow_host(kind):  # its patchers read a tensor's value (.item()) while built: on the CPU, then meta
+        with narrow_host(kind), _eager_weights():  # its patchers read a value (.item()) while built: CPU, then meta
             return getattr(mod, spec.model_class)(**spec.config()).to(device).eval()
-    with torch.device(device), narrow_host(kind):
+    with torch.device(device), narrow_host(kind), _eager_weights():
         model = getattr(mod, spec.model_class)(**spec.config())
     return model.eval()
+
+
+@contextlib.contextmanager
+def _eager_weights() -> Iterator[None]:
+    """Every layer gets its weights when built. With dynamic VRAM on (ComfyUI >= 0.33 on CUDA:
+    ``comfy.memory_management.aimdo_enabled``) ``comfy.ops``' Linear and Embedding defer theirs to the state
+    dict's load, so a model built then has no such keys: on an H100 (2026-11-27) HunyuanVideo 1.5's file lacked
+    its mid blocks' ``temb_proj`` and LTX-Video's 24.4 M parameters. The flag is off while the fixture is built."""
+    mm = sys.modules.get("comfy.memory_management")
+    if mm is None or not getattr(mm, "aimdo_enabled", False):
+        yield
+        return
+    mm.aimdo_enabled = False
+    try:
+        yield
+    finally:
+        mm.aimdo_enabled = True
 
 
 # --------------------------------------------------------------------------------------------------
