@@ -38,9 +38,9 @@ log = logging.getLogger("vramfit.memory.decode.seedvr2")
 
 __all__ = ["CHECK_LATENT", "CHECK_TILE", "EXACT_TEXT", "check_seedvr2", "decode_seedvr2_video"]
 
-CHECK_LATENT = (4, 2, 3)
-"""``(T, h, w)`` of the self-check's latent: three of the host's time slices (the first of two latent frames, then
-two carried ones), 16x24 px."""
+CHECK_LATENT = (2, 4, 2, 3)
+"""``(B, T, h, w)`` of the self-check's latent: two videos (the host decodes them together, the walk item by item),
+three of the host's time slices (the first of two latent frames, then two carried ones), 16x24 px."""
 CHECK_TILE = (4, 4)
 """The self-check's tile: 1x1 to 4x6 tiles per segment (every tile edge inside a frame at full resolution)."""
 EXACT_TEXT = "exact (equal to VAE Decode: the host's decode with its own tiling off)"
@@ -48,31 +48,33 @@ EXACT_TEXT = "exact (equal to VAE Decode: the host's decode with its own tiling 
 
 def _key(job: VideoJob) -> str:
     lay = seedvr2_layout(job.vae.first_stage_model)
-    return f"seedvr2/{model_key(job)}/{EXECUTOR_VERSION}/slices{lay.slice_min}-{int(lay.use_slicing)}"
+    return f"seedvr2/{model_key(job)}/{EXECUTOR_VERSION}/check2/slices{lay.slice_min}-{int(lay.use_slicing)}"
 
 
 def check_seedvr2(job: VideoJob, store: CheckStore, prepare: Callable[[], None] | None = None,
                   first_use: FirstUse | None = None, norm_params: Any = None) -> Verdict:
     """Self-check of the executor for this model on this host: a random latent of :data:`CHECK_LATENT` decoded by
-    the host's ``first_stage_model.decode`` and by the executor in :data:`CHECK_TILE` tiles and on whole frames.
-    Cached per structure (code fingerprint, the host's slicing, executor version, dtype, device type); an
+    the host's ``first_stage_model.decode`` and by the executor in :data:`CHECK_TILE` tiles and on whole frames,
+    compared on [-1, 1] as VAE Decode's output is clamped (in half precision a random model's raw outputs past 1
+    carry ulps of 2 or 4). Cached per structure (code fingerprint, the host's slicing, executor version, dtype, device type); an
     inconclusive check is never cached."""
     model = job.vae.first_stage_model
     c = int(job.z.shape[1])
-    z = torch.randn((1, c, *CHECK_LATENT), generator=torch.Generator().manual_seed(0)).to(job.device, job.dtype)
-    frames = seedvr2_layout(model).frames(CHECK_LATENT[0])
-    shape = (1, 3, frames, CHECK_LATENT[1] * 8, CHECK_LATENT[2] * 8)
+    b, t, h, w = CHECK_LATENT
+    z = torch.randn((b, c, t, h, w), generator=torch.Generator().manual_seed(0)).to(job.device, job.dtype)
+    shape = (b, 3, seedvr2_layout(model).frames(t), h * 8, w * 8)
 
     def run(tile: tuple[int, int] | None) -> Callable[[], torch.Tensor]:
         def go() -> torch.Tensor:
             out = torch.empty(shape, dtype=job.dtype, device=job.device)
             return decode_seedvr2(model, z, tile, out=out, compute_device=job.device, dtype=job.dtype,
-                                  norm_params=norm_params)
+                                  norm_params=norm_params).clamp_(-1.0, 1.0)
         return go
 
-    configs = [(f"3 time slices, {CHECK_TILE[0]}x{CHECK_TILE[1]}-px tiles", run(CHECK_TILE)),
-               ("3 time slices, whole frames", run(None))]
-    return checked(_key(job), store, model, lambda: model.decode(z), configs, job.dtype, prepare, first_use)
+    configs = [(f"2 videos x 3 time slices, {CHECK_TILE[0]}x{CHECK_TILE[1]}-px tiles", run(CHECK_TILE)),
+               ("2 videos x 3 time slices, whole frames", run(None))]
+    return checked(_key(job), store, model, lambda: model.decode(z).clamp_(-1.0, 1.0), configs, job.dtype, prepare,
+                   first_use)
 
 
 def decode_seedvr2_video(job: VideoJob, env: DecodeEnv, *, budget_mb: float = 0, unload_others: bool = True,

@@ -217,6 +217,21 @@ def test_plan_candidates(seedvr2):
     assert user == [((200, 200), "device")]
 
 
+def test_self_check_is_cached_per_structure(seedvr2, case):
+    from vramfit.memory.decode.seedvr2 import CHECK_LATENT, check_seedvr2
+    from vramfit.memory.decode.self_check import CheckStore
+    from vramfit.memory.decode.video import make_job
+
+    z, _ = case
+    job = make_job(seedvr2, z, "cpu")
+    store = CheckStore()
+    first = check_seedvr2(job, store)
+    assert first.ok and not first.cached, first.describe()
+    assert CHECK_LATENT[0] == 2 and CHECK_LATENT[1] >= 4  # a batch, >= 3 time slices
+    again = check_seedvr2(job, store)
+    assert again.ok and again.cached
+
+
 def r_out_mb(ref: torch.Tensor) -> float:
     return ref.numel() * 4 / 2**20
 
