@@ -83,6 +83,17 @@ def test_mage_split_tiles_are_exact(tiled, mage, case):
     assert diff <= TOL, (diff, text)
 
 
+def test_mage_batch_of_two_in_tiles_is_exact(comfy, tiled, mage):
+    """Its decode treats the items of a batch independently (per-item GroupNorm, windows and pooling; the batch
+    self-check runs first), so the split path's one item per pass is VAE Decode's batch."""
+    z = structured_latent((2, 128, 6, 8), seed=6)
+    ref = comfy.VAEDecode().decode(mage, {"samples": z})[0]
+    r = tiled.decode(mage, {"samples": z}, tile_size=64)
+    text = r.report.text()
+    assert r.plan.path == "split" and r.plan.exact and r.report.summary.startswith("exact"), text
+    assert (r.images - ref).abs().max().item() <= TOL, text
+
+
 def test_mage_split_under_a_budget_plans_tiles(comfy, tiled, mage):
     """No tile set: a budget below the untiled decode's makes the planner take exact split tiles. (On a latent
     smaller than one 32-px attention window the window's padding makes the prefix's peak the untiled decode's.)"""
