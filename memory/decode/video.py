@@ -208,7 +208,11 @@ def _blend_or_host(job: VideoJob, p: Plan, env: DecodeEnv, available: int, allow
     (:func:`..vae.carry_layout.blend_refusal`) always takes the host's decode. Returns ``(plan, refused)``:
     ``refused`` the reason the blend was not taken ("" when it runs)."""
     refused = blend_refusal(job.vae.first_stage_model)
-    if refused is None:
+    if refused is not None:
+        refused = f"no overlap-blend for this decoder: {refused}"
+    elif int(job.z.shape[2]) <= int(p.config.k):  # one chunk holds the clip: that chunk is the host's own decode
+        refused = f"one chunk of {p.config.k} latent frames holds the whole clip: it is the host's own decode"
+    else:
         v = check_blend(job, env.checks, p.config.k, lambda: load_weights(job.vae, env, 0), first)
         if v.ok or allow:
             if v.ok:
@@ -223,8 +227,6 @@ def _blend_or_host(job: VideoJob, p: Plan, env: DecodeEnv, available: int, allow
         else:
             refused = (f"the overlap-blend's fidelity could not be measured ({v.detail or v.describe()}): not taken "
                        "without allow_approximate")
-    else:
-        refused = f"no overlap-blend for this decoder: {refused}"
     try:
         host = plan_host_decode(job, 1 << 62, env.peaks, refused)
     except Exception as e:  # noqa: BLE001 - an op without a fake kernel: the host's decode is not predicted
@@ -345,10 +347,11 @@ def decode_video(
             try:
                 _host_decode(job, view, bar, env, stats)
             except oom_types(env.oom_exceptions) as e:
+                ask = ("Set allow_approximate to true to accept approximate output, or free memory"
+                       if "allow_approximate" in refused else "Free memory or decode a smaller latent")
                 raise RuntimeError(
                     f"{REPORT_NODE}: the host's own decode ran out of memory ({type(e).__name__}); it ran over "
-                    f"the budget because {refused}. Set allow_approximate to true to accept approximate output, "
-                    "or free memory") from e
+                    f"the budget because {refused}. {ask}") from e
         elif p.path == "host":
             _host_decode(job, view, bar, env, stats)
         elif p.path == "wan":

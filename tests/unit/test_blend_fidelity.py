@@ -145,3 +145,16 @@ def test_the_hosts_decode_out_of_memory_names_the_measure_and_allow_approximate(
         _decode(vae, Z, budget)
     r = _decode(vae, Z, budget, allow_approximate=True)  # the blend's chunks fit
     assert r.plan.path == "blend", dict(r.report.rows)
+
+
+def test_a_clip_in_one_chunk_is_the_hosts_decode_unmeasured():
+    """``frames_per_chunk`` at least the clip's length: the one blend chunk is the host's own decode, reported
+    exact without a measure."""
+    vae = _far_off_vae()
+    z = Z[:, :, :3]
+    env = denv.DecodeEnv(checks=sc.CheckStore())
+    r = vd.decode_video(vd.make_job(vae, z, "cpu", frames_per_chunk=4), env, budget_mb=1024, unload_others=False)
+    path = dict(r.report.rows)["path"]
+    assert r.plan.path == "host" and r.plan.exact and "holds the whole clip" in path, path
+    assert not [k for k in env.checks.keys() if k.startswith("blend-fidelity/")]
+    assert torch.equal(r.images, _reference(vae, z, r.images.shape))
