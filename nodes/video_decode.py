@@ -138,16 +138,16 @@ class TemporalChunkVideoDecode(io.ComfyNode):
                 io.Latent.Input("samples", tooltip="The video latent to decode (5-D: batch, channels, frames, "
                                 "height, width). Image latents: use Tiled VAE Decode (VRAM Fit)."),
                 io.Vae.Input("vae", tooltip="The video VAE used for decoding (Wan 2.1/2.2, HunyuanVideo 1.5, "
-                             "Mochi, CogVideoX and Cosmos exact in chunks, LTX-Video in tiles; others exact only when "
-                             "their whole decode fits, else approximate)."),
+                             "Mochi, CogVideoX and Cosmos exact in chunks, LTX-Video and SeedVR2 in tiles; others "
+                             "exact only when their whole decode fits, else approximate)."),
                 io.Int.Input("frames_per_chunk", default=0, min=0, max=4096, step=1,
                              tooltip="Latent frames decoded per step after the first (each gives 4 video "
                              "frames; 6 for Mochi, 8 for Cosmos; HunyuanVideo 1.5 takes at least 2; CogVideoX counts video "
-                             "frames, a multiple of its own 4). 0 = auto: the fastest chunk whose predicted peak "
-                             "fits the budget."),
+                             "frames, a multiple of its own 4; SeedVR2 keeps its own time slices). 0 = auto: the "
+                             "fastest chunk whose predicted peak fits the budget."),
                 io.Int.Input("tile_size", default=0, min=0, max=16384, step=8,
-                             tooltip="Spatial tile side in output pixels (Wan, HunyuanVideo 1.5, LTX-Video; exact "
-                             "with any size). 0 = auto: whole frames when they fit the budget, else the largest "
+                             tooltip="Spatial tile side in output pixels (Wan, HunyuanVideo 1.5, LTX-Video, "
+                             "SeedVR2; exact with any size). 0 = auto: whole frames when they fit the budget, else the largest "
                              "tiles that do."),
                 *_decode_node.budget_inputs(),
                 io.Boolean.Input("allow_approximate", default=False, optional=True,
