@@ -102,7 +102,8 @@ def check_exact(job: ImageJob, store: CheckStore, norm_params: te.NormParamsFn |
     cls = type(model)
     key = (f"kl-exact/{cls.__module__}.{cls.__qualname__}/{code_fingerprint(model)}/exact-{dp.executor_digest()}"
            f"/{str(job.dtype).removeprefix('torch.')}/{job.device.type}")
-    z = torch.randn((1, job.channels, *CHECK_LATENT_HW), generator=torch.Generator().manual_seed(0))
+    items = BATCH_CHECK_ITEMS if job.whole_batch else 1  # a video decoder's batch: its time mixing checked too
+    z = torch.randn((items, job.channels, *CHECK_LATENT_HW), generator=torch.Generator().manual_seed(0))
     z = z.to(job.device, job.dtype)
 
     def tiled() -> torch.Tensor:
@@ -279,14 +280,16 @@ class _Run:
                 images = images.reshape(-1, *images.shape[-3:])
         self.write(a, images)
 
-    def exact_item(self, b: int, c: ExactChoice, cb: ProgressFn, attention_bytes: int) -> None:
+    def exact_item(self, b: int, c: ExactChoice, cb: ProgressFn, attention_bytes: int, stop: int | None = None
+                   ) -> None:
+        """Items ``b`` .. ``stop`` - 1 (default: item ``b``) in one exact pass."""
         job = self.job
         self._pass()
         store = job.device if c.store_on_device else torch.device("cpu")
         with self.env.attention(job.vae.first_stage_model, attention_bytes):
             img = te.decode_exact(
                 job.vae.first_stage_model,
-                self.latent(b, b + 1),
+                self.latent(b, b + 1 if stop is None else stop),
                 c.tile,
                 store_device=store,
                 compute_device=job.device,
@@ -376,6 +379,8 @@ def _execute(run: _Run, plan: Plan, models: ImageModels, budget: int) -> Plan:
         if p.path == "untiled":
             stop = min(b_total, start + p.config.images_per_pass)
             rest = b_total - stop
+        elif p.path == "exact" and job.whole_batch:  # the whole batch is one decode (a video decoder's frames)
+            stop, rest = b_total, 0
         else:
             stop = start + 1
             rest = (b_total - stop) * p.units
@@ -387,7 +392,7 @@ def _execute(run: _Run, plan: Plan, models: ImageModels, budget: int) -> Plan:
             cb(stop - start, stop - start)
         elif p.path == "exact":
             assert models.exact is not None
-            run.exact_item(start, p.config, cb, models.exact.attention_bytes)
+            run.exact_item(start, p.config, cb, models.exact.attention_bytes, stop)
         elif p.path == "split":
             run.split_item(start, p, cb, models)
         else:
@@ -536,6 +541,9 @@ def _report(job: ImageJob, plan: Plan, models: ImageModels, budget: Any, offload
     elif plan.path == "exact":
         path = ("layer-synchronous tiles, shared GroupNorm statistics, mid block on the whole latent "
                 "(equal to the untiled decode up to float rounding")
+        if job.whole_batch:
+            path = (f"{path}; the whole batch as one video: the frames' time mixing over every tile's region of all "
+                    "frames")
         path = f"approximate: {path} of each image; not exact because: {job.batch_reason})" if split \
             else f"exact: {path})"
     elif plan.path == "split":
@@ -558,7 +566,9 @@ def _report(job: ImageJob, plan: Plan, models: ImageModels, budget: Any, offload
     r.add("budget", budget.describe())
     r.add("offload", offload_text)
     plan_text = plan.description
-    if plan.path == "exact":
+    if plan.path == "exact" and job.whole_batch:
+        plan_text += f", the {b} image{'s' if b != 1 else ''} of the batch in one pass (its time mixing spans them)"
+    elif plan.path == "exact":
         plan_text += f", {b} image{'s' if b != 1 else ''} one after another"
     r.add("plan", plan_text)
     if models.reach:

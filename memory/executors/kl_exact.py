@@ -231,6 +231,7 @@ class _ExactRun:
         self.model = model
         self.layout = layout
         self.dec, seg_modules, self.consumer = bound
+        self.consumer_path = dict(layout.consumer)
         self.segs = [_Seg(info, m) for info, m in zip(layout.segments, seg_modules, strict=True)]
         self.z = z
         self.tile = tile
@@ -290,12 +291,13 @@ class _ExactRun:
         return h * seg.info.scale // seg.info.stride, w * seg.info.scale // seg.info.stride
 
     def _remaining_units(self) -> int:
-        units = self.batch - self.mid_done
+        units = (0 if self.mid_finished else 1) if self.layout.video else self.batch - self.mid_done
         if self.pending is not None:
             units += len(self.pending)
         start = self.seg_index + (1 if self.pending is not None else 0)
         for s in self.segs[start:]:
-            units += self.batch * tile_count(*self.layout.segment_hw(s.info, self.latent_hw), self.tile)
+            per = 1 if s.info.whole_batch else self.batch
+            units += per * tile_count(*self.layout.segment_hw(s.info, self.latent_hw), self.tile)
         return units
 
     def _report(self) -> None:
@@ -326,7 +328,13 @@ class _ExactRun:
             torch.cuda.synchronize(self.compute)
 
     # -- group norm ------------------------------------------------------------------------------
+    def _stat_item(self, name: str, b: int) -> int:
+        """The statistics row of item ``b`` for the GroupNorm consuming ``name`` (0 for all items when its
+        statistics span the batch: SVD's ``time_stack`` norms)."""
+        return 0 if self.consumer_path.get(name) in self.layout.batch_norms else b
+
     def _gn(self, name: str, b: int, x: torch.Tensor) -> torch.Tensor:
+        b = self._stat_item(name, b)
         key = (name, b)
         cached = self.affine_cache.get(key)
         if cached is None:
@@ -380,6 +388,9 @@ class _ExactRun:
     def _mid_phase(self) -> None:
         if self.mid_finished:
             return
+        if self.layout.video:
+            self._mid_video()
+            return
         while self.mid_done < self.batch:
             self._check_stop()
             b = self.mid_done
@@ -401,6 +412,30 @@ class _ExactRun:
             self._report()
         self._sync()
         self.stats[self.mid_name] = self.acc.pop(self.mid_name).finalize()
+        self.mid_finished = True
+
+    def _mid_video(self) -> None:
+        """A decoder that mixes its batch as one video (SVD): ``conv_in`` and the mid block once on every item
+        together, as the host calls them (its resnet blocks take ``temb``; their time mixing spans the batch)."""
+        self._check_stop()
+        mid = self.dec.mid
+        h = self.dec.conv_in(self.z.to(self.compute))
+        h = mid.block_1(h, None)
+        h = mid.attn_1(h)
+        h = mid.block_2(h, None)
+        c, mh, mw = (int(v) for v in h.shape[1:])
+        store = self.stores[self.mid_name] = _Bands(self, c, mh, mw, [(0, mh)], self.store_device, not self.segs)
+        acc = _StatAcc(self.batch, self.consumer[self.mid_name], self.stat_device)
+        for b in range(self.batch):
+            store.ensure(b, 0, mh)
+            store.write(Rect(b, 0, mh, 0, mw), h[b : b + 1])
+            acc.record(self._stat_item(self.mid_name, b), acc.tile_stats(h[b : b + 1]))
+        del h
+        self.mid_done = self.batch
+        self.done_units += 1
+        self._report()
+        self._sync()
+        self.stats[self.mid_name] = acc.finalize()
         self.mid_finished = True
 
     def _tail_phase(self) -> None:
@@ -452,7 +487,8 @@ class _ExactRun:
         norm = self.consumer.get(info.output)
         if norm is not None and info.output not in self.acc:
             self.acc[info.output] = _StatAcc(self.batch, norm, self.stat_device)
-        self.pending = collections.deque(r for b in range(self.batch) for r in grid(b, h, w, self.tile))
+        items = range(1) if info.whole_batch else range(self.batch)  # whole-batch tiles: b 0 stands for all
+        self.pending = collections.deque(r for b in items for r in grid(b, h, w, self.tile))
 
     def _finish_segment(self, k: int, seg: _Seg) -> None:
         info = seg.info
@@ -479,27 +515,33 @@ class _ExactRun:
             dying = dying_inputs(info, k, self.last_use)
             while self.pending:
                 r = self.pending[0]
+                items = range(self.batch) if info.whole_batch else (r.b,)
                 # The output bands this tile writes are allocated before the unit starts (an OOM here is
                 # a store allocation, not a tile OOM: it propagates).
-                if info.store_output:
-                    self.stores[info.output].ensure(r.b, r.y0, r.y1)
-                if info.shortcut_output is not None:
-                    self.stores[info.shortcut_output].ensure(r.b, r.y0, r.y1)
+                for b in items:
+                    if info.store_output:
+                        self.stores[info.output].ensure(b, r.y0, r.y1)
+                    if info.shortcut_output is not None:
+                        self.stores[info.shortcut_output].ensure(b, r.y0, r.y1)
                 self._check_stop()
                 self._in_tile = True  # an OOM from here to the write is a tile OOM: shrink and resume
                 core, extra = self._run_tile(seg, r)
                 acc = self.acc.get(info.output)
-                stats = acc.tile_stats(core) if acc is not None else None
+                parts = [core[i : i + 1] for i in range(len(items))] if info.whole_batch else [core]
+                stats = [acc.tile_stats(t) for t in parts] if acc is not None else None
                 # Nothing below allocates: once the core is written (possibly over its own input, for
                 # an in-place residual), the tile is recorded as done.
-                if info.store_output:
-                    self._write(info.output, r, core)
-                if extra is not None:
-                    self._write(info.shortcut_output, r, extra)  # type: ignore[arg-type]
-                del core, extra
+                for i, b in enumerate(items):
+                    rb = dataclasses.replace(r, b=b)
+                    if info.store_output:
+                        self._write(info.output, rb, parts[i])
+                    if extra is not None:
+                        self._write(info.shortcut_output, rb, extra)  # type: ignore[arg-type]
+                del core, extra, parts  # nothing else holds the tile's core: freed before the next tile
                 self._in_tile = False
                 if acc is not None and stats is not None:
-                    acc.record(r.b, stats)
+                    for b, st in zip(items, stats, strict=True):
+                        acc.record(self._stat_item(info.output, b), st)
                 self.pending.popleft()
                 if dying:
                     self._release(info, dying, r)
@@ -514,12 +556,12 @@ class _ExactRun:
         nxt = self.pending[0] if self.pending else None
         if nxt is not None and nxt.b == done.b and nxt.y0 == done.y0:
             return
-        b = done.b
-        for name in dying:
-            store = self.stores[name]
-            low = min((read_span(info, name, p.y0, p.y1, store.h)[0] for p in self.pending if p.b == b),
-                      default=1 << 62)
-            store.release_below(b, low)
+        for b in range(self.batch) if info.whole_batch else (done.b,):
+            for name in dying:
+                store = self.stores[name]
+                low = min((read_span(info, name, p.y0, p.y1, store.h)[0] for p in self.pending
+                           if info.whole_batch or p.b == b), default=1 << 62)
+                store.release_below(b, low)
 
     def _region(self, name: str, r: Rect, halo: int) -> tuple[int, int, int, int]:
         _, h, w = self._shape(name)
@@ -596,10 +638,32 @@ class _ExactRun:
             self._hook(step)
             t = seg.module(t)
             return self._crop(t, 2 * ly0, 2 * lx0, r), None
+        if kind in ("tmix1", "tmix2"):  # SVD's time_stack over every item's (frame's) core, no spatial halo
+            ts = seg.module.time_stack
+            layers = ts.in_layers if kind == "tmix1" else ts.out_layers
+            xn = info.inputs[0]
+            t = self._load_all(xn, r)
+            self._hook(step)
+            t = act(self._gn(xn, 0, t), inplace=True)  # statistics over all frames: one row
+            if kind == "tmix2":
+                t = layers[2](t)  # dropout
+            t = layers[-1](t.movedim(0, 1).unsqueeze(0)).squeeze(0).movedim(1, 0)  # (T, C, h, w) <-> (1, C, T, h, w)
+            if kind == "tmix1":
+                return t, None
+            x = self._load_all(info.inputs[1], r)
+            alpha = seg.module.get_alpha(bs=1).to(x.device)
+            # VideoResBlock.forward: x = time_stack(x) = skip(x) + h; alpha * x + (1 - alpha) * x_mix
+            return alpha * (ts.skip_connection(x) + t) + (1.0 - alpha) * x, None
         if kind == "out":
             dec = seg.module
             (xn,) = info.inputs
             y0, y1, x0, x1 = self._read_region(info, xn, r)
+            if info.whole_batch:  # SVD: conv_out mixes the frames (AE3DConv): every item's region at once
+                t = torch.cat([self._load(xn, b, y0, y1, x0, x1) for b in range(self.batch)])
+                self._hook(step)
+                t = torch.cat([self._gn(xn, b, t[b : b + 1]) for b in range(self.batch)])
+                t = self._crop(dec.conv_out(act(t, inplace=True)), y0, x0, r)
+                return (torch.tanh(t) if getattr(dec, "tanh_out", False) else t), None
             t = self._load(xn, r.b, y0, y1, x0, x1)
             self._hook(step)
             t = act(self._gn(xn, r.b, t), inplace=True)
@@ -610,6 +674,10 @@ class _ExactRun:
                 t = torch.tanh(t)
             return t, None
         raise AssertionError(kind)
+
+    def _load_all(self, name: str, r: Rect) -> torch.Tensor:
+        """Core ``r`` of ``name`` for every batch item, stacked (the frames of a video decoder's batch)."""
+        return torch.cat([self._load(name, b, r.y0, r.y1, r.x0, r.x1) for b in range(self.batch)])
 
     def _h_of(self, seg: _Seg) -> str:
         """Name of the stats-only ``h`` activation of a ``conv12`` segment (written by its conv1)."""

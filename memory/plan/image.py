@@ -20,7 +20,7 @@ from ..geometry import Geometry, VaeGeometry
 from ..measure.reach import ReachReport, default_halo, traced_reach
 from ..measure.sizing import MetaSizer
 from ..vae.families import batch_coupling_hint, identify, model_name, structure_digest
-from ..vae.kl_layout import unsupported_reason
+from ..vae.kl_layout import kl_layout, unsupported_reason
 from ..vae.split_layout import split_layout
 from . import exact as pe
 from .grid import ImpossibleBudgetError, plan_tiling, scaled
@@ -63,6 +63,9 @@ class ImageJob:
     split_reason: str | None = "not checked"
     """None when the decoder is a global prefix and a local suffix (:mod:`..vae.split_layout`) and the exact
     walker does not apply, else why not."""
+    whole_batch: bool = False
+    """The exact walker decodes the whole batch in one pass (a decoder that mixes its batch as one video's frames:
+    SVD's temporal decoder; :attr:`..vae.kl_layout.KlLayout.video`), so its exact path never splits the batch."""
     batch_reason: str = ""
     """Not empty: the decoder's output for one item depends on the other items of its batch (SVD's temporal
     decoder), or that could not be ruled out; why (the batch self-check's verdict). Only the whole batch in one
@@ -99,6 +102,7 @@ def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device 
         reason = f"{type(vae).__name__} overrides VAE.decode (its own post-processing is kept)"
     model = vae.first_stage_model
     split_reason = "the exact walker applies" if reason is None else split_layout(model).reason
+    whole_batch = reason is None and kl_layout(model).video
     ratio = spatial_ratio(vae, channels)
     family = identify(vae) or model_name(vae)
     dtype = getattr(vae, "vae_dtype", torch.float32)
@@ -119,6 +123,7 @@ def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device 
         tile_size=int(tile_size),
         halo=int(halo),
         split_reason=split_reason,
+        whole_batch=whole_batch,
     )
 
 
@@ -240,13 +245,21 @@ class ExactPlanner:
         return self._mid[on_device]
 
     def predict(self, recompute: bool, on_device: bool, tile: int) -> dp.ExactPeak:
-        return self.cost_model(recompute, on_device).predict(self.model, self.latent_hw, tile, self.mid(on_device))
+        peak = self.cost_model(recompute, on_device).predict(self.model, self.latent_hw, tile, self.mid(on_device))
+        if not self.job.whole_batch:
+            return peak
+        # One pass of the whole batch (a video decoder's frames): its stores, tiles (every frame of a region) and
+        # mid block hold every item: the one-item figures times the batch.
+        b = int(self.job.z.shape[0])
+        return dataclasses.replace(peak, tracked=peak.tracked * b, store=peak.store * b, work=peak.work * b,
+                                   mid=peak.mid * b)
 
     def _terms(self) -> dict[str, Any]:
         """What every configuration's figures add to its predicted peak (:func:`.exact.exact_choice`)."""
         job = self.job
+        items = int(job.z.shape[0]) if job.whole_batch else 1
         return {"max_side": max(job.out_hw), "overhead": self.overhead, "extra_bytes": buffer_bytes(job),
-                "post_bytes": item_image_bytes(job)}
+                "post_bytes": item_image_bytes(job) * items}
 
     def choose(self, budget: int, tile: int | None, exclude_whole: bool = False) -> pe.ExactChoice:
         """The fastest configuration that fits (:func:`.exact.choose_exact`)."""
@@ -333,6 +346,8 @@ def image_models(job: ImageJob, env: Any, full: CostModel, budget: int, first_us
 def splits_batch(job: ImageJob, p: Plan) -> bool:
     """``p`` decodes ``job``'s batch in several passes (tiled paths: one item per pass)."""
     b = int(job.z.shape[0])
+    if p.path == "exact" and job.whole_batch:
+        return False
     return b > 1 and (p.path != "untiled" or p.config.images_per_pass < b)
 
 
@@ -364,7 +379,7 @@ def plan(job: ImageJob, budget: int, models: ImageModels,
 def _plan(job: ImageJob, budget: int, models: ImageModels, r: Callable[[str], float]) -> Plan:
     """:func:`plan` without the batch's coupling."""
     tile = int(job.tile_size) or None
-    if tile is None:
+    if tile is None and not (job.batch_reason and job.whole_batch):  # split passes would not be exact there
         found = scaled(lambda b: plan_untiled(job, models.full, b), budget, r("untiled"))
         if found is not None:
             return found

@@ -139,11 +139,50 @@ def _block_call_reason(blk: Any, where: str) -> str | None:
     return None
 
 
-def _resnet_reason(blk: Any, where: str, dims: int = 2) -> str | None:
+def _is_time_conv(m: Any) -> bool:
+    """A 3-D convolution over time only (kernel ``(k, 1, 1)``, zero padding ``(k // 2, 0, 0)``, stride 1)."""
+    if not isinstance(m, torch.nn.Conv3d):
+        return False
+    k = m.kernel_size[0]
+    return (k % 2 == 1 and tuple(m.kernel_size[1:]) == (1, 1) and tuple(m.stride) == (1, 1, 1)
+            and tuple(m.dilation) == (1, 1, 1) and m.groups == 1 and m.padding_mode == "zeros"
+            and tuple(m.padding) == (k // 2, 0, 0))
+
+
+def time_mixing(dec: Any) -> bool:
+    """The decoder mixes the items of its batch as one video's frames (SVD's ``temporal_ae.VideoDecoder``: its
+    mid block's resnet blocks hold a ``time_stack``)."""
+    mid = getattr(dec, "mid", None)
+    return getattr(getattr(mid, "block_1", None), "time_stack", None) is not None
+
+
+def _video_block_reason(blk: Any, where: str) -> str | None:
+    """Why ``blk`` is not SVD's ``VideoResBlock`` as the walker runs it: a resnet block over each frame, then
+    ``time_stack`` (a 3-D ``ResBlock``: GroupNorm over all frames, SiLU, a time-only convolution, twice, identity
+    skip) blended with its input by ``get_alpha()``."""
+    if _class_name(blk) != "VideoResBlock" or not callable(getattr(blk, "get_alpha", None)):
+        return (f"{where} ({_class_name(blk)}): a decoder with a time_stack (time mixing), but this block is not "
+                "SVD's VideoResBlock, the one the walker runs")
+    ts = getattr(blk, "time_stack", None)
+    ins, outs = getattr(ts, "in_layers", ()), getattr(ts, "out_layers", ())
+    if not (len(ins) == 3 and len(outs) == 4 and _is_gn(ins[0]) and _is_gn(outs[0])
+            and isinstance(ins[1], torch.nn.SiLU) and isinstance(outs[1], torch.nn.SiLU)
+            and isinstance(outs[2], torch.nn.Dropout) and _is_time_conv(ins[2]) and _is_time_conv(outs[3])):
+        return f"{where}.time_stack is not GroupNorm, SiLU, a time-only Conv3d (twice)"
+    if not isinstance(getattr(ts, "skip_connection", None), torch.nn.Identity) or getattr(ts, "updown", True) \
+            or not getattr(ts, "skip_t_emb", False) or getattr(ts, "use_scale_shift_norm", True):
+        return f"{where}.time_stack has a skip convolution, resampling or a timestep embedding"
+    extra = [n for n in _foreign_parts(blk) if n not in ("time_stack", "mix_factor")]
+    if extra:
+        return f"{where} ({_class_name(blk)}) holds {', '.join(extra)} besides its time mixing"
+    return None
+
+
+def _resnet_reason(blk: Any, where: str, dims: int = 2, video: bool = False) -> str | None:
     for name in ("norm1", "conv1", "norm2", "conv2"):
         if getattr(blk, name, None) is None:
             return f"{where}: no {name}"
-    reason = _block_call_reason(blk, where)
+    reason = _video_block_reason(blk, where) if video else _block_call_reason(blk, where)
     if reason:
         return reason
     if not (_is_gn(blk.norm1) and _is_gn(blk.norm2)):
@@ -165,7 +204,7 @@ def _resnet_reason(blk: Any, where: str, dims: int = 2) -> str | None:
     return None
 
 
-def _level_reason(level: Any, where: str, path: str, dims: int = 2) -> str | None:
+def _level_reason(level: Any, where: str, path: str, dims: int = 2, video: bool = False) -> str | None:
     """Why one level of the up (down) path is not resnet blocks without attention, or None."""
     blocks = getattr(level, "block", None)
     if blocks is None or len(blocks) == 0:
@@ -173,7 +212,7 @@ def _level_reason(level: Any, where: str, path: str, dims: int = 2) -> str | Non
     if len(getattr(level, "attn", ())) > 0:
         return f"{where} has attention in the {path}"
     for j in range(len(blocks)):
-        reason = _resnet_reason(blocks[j], f"{where}.block[{j}]", dims)
+        reason = _resnet_reason(blocks[j], f"{where}.block[{j}]", dims, video)
         if reason:
             return reason
     return None
@@ -235,8 +274,11 @@ def _structure_reason(model: Any) -> str | None:
                 "refiner, vae_refiner with refiner_vae False: the one 3-D decoder the walker runs)")
     if not (_is_conv(dec.conv_in, 3, dims) and _is_conv(dec.conv_out, 3, dims)):
         return f"conv_in/conv_out are not 3x3 Conv{dims}d (3-D or video decoder)"
+    video = time_mixing(dec)
     for name in ("conv_in", "conv_out"):
         inner = [n for n, _ in getattr(dec, name).named_children()]
+        if video and name == "conv_out" and inner == ["time_mix_conv"] and _is_time_conv(dec.conv_out.time_mix_conv):
+            continue  # SVD's AE3DConv: the 2-D conv per frame, then a time-only conv over the frames
         if inner:
             return (f"{name} ({_class_name(getattr(dec, name))}) holds {', '.join(inner)} besides its "
                     "convolution (e.g. a video decoder's time mixing)")
@@ -249,9 +291,12 @@ def _structure_reason(model: Any) -> str | None:
     if not callable(mid.block_1) or not callable(mid.attn_1) or not callable(mid.block_2):
         return "mid blocks are not callable"
     for name in ("block_1", "block_2"):
-        reason = _block_call_reason(getattr(mid, name), f"mid.{name}")
+        blk = getattr(mid, name)
+        reason = _video_block_reason(blk, f"mid.{name}") if video else _block_call_reason(blk, f"mid.{name}")
         if reason:
             return reason
+    if any(n.endswith("time_mix_block") for n, _ in mid.attn_1.named_modules()):
+        return "mid.attn_1 mixes time (a video attention block): not built"
     up = dec.up
     try:
         levels = len(up)
@@ -264,7 +309,7 @@ def _structure_reason(model: Any) -> str | None:
         return "conv_in's latent shortcut does not match its channels"
     for i, has_upsample in stage_order(dec):
         level = up[i]
-        reason = _level_reason(level, f"up[{i}]", "up path", dims)
+        reason = _level_reason(level, f"up[{i}]", "up path", dims, video)
         if reason:
             return reason
         if has_upsample:
@@ -412,6 +457,9 @@ class SegmentInfo:
     """Frames of the output for a one-frame latent (a 3-D decoder: every tile holds all frames; 1 for 2-D)."""
     tscale: int = 1
     """Output frames per input frame (2 for the refiner's temporal upsample)."""
+    whole_batch: bool = False
+    """Each tile holds this region of every batch item (a decoder that mixes its batch as one video's frames:
+    SVD's ``time_stack`` segments ``tmix1``/``tmix2`` and its ``out``, whose conv mixes time)."""
 
 
 def module_at(dec: Any, path: str) -> Any:
@@ -443,14 +491,15 @@ class _Builder:
         self.scale = level_scale
         self.frames = 1
         self.recompute = recompute
+        self.batch_norms: set[str] = set()
 
     def add(self, name: str, kind: str, inputs: tuple[str, ...], output: str, stored: bool, cin: int,
             cout: int, halo: int, module: str, *, up: int = 1, residual: int = 0,
             inplace_of: str | None = None, shortcut_output: str | None = None, residual_halo: int = 0,
-            stride: int = 1, tscale: int = 1) -> None:
+            stride: int = 1, tscale: int = 1, whole_batch: bool = False) -> None:
         self.segs.append(SegmentInfo(name, kind, inputs, output, stored, cin, cout, up, self.scale, halo,
                                      residual, inplace_of, residual_halo, shortcut_output, module, stride,
-                                     self.frames, tscale))
+                                     self.frames, tscale, whole_batch))
 
     def block(self, blk: Any, prefix: str) -> None:
         """The segments of one resnet block reading ``self.cur``; ``self.cur`` becomes its output."""
@@ -481,9 +530,19 @@ class _Builder:
             self.add(f"{prefix}.conv2", "conv2", (h_name, s_name), y_name, True, cout, cout, 1, prefix,
                      residual=cout, inplace_of=s_name)
         self.cur = y_name
+        if getattr(blk, "time_stack", None) is not None:
+            # SVD: time_stack over all frames (tiles of every item), blended with y: written over y in place.
+            g_name, m_name = f"g{n}", f"m{n}"
+            self.consumer[y_name] = f"{prefix}.time_stack.in_layers.0"
+            self.consumer[g_name] = f"{prefix}.time_stack.out_layers.0"
+            self.batch_norms.update((f"{prefix}.time_stack.in_layers.0", f"{prefix}.time_stack.out_layers.0"))
+            self.add(f"{prefix}.tmix1", "tmix1", (y_name,), g_name, True, cout, cout, 0, prefix, whole_batch=True)
+            self.add(f"{prefix}.tmix2", "tmix2", (g_name, y_name), m_name, True, cout, cout, 0, prefix,
+                     residual=cout, inplace_of=y_name, whole_batch=True)
+            self.cur = m_name
 
 
-def _build_segments(dec: Any, recompute: bool) -> tuple[list[SegmentInfo], dict[str, str]]:
+def _build_segments(dec: Any, recompute: bool) -> tuple[list[SegmentInfo], dict[str, str], frozenset[str]]:
     """The decoder's segments in execution order and the path of the GroupNorm consuming each activation."""
     b = _Builder("mid", recompute, 1)
     dims = conv_dims(dec)
@@ -510,8 +569,8 @@ def _build_segments(dec: Any, recompute: bool) -> tuple[list[SegmentInfo], dict[
         c_in, c_out = int(dec.conv_out.in_channels), int(dec.conv_out.out_channels)
         if dims == 3:  # a one-frame latent keeps the last decoded frame only (the refiner's forward)
             b.frames = 1
-        b.add("out", "out", (b.cur,), "image", True, c_in, c_out, 1, "")
-    return b.segs, b.consumer
+        b.add("out", "out", (b.cur,), "image", True, c_in, c_out, 1, "", whole_batch=time_mixing(dec))
+    return b.segs, b.consumer, frozenset(b.batch_norms)
 
 
 def _build_encoder_segments(enc: Any, recompute: bool) -> tuple[list[SegmentInfo], dict[str, str]]:
@@ -671,6 +730,11 @@ class KlLayout:
     all frames, and a one-frame latent keeps only the last decoded frame. The store schedule and the cost
     model's geometry are those of a one-frame latent (:attr:`SegmentInfo.frames`), the case the image decode
     plans (a clip of several frames decodes exactly, unplanned)."""
+    video: bool = False
+    """The decoder mixes its batch as one video's frames (:func:`time_mixing`, SVD): the whole batch is one decode,
+    the mid block runs once on it, and the :attr:`SegmentInfo.whole_batch` segments tile every item together."""
+    batch_norms: frozenset[str] = frozenset()
+    """GroupNorms whose statistics span the whole batch (SVD's ``time_stack`` norms over all frames)."""
     in_repeats: int = 0
     """Channel repeats of the latent added to ``conv_in``'s output (:func:`in_shortcut_repeats`); 0: none."""
     mid_channels: int = 0
@@ -829,7 +893,7 @@ def _walk(model: Any, recompute: bool, direction: str = "decode") -> KlLayout:
     if reason is not None:
         return KlLayout(reason, recompute)
     dec = find_decoder(model)
-    segs, consumer = _build_segments(dec, recompute)
+    segs, consumer, batch_norms = _build_segments(dec, recompute)
     last_use: dict[str, int] = {}
     for k, s in enumerate(segs):
         for name in s.inputs:
@@ -839,6 +903,8 @@ def _walk(model: Any, recompute: bool, direction: str = "decode") -> KlLayout:
         recompute=recompute,
         pre_scale=2 if isinstance(getattr(model, "bn", None), torch.nn.BatchNorm2d) else 1,
         dims=conv_dims(dec),
+        video=time_mixing(dec),
+        batch_norms=batch_norms,
         in_repeats=in_shortcut_repeats(dec),
         mid_channels=int(dec.conv_in.out_channels),
         levels=1 + sum(s.kind == "upsample" for s in segs),
