@@ -338,9 +338,10 @@ def _split_options(lay: WanLayout) -> list[int]:
 
 
 def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None, tiled: bool = True) -> list[Chunking]:
-    """Every candidate in the speed order the planner tries them (fastest first; among equals the context spent
-    in place, which needs less: :func:`plan_wan` then tries its twin with the rollback cache; the device store,
-    the smaller k); ``tiled`` False: whole frames only."""
+    """Every candidate in the speed order the planner tries them (fastest first; among equals the one that needs
+    the least: the context spent in place, the store in host memory; :func:`plan_wan` then tries the fitting
+    one's twins with the rollback cache and the device store; then the smaller k); ``tiled`` False: whole frames
+    only."""
     lay = job.layout
     _, _, t, h, w = (int(v) for v in job.z.shape)
     rest = max(1, t - 1)
@@ -354,12 +355,27 @@ def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None, ti
             for host in (False,) if tile is None else hosts:
                 for k in ks:
                     c = 0.0 if tile is None else c_tiles
-                    speed = area * (1 + c / k) * (1 + 1e-3 * k) * (1.02 if host else 1.0)
+                    speed = area * (1 + c / k) * (1 + 1e-3 * k)
                     for rollback in (True, False):
                         store = None if tile is None else ("host" if host else "device")
-                        cands.append((speed, rollback, host, k, Chunking(k, tile, grid, split, rollback, store)))
+                        cands.append((speed, rollback, not host, k, Chunking(k, tile, grid, split, rollback, store)))
     cands.sort(key=lambda e: e[:4])
     return [e[4] for e in cands]
+
+
+def _better_twin(p: Plan, size: Callable[[Chunking], Plan], budget: int) -> Plan:
+    """``p`` (it fits) or its twin that fits with more: first the rollback cache (an OOM resumes the tile rather
+    than its first chunk), then the store on the device (no copies of its windows from host memory)."""
+    cd = p.config
+    if not cd.rollback:
+        twin = size(dataclasses.replace(cd, rollback=True))
+        if twin.planned <= budget:
+            p, cd = twin, twin.config
+    if cd.store == "host":
+        twin = size(dataclasses.replace(cd, store="device"))
+        if twin.planned <= budget:
+            p = twin
+    return p
 
 
 def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int] | None,
@@ -409,11 +425,8 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
             peak, phase1 = decode_peaks(job, lay, cd, peaks, fingerprint, sized)
             p = make(cd, peak)
             if p.planned <= budget:
-                found = p
-                if not cd.rollback:  # its twin with the rollback cache (an OOM resumes the tile), when it fits
-                    twin = dataclasses.replace(cd, rollback=True)
-                    tp = make(twin, decode_peak(job, lay, twin, peaks, fingerprint, sized))
-                    found = tp if tp.planned <= budget else p
+                found = _better_twin(p, lambda c: make(c, decode_peak(job, lay, c, peaks, fingerprint, sized)),
+                                     budget)
                 break
             failed.append(cd)
             known.append((p.planned, True, cd))

@@ -493,6 +493,34 @@ def test_whole_frames_one_latent_frame_per_call_come_first(case21, device, tile_
     assert next(c for c in cands if c.tile is not None).k == tile_k
 
 
+def test_least_memory_first_among_equal_speeds_then_the_fitting_twins(case21):
+    """On an accelerator the host store and the context spent in place come first among equally fast candidates
+    (a failure there rules their twins out); the plan then takes the fitting candidate's twin with the rollback
+    cache, then with the device store, each only when it fits."""
+    import dataclasses
+
+    from vramfit.memory.plan import video as pv
+    from vramfit.memory.plan.types import Plan
+
+    _, model, _, _ = case21
+    job = dataclasses.replace(_job(model, _z((1, 4, 3, 6, 6))), device=torch.device("cuda"))
+    tiled = [c for c in pv.candidates(job, 0, None) if c.tile is not None]
+    first = tiled[0]
+    assert (first.rollback, first.store) == (False, "host")
+    same = [c for c in tiled if (c.k, c.tile, c.split) == (first.k, first.tile, first.split)]
+    assert [(c.rollback, c.store) for c in same] == [(False, "host"), (False, "device"), (True, "host"),
+                                                     (True, "device")]
+    need = {(False, "host"): 10, (True, "host"): 12, (False, "device"): 13, (True, "device"): 15}
+
+    def size(c):
+        return Plan("wan", c, "", need[c.rollback, c.store])
+
+    for budget, want in [(10, (False, "host")), (12, (True, "host")), (14, (True, "host")), (15, (True, "device"))]:
+        got = pv._better_twin(size(first), size, budget).config
+        assert (got.rollback, got.store) == want, budget
+    assert pv._better_twin(size(dataclasses.replace(first, store="host")), size, 13).config.store == "host"
+
+
 def test_planner_persists_sized_peaks_and_a_new_key_resizes(case21, tmp_path, monkeypatch):
     """A second plan (a new store read from the file the first wrote) sizes nothing and gives the same plan;
     another executor version (the key) sizes again. The tight budget makes the planner tile."""
