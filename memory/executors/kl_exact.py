@@ -366,15 +366,7 @@ class _ExactRun:
 
     # -- mid -------------------------------------------------------------------------------------
     def _run_mid_item(self, b: int) -> torch.Tensor:
-        z = self.z[b : b + 1].to(self.compute)
-        bn = getattr(self.model, "bn", None)
-        if bn is not None:
-            s = torch.sqrt(bn.running_var.to(z).view(1, -1, 1, 1) + bn.eps)
-            m = bn.running_mean.to(z).view(1, -1, 1, 1)
-            z = F.pixel_shuffle(z * s + m, 2)
-        pqc = getattr(self.model, "post_quant_conv", None)
-        if pqc is not None and self.dec is not self.model:
-            z = pqc(z)
+        z = self._decoder_input(self.z[b : b + 1].to(self.compute))
         mid = self.dec.mid
         h = self.dec.conv_in(z)
         if self.layout.in_repeats:
@@ -384,6 +376,19 @@ class _ExactRun:
         h = mid.attn_1(h)
         h = mid.block_2(h)
         return h
+
+    def _decoder_input(self, z: torch.Tensor) -> torch.Tensor:
+        """What the decoder receives from ``model.decode``: FLUX.2's latent batch-norm and pixel shuffle, then
+        ``post_quant_conv``, where the model has them."""
+        bn = getattr(self.model, "bn", None)
+        if bn is not None:
+            s = torch.sqrt(bn.running_var.to(z).view(1, -1, 1, 1) + bn.eps)
+            m = bn.running_mean.to(z).view(1, -1, 1, 1)
+            z = F.pixel_shuffle(z * s + m, 2)
+        pqc = getattr(self.model, "post_quant_conv", None)
+        if pqc is not None and self.dec is not self.model:
+            z = pqc(z)
+        return z
 
     def _mid_phase(self) -> None:
         if self.mid_finished:
@@ -419,7 +424,7 @@ class _ExactRun:
         together, as the host calls them (its resnet blocks take ``temb``; their time mixing spans the batch)."""
         self._check_stop()
         mid = self.dec.mid
-        h = self.dec.conv_in(self.z.to(self.compute))
+        h = self.dec.conv_in(self._decoder_input(self.z.to(self.compute)))
         h = mid.block_1(h, None)
         h = mid.attn_1(h)
         h = mid.block_2(h, None)

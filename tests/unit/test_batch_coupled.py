@@ -19,7 +19,7 @@ from vramfit.memory.vae import kl_layout as kll
 from vramfit.memory.vae.families import batch_coupling_hint
 
 from tests.unit.test_image_decode import MiB, TinyVAE, _stores, env
-from tests.unit.test_tiled_exact import KL, _latent, _model
+from tests.unit.test_tiled_exact import KL, ResnetBlock, _latent, _model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -175,3 +175,130 @@ def test_the_offload_makes_room_for_the_whole_batch_of_a_hinted_decoder():
     plain, job = _job(_model(0)), _job(hinted)
     assert pim.ideal_bytes(plain, PerItem()) == pim.buffer_bytes(plain) + 1000
     assert pim.ideal_bytes(job, PerItem()) == pim.buffer_bytes(job) + 3000
+
+
+# ------------------------------------------------------------------------------------------ a video decoder's batch
+
+
+class _TimeStack(nn.Module):
+    """SVD's ``time_stack`` (a 3-D ``ResBlock`` without timestep embedding): GroupNorm over all frames, SiLU and a
+    time-only conv, twice, identity skip."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.in_layers = nn.Sequential(nn.GroupNorm(4, c), nn.SiLU(), nn.Conv3d(c, c, (3, 1, 1), padding=(1, 0, 0)))
+        self.out_layers = nn.Sequential(nn.GroupNorm(4, c), nn.SiLU(), nn.Dropout(0.0),
+                                        nn.Conv3d(c, c, (3, 1, 1), padding=(1, 0, 0)))
+        self.skip_connection = nn.Identity()
+        self.updown, self.skip_t_emb, self.use_scale_shift_norm = False, True, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.skip_connection(x) + self.out_layers(self.in_layers(x))
+
+
+def _frames(x: torch.Tensor) -> torch.Tensor:
+    return x.movedim(0, 1).unsqueeze(0)  # (T, C, h, w) -> (1, C, T, h, w)
+
+
+class VideoResBlock(ResnetBlock):
+    """SVD's block: the resnet block per frame (the batch), then ``time_stack`` over the frames, blended by
+    ``sigmoid(mix_factor)``."""
+
+    def __init__(self, blk: nn.Module, logit: float) -> None:
+        super().__init__(blk.in_channels, blk.out_channels)
+        self.load_state_dict(blk.state_dict())
+        self.time_stack = _TimeStack(blk.out_channels)
+        self.mix_factor = nn.Parameter(torch.tensor([logit]))
+
+    def get_alpha(self, bs: int = 1) -> torch.Tensor:
+        return torch.sigmoid(self.mix_factor)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor | None = None) -> torch.Tensor:
+        x = super().forward(x, temb)
+        t = self.time_stack(_frames(x)).squeeze(0).movedim(1, 0)
+        alpha = self.get_alpha()
+        return alpha * t + (1.0 - alpha) * x
+
+
+class AE3DConv(nn.Conv2d):
+    """SVD's output conv: the 2-D conv per frame, then a time-only conv over the frames."""
+
+    def __init__(self, conv: nn.Conv2d) -> None:
+        super().__init__(conv.in_channels, conv.out_channels, 3, padding=1)
+        self.load_state_dict(conv.state_dict())
+        self.time_mix_conv = nn.Conv3d(conv.out_channels, conv.out_channels, (3, 1, 1), padding=(1, 0, 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.time_mix_conv(_frames(super().forward(x))).squeeze(0).movedim(1, 0)
+
+
+def _video(seed: int = 0) -> nn.Module:
+    """The toy KL decoder with SVD's time mixing in every resnet block and the output conv."""
+    model = _model(seed, ch_mult=(1, 1, 1))
+    dec = model.decoder
+    torch.manual_seed(seed + 1)
+    blocks = [(dec.mid, "block_1"), (dec.mid, "block_2")]
+    blocks += [(level.block, str(j)) for level in dec.up for j in range(len(level.block))]
+    for k, (parent, name) in enumerate(blocks):
+        blk = VideoResBlock(getattr(parent, name), logit=(-1.0) ** k * (0.5 + 0.1 * k))
+        if name.isdigit():
+            parent[int(name)] = blk
+        else:
+            setattr(parent, name, blk)
+    dec.conv_out = AE3DConv(dec.conv_out)
+    with torch.no_grad():  # non-trivial affines of the time GroupNorms too
+        for m in model.modules():
+            if isinstance(m, nn.GroupNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.3, 0.3)
+    return model.eval()
+
+
+def test_the_walker_decodes_a_video_decoders_batch_whole():
+    """The time mixing walked (``tmix`` segments, the output conv over every frame's region): equal to the whole
+    batch's decode, which per-frame decodes are not; recompute too, and resumed after an OOM in a tile."""
+    from vramfit.memory.executors import kl_exact as te
+
+    model = _video()
+    lay = kll.kl_layout(model)
+    assert lay.reason is None and lay.video and {s.kind for s in lay.segments if s.whole_batch} == {
+        "tmix1", "tmix2", "out"}
+    z = _latent((3, 4, 5, 6), seed=2)
+    with torch.no_grad():
+        ref = model.decode(z)
+        parts = torch.cat([model.decode(z[i : i + 1]) for i in range(3)])
+        assert (parts - ref).abs().max().item() > 1e-2
+        for recompute in (False, True):
+            out = te.decode_exact(model, z, 8, recompute=recompute)
+            assert (out - ref).abs().max().item() <= 1e-4
+        fired: list[int] = []
+
+        def oom(k: int) -> None:
+            if k == 40 and not fired:
+                fired.append(k)
+                raise torch.OutOfMemoryError("injected")
+
+        out = te.decode_exact(model, z, 16, fault_hook=oom)
+        assert fired and (out - ref).abs().max().item() <= 1e-4
+
+
+def test_a_video_decoders_batch_is_one_exact_pass_under_a_budget():
+    """Below the whole batch's untiled decode: the walker's tiles of the whole batch in one pass, exact (no split
+    passes, no batch check), within the budget's plan."""
+    model = _video()
+    vae = TinyVAE(model, 4)
+    z = _latent((3, 4, 7, 9), seed=1)
+    with torch.no_grad():
+        ref = vae.process_output(model.decode(z)).movedim(1, -1)
+    stores = _stores()
+    whole = idm.decode_image(idm.make_job(vae, z, core=True, out_device="cpu"), env(stores), budget_mb=1024)
+    assert whole.plan.path == "untiled" and whole.plan.config.images_per_pass == 3
+    job = idm.make_job(vae, z, core=True, out_device="cpu")
+    assert job.whole_batch
+    budget = int(whole.plan.planned * 0.8)
+    r = idm.decode_image(job, env(stores, checks=sc.CheckStore()), budget_mb=budget / MiB)
+    rows = dict(r.report.rows)
+    assert r.plan.path == "exact" and r.plan.exact and r.report.summary.startswith("exact"), r.report.text()
+    assert not r.plan.config.whole and r.plan.planned <= budget and "batch" not in rows
+    assert "of the batch in one pass" in rows["plan"] and "exact tiled walker" in rows["check"]
+    assert (r.images - ref).abs().max().item() <= 1e-4
