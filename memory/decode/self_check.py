@@ -153,8 +153,10 @@ def fmt_db(psnr: float) -> str:
 
 
 def psnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """PSNR in dB of ``out`` against ``ref``, both on ``[0, 1]`` (peak 1); ``inf`` when equal."""
-    mse = (out.float() - ref.float()).pow(2).mean().item()
+    """PSNR in dB of ``out`` against ``ref``, both on ``[0, 1]`` (peak 1); ``inf`` when equal. Compared on
+    the CPU (:func:`_pair`)."""
+    out, ref = _pair(out, ref)
+    mse = (out - ref).pow(2).mean().item()
     return math.inf if mse == 0 else 10.0 * math.log10(1.0 / mse)
 
 
@@ -315,10 +317,18 @@ def weights_digest(model: Any) -> str:
     return h.hexdigest()[:12]
 
 
+def _pair(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both outputs of a check in float32 on the CPU: an executor may write into a buffer on the host while the
+    host's decode returns on the device (the carried executors' checks on CUDA, 2026-11-27: "Expected all tensors
+    to be on the same device" failed every carried family there). The check's tensors are tiny."""
+    return out.detach().float().cpu(), ref.detach().float().cpu()
+
+
 def _max_diff(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, str]:
     if tuple(out.shape) != tuple(ref.shape):
         return math.inf, f"output shape {tuple(out.shape)}, the host's {tuple(ref.shape)}"
-    return (out.float() - ref.float()).abs().max().item(), ""
+    out, ref = _pair(out, ref)
+    return (out - ref).abs().max().item(), ""
 
 
 def _is_oom(e: BaseException) -> bool:

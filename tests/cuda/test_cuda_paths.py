@@ -213,3 +213,21 @@ def test_planner_prediction_within_10_percent(device, suite_kl, tiled, record_pr
     record_property("measure", r.measure_method)
     assert measured is not None
     assert abs(predicted - measured) <= 0.10 * measured, r.report.text()
+
+
+def test_carried_chunks_pass_their_self_check_on_the_device(device, comfy, host_config, pack_memory,
+                                                            record_property):
+    """HunyuanVideo 1.5's carried chunks (narrow twin) pass their first-use self-check on the suite's device:
+    on an H100 (2026-11-27) every carried family's check failed there ("Expected all tensors to be on the same
+    device"): the executor writes into a host buffer while the host's decode returns on the device, and the
+    check compared the two where they were. The verdict is checked, not cached (a fresh store)."""
+    from scripts.fixtures import load_vae
+
+    vae = load_vae(comfy, "hunyuan_video15_narrow", host_config.models_dir / "vae", torch.float32)
+    video = pack_memory("decode.video")
+    z = structured_latent((1, 32, 5, 2, 2), seed=0)
+    job = video.make_job(vae, z, "cpu")
+    store = pack_memory("decode.self_check").CheckStore()
+    verdict = video.check_carried(job, store)
+    record_property("verdict", verdict.describe())
+    assert job.carry is not None and verdict.conclusive and verdict.ok, verdict.describe()
