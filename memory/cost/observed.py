@@ -34,6 +34,12 @@ LEARNS_FROM = ("cuda", "dispatch")
 """Tracker methods whose peak is comparable with a prediction (allocator / live tensor counts; not RSS)."""
 SLACK = 1.02
 """A ratio within 2 % of 1 is noise, not kept."""
+CUDA_PRIORS = {"untiled": 1.70, "wan": 1.35}
+"""The ratio a CUDA path plans with before this machine measured its own: the largest the GPU suites measured
+(KL untiled decode 1.70x on an H200, 2026-11-26; Wan chunks 1.1-1.35x there and 1.19-1.27x on an H100, 2026-11-27,
+where a first tiled plan that had learned only whole frames' 1.19 ran 0.4 MiB over its budget). A measured ratio
+above the prior replaces it; one below is not kept (the prior stays: plans a little under the budget rather than
+a first decode over it)."""
 
 
 def observed_key(path: str, family: str, dtype: torch.dtype | str, device: torch.device | str) -> str:
@@ -53,9 +59,12 @@ class ObservedStore(Store[float]):
         return min(MAX_RATIO, max(1.0, float(value)))
 
     def ratio(self, key: str) -> float:
-        """The ratio to plan ``key`` with (1.0: nothing learned)."""
+        """The ratio to plan ``key`` with: the learned one, else on CUDA the path's :data:`CUDA_PRIORS`, else 1.0."""
         found = self.get(key)
-        return 1.0 if found is None else found
+        if found is not None:
+            return found
+        path, *_, device = key.split("/")
+        return CUDA_PRIORS.get(path, 1.0) if device == "cuda" else 1.0
 
     def note(self, key: str, measured: int | None, predicted: int, method: str) -> float | None:
         """Keep ``measured / predicted`` when it is larger than the ratio held (and than :data:`SLACK`), for a
@@ -73,4 +82,5 @@ def ratio_text(ratio: float) -> str:
     """The report's note of a ratio the plan was scaled by ("" for 1)."""
     if ratio <= 1.0:
         return ""
-    return f"; x{ratio:.2f}: this path's measured peaks on this device ran over its predictions by that much"
+    return (f"; x{ratio:.2f}: this path's measured peaks on this device (before its first decode: on the GPUs "
+            "measured so far) ran over its predictions by that much")

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_a_ratio_is_kept_only_from_comparable_measures_and_only_grows(tmp_path):
     path = tmp_path / "observed_peaks.json"
     s = ObservedStore(path)
-    key = observed_key("untiled", "kl", torch.bfloat16, "cuda")
-    assert key == "untiled/kl/bfloat16/cuda" and s.ratio(key) == 1.0
+    key = observed_key("untiled", "kl", torch.bfloat16, "cpu")
+    assert key == "untiled/kl/bfloat16/cpu" and s.ratio(key) == 1.0
     assert s.note(key, 170 * MiB, 100 * MiB, "rss") is None  # the process RSS is not a tensor count
     assert s.note(key, 17 * MiB, 1 * MiB, "cuda") is None  # too small to teach anything
     assert s.note(key, 101 * MiB, 100 * MiB, "cuda") is None  # noise
@@ -35,6 +35,21 @@ def test_a_ratio_is_kept_only_from_comparable_measures_and_only_grows(tmp_path):
     assert s.note(key, 900 * MiB, 100 * MiB, "dispatch") == MAX_RATIO
     assert ObservedStore(path).ratio(key) == MAX_RATIO  # persisted
     assert ObservedStore(path).ratio(observed_key("exact", "kl", torch.bfloat16, "cuda")) == 1.0
+
+
+def test_a_cuda_path_plans_with_the_measured_prior_until_it_learns_more(tmp_path):
+    """Before this machine measured a CUDA path, it plans with the largest ratio the GPU suites measured for it
+    (untiled KL 1.70x, Wan chunks 1.35x): a first decode is not planned at 1.0 and then run over its budget."""
+    s = ObservedStore(tmp_path / "observed_peaks.json")
+    untiled = observed_key("untiled", "kl", torch.bfloat16, "cuda")
+    wan = observed_key("wan", "wan21", torch.bfloat16, "cuda")
+    assert s.ratio(untiled) == observed.CUDA_PRIORS["untiled"] == 1.70
+    assert s.ratio(wan) == observed.CUDA_PRIORS["wan"] == 1.35
+    assert s.ratio(observed_key("wan", "wan21", torch.bfloat16, "cpu")) == 1.0  # tensor counts: no prior
+    assert s.ratio(observed_key("carry", "mochi", torch.bfloat16, "cuda")) == 1.0  # nothing measured yet
+    assert s.note(wan, 127 * MiB, 100 * MiB, "cuda") is None  # below the prior: the prior stays
+    assert s.note(wan, 150 * MiB, 100 * MiB, "cuda") == pytest.approx(1.5)
+    assert s.ratio(wan) == pytest.approx(1.5)
 
 
 @pytest.fixture(scope="module")
