@@ -71,6 +71,7 @@ from ..vae.families import batch_coupling_hint
 from ..vae.split_layout import split_layout
 from .env import DecodeEnv, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
+from .floor import approximate_text, describe_host, floor_plan_hook, generic_fn, host_oom_error, is_floor_host
 from .self_check import BATCH_CHECK_ITEMS, CheckStore, Verdict, check_batch, checked, code_fingerprint
 
 log = logging.getLogger("vramfit.memory.decode.image")
@@ -310,18 +311,8 @@ class _Run:
         job = self.job
         self._pass()
         g = p.config
-        if job.core:
-            model = job.vae.first_stage_model
-
-            def fn(t: torch.Tensor) -> torch.Tensor:
-                return model.decode(t.to(job.dtype).to(job.device)).to(job.out_device).float()
-        else:
-
-            def fn(t: torch.Tensor) -> torch.Tensor:
-                return job.vae.decode(t).movedim(-1, 1).to(job.out_device).float()
-
         img = tg.decode_generic(
-            fn,
+            generic_fn(job),
             job.z[b : b + 1],
             (g.tile_h, g.tile_w),
             p.halo,
@@ -366,10 +357,12 @@ class _Run:
             self.env.on_oom()
 
 
-def _execute(run: _Run, plan: Plan, models: ImageModels, budget: int) -> Plan:
+def _execute(run: _Run, plan: Plan, models: ImageModels, budget: int,
+             gate: Callable[[Plan], Plan] | None = None) -> Plan:
     """Decode every batch item (untiled groups or tiled items) into the output buffer. Out of memory
-    outside a tile: re-plan smaller and retry the unfinished items, outside the ``except`` block (the
-    failed pass's frames and tensors are released first). Returns the plan that finished."""
+    outside a tile: re-plan smaller (through ``gate``: :func:`.floor.generic_or_host`) and retry the unfinished
+    items, outside the ``except`` block (the failed pass's frames and tensors are released first); none after the
+    host's decode the fidelity floor took (:func:`.floor.host_oom_error`). Returns the plan that finished."""
     job = run.job
     b_total = int(job.z.shape[0])
     state = {"plan": plan, "start": 0, "stop": 0}
@@ -402,11 +395,18 @@ def _execute(run: _Run, plan: Plan, models: ImageModels, budget: int) -> Plan:
         old: Plan = state["plan"]
         what = f"{event.type_name} in the {old.path} pass of item(s) {state['start']}..{state['stop'] - 1}"
         state["plan"] = fallback(job, old, models, budget)
+        if gate is not None:
+            state["plan"] = gate(state["plan"])
         run.oom_events.append(f"{what}: re-planned ({old.description} -> {state['plan'].description}); retrying")
         log.warning("Tiled VAE Decode: %s", run.oom_events[-1])
 
     while state["start"] < b_total:
-        run.driver.run(attempt, recover=recover)
+        try:
+            run.driver.run(attempt, recover=recover, can_recover=lambda e: not is_floor_host(state["plan"]))
+        except run.oom as e:
+            if is_floor_host(state["plan"]):
+                raise host_oom_error(REPORT_NODE, e, state["plan"].reason, state["plan"].over_budget) from e
+            raise
         state["start"] = state["stop"]
     return state["plan"]
 
@@ -438,6 +438,7 @@ def decode_image(
     budget_mb: float = 0,
     unload_others: bool = True,
     t_start: float | None = None,
+    allow_approximate: bool = False,
 ) -> DecodeResult:
     """Decode ``job`` within the budget; returns the images (B, H, W, C) float32 on [0, 1] and the report.
 
@@ -445,6 +446,8 @@ def decode_image(
     (``env.offload``, VAEs with a patcher only); the tile and halo are the job's. ``t_start``:
     ``time.perf_counter()`` when planning started (validation included). Raises
     :class:`..plan.grid.ImpossibleBudgetError` (message with the budget) when no plan fits.
+    ``allow_approximate``: generic tiles that measure under :data:`.self_check.FIDELITY_FLOOR_DB` may run (else the
+    host's own decode runs, flagged when over the budget: :mod:`.floor`).
     """
     t_plan = time.perf_counter() if t_start is None else t_start
     first = FirstUse(env.phase)
@@ -467,6 +470,9 @@ def decode_image(
         if not batch_verdict.ok:
             job = dataclasses.replace(job, batch_reason=batch_reason(job, batch_verdict))
             p = _plan(job, avail, models, ratio, budget)
+    gate = floor_plan_hook(job, models, env.checks, avail, allow_approximate, ratio,
+                           lambda: load_weights(job.vae, env, 0), first)
+    p = gate(p)
     load_weights(job.vae, env, p.planned)
     plan_seconds = time.perf_counter() - t_plan
 
@@ -475,7 +481,7 @@ def decode_image(
     run = _Run(job, env, _Progress(bar, total))
     t0 = time.perf_counter()
     with measured(env, job.device) as m:
-        p = _execute(run, p, models, avail)
+        p = _execute(run, p, models, avail, gate)
     assert run.out is not None
     seconds = time.perf_counter() - t0
     if not run.oom_events:
@@ -530,7 +536,10 @@ def _report(job: ImageJob, plan: Plan, models: ImageModels, budget: Any, offload
     split = not plan.exact and plan.path != "generic"  # exact executor, but the batch split is not
     if plan.path == "untiled":
         whose = "ComfyUI's own decode" if job.core else f"{type(job.vae).__name__}'s own decode"
-        if split:
+        if is_floor_host(plan):
+            path = (f"exact: untiled, {whose} (identical to VAE Decode; {describe_host(plan, job)}; no exact tiles "
+                    f"because: {_not_exact(job)})")
+        elif split:
             path = (f"approximate: untiled, {whose}, {plan.config.images_per_pass} of {b} images per pass "
                     f"(not exact because: {job.batch_reason}; the whole batch does not fit the budget)")
         elif job.batch_reason:
@@ -552,11 +561,9 @@ def _report(job: ImageJob, plan: Plan, models: ImageModels, budget: Any, offload
         path = f"approximate: {path} of each image; not exact because: {job.batch_reason})" if split \
             else f"exact: {path})"
     else:
-        failed = (job.split_reason or "").startswith("the split path's")
-        why = f"{job.exact_reason}; {job.split_reason}" if failed else job.exact_reason
-        if job.batch_reason:
-            why = f"{why}; {job.batch_reason}"
-        path = f"approximate: generic tiles with halo and crop (not exact because: {why})"
+        fid = approximate_text(plan, job)
+        path = (f"approximate: generic tiles with halo and crop ({f'{fid}; ' if fid else ''}not exact because: "
+                f"{_not_exact(job)})")
     r.add("path", path)
     if batch_verdict is not None and batch_verdict.ok:
         r.add("batch", f"items decode independently: batch {batch_verdict.describe()}")
@@ -573,7 +580,7 @@ def _report(job: ImageJob, plan: Plan, models: ImageModels, budget: Any, offload
     r.add("plan", plan_text)
     if models.reach:
         r.add("halo", models.reach)
-    over = " - OVER BUDGET (user tile)" if plan.over_budget else ""
+    over = f" - OVER BUDGET ({_over_why(plan)})" if plan.over_budget else ""
     where = f", at {plan.config.peak.segment}" if plan.path == "exact" else ""
     r.add("predicted", predicted_text(plan.planned, int(budget.available), plan.tracked, where=where, over=over,
                                       note=ratio_text(plan.ratio)))
@@ -587,6 +594,13 @@ def _report(job: ImageJob, plan: Plan, models: ImageModels, budget: Any, offload
         r.add("oom", "\n".join(run.oom_events))
     r.summary = summary_line(_summary(job, plan, budget, seconds, m, run), first_use_tag(first))
     return r
+
+
+def _not_exact(job: ImageJob) -> str:
+    """Why ``job`` has no exact tiles (the walker's reason; a failed split check's; the batch's coupling)."""
+    failed = (job.split_reason or "").startswith("the split path's")
+    why = f"{job.exact_reason}; {job.split_reason}" if failed else str(job.exact_reason)
+    return f"{why}; {job.batch_reason}" if job.batch_reason else why
 
 
 def _summary(job: ImageJob, plan: Plan, budget: Any, seconds: float, m: Any, run: _Run) -> str:
@@ -607,7 +621,12 @@ def _summary(job: ImageJob, plan: Plan, budget: Any, seconds: float, m: Any, run
         "exact" if plan.exact and plan.path in ("untiled", "exact", "split") else "approximate",
         shape,
         peak_verdict(m.peak, m.method, int(budget.available), plan.planned),
-        "planned over budget (user tile)" if plan.over_budget and (m.peak or 0) <= budget.available else "",
+        f"planned over budget ({_over_why(plan)})" if plan.over_budget and (m.peak or 0) <= budget.available else "",
         fmt_seconds(seconds),
         f"{oom} out-of-memory re-plan{'s' if oom != 1 else ''}" if oom else "",
     )
+
+
+def _over_why(plan: Plan) -> str:
+    """Why a plan runs over the budget: the user's tile, or the fidelity floor (:func:`.floor.is_floor_host`)."""
+    return "approximate tiles under the fidelity floor not taken" if is_floor_host(plan) else "user tile"

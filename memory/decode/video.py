@@ -48,6 +48,7 @@ from ..vae.seedvr2_layout import seedvr2_of
 from ..vae.wan_layout import cache_protocol, is_wan_vae, wan_layout
 from .env import DecodeEnv, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
+from .floor import floor_choice, host_oom_error, seeded
 from .self_check import FIDELITY_FLOOR_DB, CheckStore, Verdict, checked, code_fingerprint
 
 log = logging.getLogger("vramfit.memory.decode.video")
@@ -132,13 +133,6 @@ def check_carried(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
     z = torch.randn((1, c, t, h, w), generator=torch.Generator().manual_seed(0))
     z = z.to(job.device, job.dtype)
 
-    def seeded(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        def go() -> torch.Tensor:
-            with torch.random.fork_rng(devices=[job.device] if job.device.type == "cuda" else []):
-                torch.manual_seed(0)
-                return fn()
-        return go
-
     def run(k: int, tile: tuple[int, int] | None = None) -> Callable[[], torch.Tensor]:
         def go() -> torch.Tensor:
             r = int(blend_ratios(job.vae)[2])
@@ -146,7 +140,7 @@ def check_carried(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
             halo = carry_halo(model, job.carry, c, job.dtype, job.device) if tile is not None else 0
             return decode_carried(model, job.carry, z, k, out=out, dtype=job.dtype, compute_device=job.device,
                                   tile=tile, halo=halo)
-        return seeded(go)
+        return seeded(job.device, go)
 
     k = desc.min_k
     configs = [(f"k = {k} (three chunks)" if desc.temporal else "whole clip", run(k))]
@@ -154,17 +148,8 @@ def check_carried(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
         configs.append((f"k = {k + desc.step}", run(k + desc.step)))
     if desc.tiles:
         configs.append((f"k = {k}, 1x1 tiles" if desc.temporal else "1x1 tiles", run(k, (1, 1))))
-    return checked(key, store, model, seeded(lambda: model.decode(z).float()), configs, job.dtype, prepare,
+    return checked(key, store, model, seeded(job.device, lambda: model.decode(z).float()), configs, job.dtype, prepare,
                    first_use)
-
-
-def _seeded(job: VideoJob, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """``fn`` from one random state (a decode that draws noise draws the same in every run of a check)."""
-    def go() -> torch.Tensor:
-        with torch.random.fork_rng(devices=[job.device] if job.device.type == "cuda" else []):
-            torch.manual_seed(0)
-            return fn()
-    return go
 
 
 BLEND_CHECK_HW = 4
@@ -195,8 +180,8 @@ def check_blend(job: VideoJob, store: CheckStore, k: int, prepare: Callable[[], 
         return unit(decode_overlap_blend(blend_fn(job), z, k, 1, upscale_ratio=frames_of,
                                          index_formula=index_formula, out_device=job.device))
 
-    return checked(key, store, model, _seeded(job, lambda: unit(blend_fn(job)(z))),
-                   [(f"overlap-blend, k = {k}", _seeded(job, blended))], job.dtype, prepare, first_use,
+    return checked(key, store, model, seeded(job.device, lambda: unit(blend_fn(job)(z))),
+                   [(f"overlap-blend, k = {k}", seeded(job.device, blended))], job.dtype, prepare, first_use,
                    "measuring the overlap-blend's fidelity against the host's own result", FIDELITY_FLOOR_DB)
 
 
@@ -214,19 +199,9 @@ def _blend_or_host(job: VideoJob, p: Plan, env: DecodeEnv, available: int, allow
         refused = f"one chunk of {p.config.k} latent frames holds the whole clip: it is the host's own decode"
     else:
         v = check_blend(job, env.checks, p.config.k, lambda: load_weights(job.vae, env, 0), first)
-        if v.ok or allow:
-            if v.ok:
-                fid = v.describe()
-            elif v.conclusive and v.psnr is not None:
-                fid = f"{v.describe()}; taken because allow_approximate is on"
-            else:
-                fid = f"fidelity not measured ({v.detail}); taken because allow_approximate is on"
+        fid, refused = floor_choice(v, allow, "the overlap-blend that fits")
+        if not refused:
             return dataclasses.replace(p, reason=f"{p.reason}; {fid}"), ""
-        if v.conclusive and v.psnr is not None:
-            refused = f"the overlap-blend that fits {v.describe()}: not taken without allow_approximate"
-        else:
-            refused = (f"the overlap-blend's fidelity could not be measured ({v.detail or v.describe()}): not taken "
-                       "without allow_approximate")
     try:
         host = plan_host_decode(job, 1 << 62, env.peaks, refused)
     except Exception as e:  # noqa: BLE001 - an op without a fake kernel: the host's decode is not predicted
@@ -347,11 +322,7 @@ def decode_video(
             try:
                 _host_decode(job, view, bar, env, stats)
             except oom_types(env.oom_exceptions) as e:
-                ask = ("Set allow_approximate to true to accept approximate output, or free memory"
-                       if "allow_approximate" in refused else "Free memory or decode a smaller latent")
-                raise RuntimeError(
-                    f"{REPORT_NODE}: the host's own decode ran out of memory ({type(e).__name__}); it ran over "
-                    f"the budget because {refused}. {ask}") from e
+                raise host_oom_error(REPORT_NODE, e, refused) from e
         elif p.path == "host":
             _host_decode(job, view, bar, env, stats)
         elif p.path == "wan":

@@ -95,13 +95,13 @@ def test_schema(node, comfy):
     assert schema.node_id == NODE_ID and schema.display_name == "Tiled VAE Decode (VRAM Fit)"
     assert schema.category == "VRAM Fit"
     ids = [i.id for i in schema.inputs]
-    assert ids == ["samples", "vae", "tile_size", "halo", "budget_mb", "unload_others"]
+    assert ids == ["samples", "vae", "tile_size", "halo", "budget_mb", "unload_others", "allow_approximate"]
     assert all(i.tooltip for i in schema.inputs), [i.id for i in schema.inputs if not i.tooltip]
     assert [o.io_type for o in schema.outputs] == ["IMAGE", "STRING"]
     assert all(o.tooltip for o in schema.outputs)
     defaults = {i.id: getattr(i, "default", None) for i in schema.inputs}
     assert defaults["tile_size"] == 0 and defaults["halo"] == -1 and defaults["budget_mb"] == 0
-    assert defaults["unload_others"] is True
+    assert defaults["unload_others"] is True and defaults["allow_approximate"] is False
     assert [h.value for h in schema.hidden] == ["UNIQUE_ID"]
 
 
@@ -363,6 +363,7 @@ def test_generic_path_auto_halo_reproduces_vae_decode(comfy, mod, taesd_vae):
     rows = dict(r.report.rows)
     assert r.plan.path == "generic" and r.plan.config.tiled
     assert rows["path"].startswith("approximate") and "decoder has no" in rows["path"]
+    assert "inf dB (equal)" in rows["path"] and ">= the 30 dB floor" in rows["path"], rows["path"]  # its measure
     assert r.plan.halo >= 17 and r.plan.feather == 0, rows["halo"]  # TAESD's traced reach: 18.125 latent px
     assert r.images.shape == ref.shape
     diff = (r.images - ref).abs().max().item()
@@ -370,6 +371,7 @@ def test_generic_path_auto_halo_reproduces_vae_decode(comfy, mod, taesd_vae):
     assert diff <= 1e-5
 
     short = mod.decode(taesd_vae, {"samples": z}, tile_size=128, halo=4)
+    log.info("TAESD generic, halo 4: %s", dict(short.report.rows)["path"])
     assert short.plan.halo == 4
     assert (short.images - ref).abs().max().item() > 1e-3  # a halo below the reach is not exact
 

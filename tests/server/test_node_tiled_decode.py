@@ -27,6 +27,9 @@ def test_object_info_declares_inputs_outputs_and_tooltips(client):
     required = info["input"]["required"]
     assert list(required) == ["samples", "vae", "tile_size", "halo", "budget_mb", "unload_others"]
     assert all(spec[1].get("tooltip") for spec in required.values())
+    optional = info["input"]["optional"]  # added after the widgets saved workflows hold: they keep their values
+    assert list(optional) == ["allow_approximate"] and optional["allow_approximate"][1]["default"] is False
+    assert "30 dB" in optional["allow_approximate"][1]["tooltip"]
     assert info["input"]["hidden"] == {"unique_id": ["UNIQUE_ID"]}
     assert info["output"] == ["IMAGE", "STRING"]
     assert all(info["output_tooltips"])
