@@ -59,6 +59,32 @@ def _hw(lay: SeedVR2Layout, h: int, w: int) -> list[tuple[int, int]]:
     return out
 
 
+def _reads(seg: Segment, src: torch.Tensor, r: Rect) -> tuple[int, int, int, int]:
+    """``(y0, y1, x0, x1)``: the rows and columns of ``src`` (the segment's input) tile ``r`` of its output reads
+    (its 1-px halo at the output's resolution, clipped at the frame)."""
+    hin, win, s = int(src.shape[3]), int(src.shape[4]), seg.scale
+    return (max(0, (r.y0 - 1) // s), min(hin, -(-(r.y1 + 1) // s)),
+            max(0, (r.x0 - 1) // s), min(win, -(-(r.x1 + 1) // s)))
+
+
+def _shape(seg: Segment, src: torch.Tensor, r: Rect) -> tuple[int, int, int, int]:
+    """What a tile's work depends on: its core and the region of ``src`` it reads."""
+    y0, y1, x0, x1 = _reads(seg, src, r)
+    return r.h, r.w, y1 - y0, x1 - x0
+
+
+def _layout(v: torch.Tensor) -> tuple:
+    """What :func:`_like` needs to make a tensor holding the memory ``v`` holds (a view keeps its whole storage)."""
+    return v.untyped_storage().nbytes(), tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.device
+
+
+def _like(nbytes: int, shape: tuple, stride: tuple, offset: int, dtype: torch.dtype, device: torch.device
+          ) -> torch.Tensor:
+    """A tensor of ``shape`` viewing a new storage of ``nbytes`` (sizing: a skipped tile's output, as large)."""
+    base = torch.empty(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype, device=device)
+    return base.as_strided(shape, stride, offset)
+
+
 def units(lay: SeedVR2Layout, t: int, h: int, w: int, tile: tuple[int, int] | None) -> int:
     """Progress units of one batch item: per slice, the prefix and every segment's tiles."""
     per = 1 + sum(1 if tile is None else tile_count(sh, sw, tile) for sh, sw in _hw(lay, h, w))
@@ -69,8 +95,9 @@ class _Run:
     def __init__(self, model: Any, lay: SeedVR2Layout, tile: tuple[int, int] | None, dev: torch.device,
                  store: torch.device, dtype: torch.dtype, norm_params: NormParamsFn | None, driver: Any,
                  progress: ProgressFn | None, total: int, fault_hook: Callable[[int], None] | None,
-                 min_tile: int) -> None:
+                 min_tile: int, sizing: bool = False) -> None:
         self.model, self.lay, self.tile = model, lay, tile
+        self.sizing = sizing
         self.dev, self.store, self.dtype = dev, store, dtype
         self.norm_params = norm_params or _default_norm_params
         self.driver = driver
@@ -117,10 +144,8 @@ class _Run:
               stats: Any, mem: torch.Tensor | None, r: Rect) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One tile's core (1, C, T, r.h, r.w) and its region of the convolution's new carried frames (the core
         part, or None when nothing is carried)."""
-        hin, win = int(src.shape[3]), int(src.shape[4])
         s = seg.scale
-        y0, y1 = max(0, (r.y0 - 1) // s), min(hin, -(-(r.y1 + 1) // s))
-        x0, x1 = max(0, (r.x0 - 1) // s), min(win, -(-(r.x1 + 1) // s))
+        y0, y1, x0, x1 = _reads(seg, src, r)
         t = src[:, :, :, y0:y1, x0:x1].to(self.dev, self.dtype)
         if self.fault_hook is not None:
             self.fault_hook(self.steps - 1)
@@ -174,6 +199,9 @@ class _Run:
         h, w = int(src.shape[3]) * seg.scale, int(src.shape[4]) * seg.scale
         tile = self.tile if self.tile is not None else (h, w)
         pending = collections.deque(grid(0, h, w, (min(tile[0], h), min(tile[1], w))))
+        seen: dict = {}  # sizing: a tile's shape -> the layouts (:func:`_layout`) of the core and new frames it gave
+        last = {_shape(seg, src, r): i for i, r in enumerate(pending)} if self.sizing else {}
+        index = -1
         dst = None
         acc = None
         new_mem: torch.Tensor | None = None
@@ -194,10 +222,17 @@ class _Run:
                 log.warning("SeedVR2 exact decode: out of memory in %s (%s); tile %s -> %s", seg.name,
                             event.message, old, self.tile)
 
-            self.driver.run(attempt, can_recover=lambda e: self._can_shrink(), recover=recover)
+            index += 1
+            shape = _shape(seg, src, r)
+            if self.sizing and shape in seen and index != last[shape]:  # a tile sized before: what outlives it
+                holder["v"] = tuple(None if v is None else _like(*v) for v in seen[shape])
+            else:
+                self.driver.run(attempt, can_recover=lambda e: self._can_shrink(), recover=recover)
             if pending[0] != r:  # shrunk: the head is a smaller tile now
                 continue
             core, new = holder.pop("v")
+            if self.sizing:
+                seen.setdefault(shape, tuple(None if v is None else _layout(v) for v in (core, new)))
             tf = int(core.shape[2])
             if seg.kind == "out":
                 assert out is not None
@@ -289,6 +324,7 @@ def decode_seedvr2(
     norm_params: NormParamsFn | None = None,
     stats: dict | None = None,
     min_tile: int = MIN_TILE,
+    sizing: bool = False,
 ) -> torch.Tensor:
     """Decode the latent ``z`` ``(B, 16, T, h, w)`` (as ``VAE Decode`` hands it to ``model.decode``) into ``out``
     ``(B, 3, frames, 8h, 8w)``: what ``model.decode(z)`` returns (range [-1, 1]), computed as the module docstring
@@ -296,7 +332,11 @@ def decode_seedvr2(
     per segment); ``store_device``: where whole-frame activations and carried frames wait (default: the compute
     device). ``progress(done, total)`` per tile; ``should_stop()`` before each; ``fault_hook(step)`` inside each
     tile attempt (tests raise an out-of-memory error there); ``norm_params(norm, x)``: GroupNorm weight and bias as
-    float32 on ``x``'s device (ComfyUI's casting)."""
+    float32 on ``x``'s device (ComfyUI's casting). ``sizing`` (meta sizing only, :class:`..measure.sizing.MetaSizer`):
+    each segment computes the first and the last tile of each shape (the last with every earlier tile's statistics
+    alive, as in the full run); the others of that shape only allocate what outlives a tile (its output and carried
+    frames, copied into the whole-frame buffers, and its statistics): the same peak, to the byte, most of the
+    fake-tensor work skipped; the output is incomplete."""
     lay = seedvr2_layout(model)
     if lay.reason is not None:
         raise ValueError(f"SeedVR2 exact decode: {lay.reason}")
@@ -305,7 +345,7 @@ def decode_seedvr2(
     b, _, t, h, w = (int(v) for v in z.shape)
     driver = stop_driver(oom_types(oom_exceptions), should_stop, on_oom)
     run = _Run(model, lay, tile, dev, store, dtype, norm_params, driver, progress, b * units(lay, t, h, w, tile),
-               fault_hook, min_tile)
+               fault_hook, min_tile, sizing)
     slices = lay.slices(t)
 
     def walk(latent: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,7 @@ def seedvr2_peak(job: VideoJob, cfg: SeedVR2Config, peaks: PeakStore) -> int:
     def run() -> None:
         out = torch.empty((1, 3, frames, h * 8, w * 8), dtype=torch.float32, device=job.out_device)
         sx.decode_seedvr2(model, torch.empty((1, c, tm, h, w), dtype=job.dtype, device=job.device), cfg.tile,
-                          out=out, compute_device=job.device, dtype=job.dtype, store_device=store)
+                          out=out, compute_device=job.device, dtype=job.dtype, store_device=store, sizing=True)
 
     def sized() -> int:
         peak = meta_peak(job, run)

@@ -193,6 +193,30 @@ def test_video_node_decodes_it_exactly_in_tiles_under_a_budget(video, seedvr2, c
     assert (r.images - ref).abs().max().item() <= 1e-4, text
 
 
+@pytest.mark.parametrize("tile", [(7, 9), (16, 16)])
+def test_sizing_one_tile_per_shape_gives_the_full_peak(seedvr2, tile):
+    """The planner sizes the walk with one tile of each shape per segment (``sizing=True``): on fake tensors the
+    same peak, to the byte, as every tile (at 4K the full walk on fake tensors took minutes)."""
+    from vramfit.memory.executors.seedvr2 import decode_seedvr2
+    from vramfit.memory.measure.sizing import MetaSizer
+    from vramfit.memory.vae.seedvr2_layout import seedvr2_layout
+
+    model = seedvr2.first_stage_model
+    b, c, t, h, w = SHAPE
+    frames = seedvr2_layout(model).frames(3)
+
+    def peak(sizing: bool) -> int:
+        with torch.inference_mode(), MetaSizer([model], torch.float32, "cpu") as sz:
+            out = torch.empty((1, 3, frames, h * 8, w * 8))
+            decode_seedvr2(model, torch.empty((1, c, 3, h, w)), tile, out=out, compute_device="cpu",
+                           dtype=torch.float32, sizing=sizing)
+            del out
+        return sz.peak_bytes
+
+    full = peak(False)
+    assert full > 0 and peak(True) == full
+
+
 def test_plan_candidates(seedvr2):
     """The planner's order: on the CPU whole frames then ever smaller tiles (those not smaller than the frame left
     out); on an accelerator whole frames and 512 px with the store on the device, then every tile with the store in
