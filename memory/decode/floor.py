@@ -24,12 +24,13 @@ import torch
 
 from ..executors import generic as tg
 from ..plan.grid import scaled
-from ..plan.image import ImageJob, ImageModels, plan_untiled
+from ..plan.image import ImageJob, ImageModels, plan_untiled, splits_batch
 from ..plan.types import Plan
 from .first_use import FirstUse
-from .self_check import FIDELITY_FLOOR_DB, CheckStore, Verdict, checked, code_fingerprint
+from .self_check import BATCH_CHECK_ITEMS, FIDELITY_FLOOR_DB, CheckStore, Verdict, checked, code_fingerprint
 
-__all__ = ["GENERIC_CHECK_MAX", "GENERIC_CHECK_TILE", "approximate_text", "check_generic", "describe_host", "floor_choice", "floor_plan_hook",
+__all__ = ["GENERIC_CHECK_MAX", "GENERIC_CHECK_TILE", "approximate_text", "batch_text", "check_batch_split",
+           "check_generic", "describe_host", "floor_choice", "floor_plan_hook",
            "generic_fn", "generic_or_host", "host_oom_error", "is_floor_host", "seeded"]
 
 ALLOW = "allow_approximate"
@@ -132,6 +133,40 @@ def check_generic(job: ImageJob, store: CheckStore, tile_hw: tuple[int, int], ha
                    FIDELITY_FLOOR_DB)
 
 
+def check_batch_split(job: ImageJob, store: CheckStore, latent_hw: tuple[int, int],
+                      prepare: Callable[[], None] | None = None, first_use: FirstUse | None = None) -> Verdict:
+    """Fidelity of decoding a batch's items in separate passes, for a decoder that mixes its batch
+    (:attr:`..plan.image.ImageJob.batch_reason`): a random batch of :data:`.self_check.BATCH_CHECK_ITEMS` latents of
+    ``latent_hw`` decoded whole by the host and one item per pass, both on ``[0, 1]``, by PSNR (cached as
+    :func:`check_generic`'s)."""
+    model = job.vae.first_stage_model
+    cls = type(model)
+    contract = "core" if job.core else type(job.vae).__name__
+    key = (f"batch-fidelity/{cls.__module__}.{cls.__qualname__}/{code_fingerprint(model)}/{contract}"
+           f"/{latent_hw[0]}x{latent_hw[1]}/{str(job.dtype).removeprefix('torch.')}/{job.device.type}")
+    n = BATCH_CHECK_ITEMS
+    z = torch.randn((n, job.channels, *latent_hw), generator=torch.Generator().manual_seed(0))
+    z = z.to(job.device, job.dtype)
+
+    def decode(x: torch.Tensor) -> torch.Tensor:
+        return job.vae.process_output(job.vae.first_stage_model.decode(x).float()).float() if job.core \
+            else job.vae.decode(x).float()
+
+    def one_per_pass() -> torch.Tensor:
+        return torch.cat([decode(z[i : i + 1]) for i in range(n)])
+
+    return checked(key, store, model, seeded(job.device, lambda: decode(z)),
+                   [(f"1 of {n} items per pass", seeded(job.device, one_per_pass))], job.dtype, prepare, first_use,
+                   "measuring the fidelity of a batch split into passes against the host's own result",
+                   FIDELITY_FLOOR_DB)
+
+
+def batch_text(p: Plan) -> str:
+    """The measure of a coupled batch split into passes, for the report ("" when ``p`` does not split one)."""
+    text = p.stats.get("batch_fidelity", "") if isinstance(p.stats, dict) else ""
+    return f"; {text}" if text else ""
+
+
 def is_floor_host(p: Plan) -> bool:
     """``p`` is the host's own decode taken instead of approximate tiles (:func:`generic_or_host`): its ``reason``
     says why; an out-of-memory error there has no smaller plan (:func:`host_oom_error`)."""
@@ -153,23 +188,30 @@ def _host_plan(job: ImageJob, models: ImageModels, available: int, ratio: float,
 
 def generic_or_host(job: ImageJob, p: Plan, models: ImageModels, store: CheckStore, available: int, allow: bool,
                     ratio: float = 1.0, prepare: Callable[[], None] | None = None,
-                    first_use: FirstUse | None = None) -> Plan:
-    """The plan ``p`` as it may run: unchanged unless it is generic tiles; those measured first
-    (:func:`check_generic`) and kept, their measure in ``reason``, when they reach the floor or ``allow`` is on;
-    else the host's own decode (exact; flagged when over ``available``; :func:`is_floor_host`), its ``reason``
-    saying why the tiles were not taken. One tile holding the whole latent is the host's own decode: that, not
-    measured. ``ratio``: the untiled path's measured over predicted peak."""
-    if p.path != "generic":
-        return p
-    g = p.config
-    if g.rows * g.cols == 1:
-        refused = "one tile holds the whole latent: it is the host's own decode"
-    else:
-        v = check_generic(job, store, (g.tile_h, g.tile_w), p.halo, p.feather, prepare, first_use)
-        fid, refused = floor_choice(v, allow, "the approximate tiles that fit")
+                    first_use: FirstUse | None = None, batch_hw: tuple[int, int] = (4, 4)) -> Plan:
+    """The plan ``p`` as it may run: unchanged unless it is approximate. Generic tiles are measured first
+    (:func:`check_generic`; their measure in ``reason``), a coupled batch split into passes too
+    (:func:`check_batch_split` on ``batch_hw`` latent px; its measure in ``stats["batch_fidelity"]``); kept when
+    they reach the floor or ``allow`` is on; else the host's own decode (exact, the whole batch in one pass for a
+    coupled one; flagged when over ``available``; :func:`is_floor_host`), its ``reason`` saying why the plan was
+    not taken. One tile holding the whole latent is the host's own decode: that, not measured. ``ratio``: the
+    untiled path's measured over predicted peak."""
+    refused = ""
+    if p.path == "generic":
+        g = p.config
+        if g.rows * g.cols == 1:
+            refused = "one tile holds the whole latent: it is the host's own decode"
+        else:
+            v = check_generic(job, store, (g.tile_h, g.tile_w), p.halo, p.feather, prepare, first_use)
+            fid, refused = floor_choice(v, allow, "the approximate tiles that fit")
+            if not refused:
+                p = dataclasses.replace(p, reason=fid)
+    if not refused and job.batch_reason and splits_batch(job, p):
+        v = check_batch_split(job, store, batch_hw, prepare, first_use)
+        fid, refused = floor_choice(v, allow, "the batch's items decoded in separate passes")
         if not refused:
-            return dataclasses.replace(p, reason=fid)
-    return _host_plan(job, models, available, ratio, refused)
+            return dataclasses.replace(p, stats={**p.stats, "batch_fidelity": fid})
+    return _host_plan(job, models, available, ratio, refused) if refused else p
 
 
 def approximate_text(p: Plan, job: ImageJob) -> str:
@@ -179,11 +221,12 @@ def approximate_text(p: Plan, job: ImageJob) -> str:
 
 def floor_plan_hook(job: ImageJob, models: ImageModels, store: CheckStore, available: int, allow: bool,
                     ratio: Callable[[str], float], prepare: Callable[[], None] | None = None,
-                    first_use: FirstUse | None = None) -> Callable[[Plan], Plan]:
+                    first_use: FirstUse | None = None, batch_hw: tuple[int, int] = (4, 4)) -> Callable[[Plan], Plan]:
     """:func:`generic_or_host` for every plan a decode takes (the first, and each re-plan after an out-of-memory
     error)."""
     def gate(p: Plan) -> Plan:
-        return generic_or_host(job, p, models, store, available, allow, ratio("untiled"), prepare, first_use)
+        return generic_or_host(job, p, models, store, available, allow, ratio("untiled"), prepare, first_use,
+                               batch_hw)
     return gate
 
 

@@ -71,7 +71,15 @@ from ..vae.families import batch_coupling_hint
 from ..vae.split_layout import split_layout
 from .env import DecodeEnv, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
-from .floor import approximate_text, describe_host, floor_plan_hook, generic_fn, host_oom_error, is_floor_host
+from .floor import (
+    approximate_text,
+    batch_text,
+    describe_host,
+    floor_plan_hook,
+    generic_fn,
+    host_oom_error,
+    is_floor_host,
+)
 from .self_check import BATCH_CHECK_ITEMS, CheckStore, Verdict, check_batch, checked, code_fingerprint
 
 log = logging.getLogger("vramfit.memory.decode.image")
@@ -471,7 +479,7 @@ def decode_image(
             job = dataclasses.replace(job, batch_reason=batch_reason(job, batch_verdict))
             p = _plan(job, avail, models, ratio, budget)
     gate = floor_plan_hook(job, models, env.checks, avail, allow_approximate, ratio,
-                           lambda: load_weights(job.vae, env, 0), first)
+                           lambda: load_weights(job.vae, env, 0), first, CHECK_LATENT_HW)
     p = gate(p)
     load_weights(job.vae, env, p.planned)
     plan_seconds = time.perf_counter() - t_plan
@@ -541,7 +549,7 @@ def _report(job: ImageJob, plan: Plan, models: ImageModels, budget: Any, offload
                     f"because: {_not_exact(job)})")
         elif split:
             path = (f"approximate: untiled, {whose}, {plan.config.images_per_pass} of {b} images per pass "
-                    f"(not exact because: {job.batch_reason}; the whole batch does not fit the budget)")
+                    f"(not exact because: {job.batch_reason}; the whole batch does not fit the budget{batch_text(plan)})")
         elif job.batch_reason:
             path = (f"exact: untiled, {whose} of the whole batch in one pass (it fits the budget; identical to VAE "
                     "Decode; this decoder's items must be decoded together)")
@@ -553,12 +561,12 @@ def _report(job: ImageJob, plan: Plan, models: ImageModels, budget: Any, offload
         if job.whole_batch:
             path = (f"{path}; the whole batch as one video: the frames' time mixing over every tile's region of all "
                     "frames")
-        path = f"approximate: {path} of each image; not exact because: {job.batch_reason})" if split \
+        path = f"approximate: {path} of each image; not exact because: {job.batch_reason}{batch_text(plan)})" if split \
             else f"exact: {path})"
     elif plan.path == "split":
         path = (f"global prefix once, local suffix in tiles with a halo of its reach ({plan.reason}; "
                 "equal to the untiled decode up to float rounding")
-        path = f"approximate: {path} of each image; not exact because: {job.batch_reason})" if split \
+        path = f"approximate: {path} of each image; not exact because: {job.batch_reason}{batch_text(plan)})" if split \
             else f"exact: {path})"
     else:
         fid = approximate_text(plan, job)

@@ -12,6 +12,7 @@ could fail).
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import pytest
@@ -20,6 +21,7 @@ import torch
 from scripts.fixtures import structured_latent
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
+log = logging.getLogger("vramfit.tests.batch_coupled")
 
 NODE_ID = "VRAMFit_TiledVAEDecode"
 MiB = 2**20
@@ -173,7 +175,9 @@ def test_tiles_of_40_px_are_exact(mod, svd_vae, case, caplog):
 
 def test_a_split_untiled_pass_is_still_labelled(mod, svd_vae, case):
     """With the walker's path gone (its self-check failed: simulated by the job's exact_reason), a budget for one
-    or two frames per pass still says approximate, with the batch self-check's verdict as the reason."""
+    or two frames per pass: split into passes the batch measures under 30 dB (issue 36 item 3), so the host's whole
+    batch runs, exact, flagged over the budget; with allow_approximate the split passes run and still say
+    approximate, with the batch self-check's verdict as the reason and the measured dB."""
     import dataclasses
 
     from vramfit.memory.decode import image as idm
@@ -189,10 +193,17 @@ def test_a_split_untiled_pass_is_still_labelled(mod, svd_vae, case):
     old = mod.make_job
     mod.make_job = no_walker
     try:
-        r = _decode(mod, svd_vae, z, budget_mb=(one + whole) // 2 // MiB)
+        host = _decode(mod, svd_vae, z, budget_mb=(one + whole) // 2 // MiB)
+        r = _decode(mod, svd_vae, z, budget_mb=(one + whole) // 2 // MiB, allow_approximate=True)
     finally:
         mod.make_job = old
+    text = host.report.text()
+    assert host.plan.path == "untiled" and host.plan.exact and host.plan.over_budget, text
+    assert host.plan.config.images_per_pass == 3 and _never_wrongly_exact(host, ref) <= 1e-4
+    assert "separate passes measured" in text and "not taken without allow_approximate" in text, text
     rows = dict(r.report.rows)
+    log.info("SVD without its walker, split batch: %s", rows["path"])
+    assert "taken because allow_approximate is on" in rows["path"], rows["path"]
     diff = _never_wrongly_exact(r, ref)
     assert r.plan.path == "untiled" and r.plan.config.images_per_pass < 3, r.plan.description
     assert r.report.summary.startswith("approximate") and not r.plan.exact

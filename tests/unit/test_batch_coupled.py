@@ -98,14 +98,26 @@ def test_a_coupled_decoder_is_decoded_whole_or_said_approximate():
 
     one = idm.decode_image(idm.make_job(vae, z[:1], core=True, out_device="cpu"), env(stores), budget_mb=1024)
     budget = int(one.plan.planned * 0.9)  # not even one item untiled: the walker's tiles, one item per pass
-    r = idm.decode_image(idm.make_job(vae, z, core=True, out_device="cpu"), env(stores, checks=sc.CheckStore()),
+    checks = sc.CheckStore()
+    r = idm.decode_image(idm.make_job(vae, z, core=True, out_device="cpu"), env(stores, checks=checks),
                          budget_mb=budget / MiB)
     rows = dict(r.report.rows)
     assert "checking that the items of a batch decode independently" in rows["first use"]
+    # Split into passes it measures under the 30 dB floor (issue 36 item 3): the host's whole batch, flagged
+    assert "measuring the fidelity of a batch split into passes" in rows["first use"]
+    assert r.plan.path == "untiled" and r.plan.exact and r.plan.over_budget, r.plan.description
+    assert r.plan.config.images_per_pass == 3 and r.report.summary.startswith("exact")
+    assert "separate passes measured" in rows["path"] and "not taken without allow_approximate" in rows["path"]
+    assert (r.images - ref).abs().max().item() <= 1e-4
+
+    r = idm.decode_image(idm.make_job(vae, z, core=True, out_device="cpu"), env(stores, checks=checks),
+                         budget_mb=budget / MiB, allow_approximate=True)
+    rows = dict(r.report.rows)
     diff = (r.images - ref).abs().max().item()
     assert r.plan.path == "exact" and not r.plan.exact
     assert r.report.summary.startswith("approximate") and rows["path"].startswith("approximate: layer-synchronous")
     assert "mixes the items of its batch" in rows["path"] and "FAILED" in rows["path"]
+    assert "taken because allow_approximate is on" in rows["path"] and " dB vs VAE Decode" in rows["path"]
     assert diff > 1e-3
 
 
