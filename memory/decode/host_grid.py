@@ -101,6 +101,6 @@ HOST_GRID = OwnExecutor(
 def decode_host_grid_video(job: VideoJob, env: DecodeEnv, *, budget_mb: float = 0, unload_others: bool = True,
                            t_start: float | None = None) -> Any:
     """``decode_video`` for a model with its own grid (:func:`.own_executor.decode_own` with :data:`HOST_GRID`).
-    Returns a ``decode.video.VideoDecodeResult``."""
+    Returns a :class:`.video_out.VideoDecodeResult`."""
     assert host_grid_of(job.vae.first_stage_model) is not None
     return decode_own(job, env, HOST_GRID, budget_mb=budget_mb, unload_others=unload_others, t_start=t_start)

@@ -30,6 +30,7 @@ from ..report import (
 from .env import DecodeEnv, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
 from .self_check import Verdict
+from .video_out import VideoDecodeResult, host_decode, post_process
 
 log = logging.getLogger("vramfit.memory.decode.own_executor")
 
@@ -61,9 +62,7 @@ class OwnExecutor:
 
 def decode_own(job: VideoJob, env: DecodeEnv, ex: OwnExecutor, *, budget_mb: float = 0, unload_others: bool = True,
                t_start: float | None = None) -> Any:
-    """``decode_video`` for a VAE with its own executor ``ex``. Returns a ``decode.video.VideoDecodeResult``."""
-    from .video import VideoDecodeResult, _host_decode, _post  # decode/video.py enters here: no import cycle
-
+    """``decode_video`` for a VAE with its own executor ``ex``. Returns a :class:`.video_out.VideoDecodeResult`."""
     vae, z = job.vae, job.z
     b, _, t, _, _ = (int(v) for v in z.shape)
     t0 = time.perf_counter() if t_start is None else t_start
@@ -92,10 +91,10 @@ def decode_own(job: VideoJob, env: DecodeEnv, ex: OwnExecutor, *, budget_mb: flo
     t1 = time.perf_counter()
     with measured(env, job.device) as m:
         if p.path == "host":
-            _host_decode(job, view, bar, env, stats)
+            host_decode(job, view, bar, env, stats)
         else:
             ex.run(job, p, view, bar, env, stats)
-        _post(vae, view)
+        post_process(vae, view)
     seconds = time.perf_counter() - t1
     if p.planned and not stats.get("restarts"):
         env.observed.note(key, m.peak, int(p.planned / p.ratio), m.kind)

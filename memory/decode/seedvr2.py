@@ -111,5 +111,5 @@ SEEDVR2 = OwnExecutor(
 def decode_seedvr2_video(job: VideoJob, env: DecodeEnv, *, budget_mb: float = 0, unload_others: bool = True,
                          t_start: float | None = None) -> Any:
     """``decode_video`` for SeedVR2 (:func:`.own_executor.decode_own` with :data:`SEEDVR2`). Returns a
-    ``decode.video.VideoDecodeResult``."""
+    :class:`.video_out.VideoDecodeResult`."""
     return decode_own(job, env, SEEDVR2, budget_mb=budget_mb, unload_others=unload_others, t_start=t_start)

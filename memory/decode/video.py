@@ -50,6 +50,7 @@ from .env import DecodeEnv, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
 from .floor import floor_choice, host_oom_error, seeded
 from .self_check import FIDELITY_FLOOR_DB, CheckStore, Verdict, checked, code_fingerprint
+from .video_out import VideoDecodeResult, host_decode, post_process
 
 log = logging.getLogger("vramfit.memory.decode.video")
 
@@ -218,46 +219,6 @@ def _blend_or_host(job: VideoJob, p: Plan, env: DecodeEnv, available: int, allow
 # Decode
 
 
-@dataclasses.dataclass
-class VideoDecodeResult:
-    images: torch.Tensor
-    report: Report
-    plan: Plan
-    budget: Any
-    seconds: float
-    measured_peak: int | None
-    measure_method: str
-    stats: dict
-    plan_seconds: float
-
-
-def _host_decode(job: VideoJob, view: torch.Tensor, bar: ProgressFn | None, env: DecodeEnv, stats: dict) -> None:
-    """The host's own ``first_stage_model.decode`` per batch item (as ``VAE.decode`` feeds it: the VAE's
-    dtype and device), written into the output view."""
-    model = job.vae.first_stage_model
-    b = int(job.z.shape[0])
-    for i in range(b):
-        if env.should_stop is not None:
-            env.should_stop()
-        if bar is not None:
-            bar(i, b)
-        out = model.decode(job.z[i : i + 1].to(job.dtype).to(job.device))
-        view[i : i + 1].copy_(out)
-        del out
-    if bar is not None:
-        bar(b, b)
-    stats.update(exact=True, chunks=b, units=b)
-    if job.wan:
-        stats["protocol"] = cache_protocol(model).name
-
-
-def _post(vae: Any, view: torch.Tensor) -> None:
-    """``vae.process_output`` frame by frame, in place in the output buffer (same values as on the whole)."""
-    for f in range(view.shape[2]):
-        sl = view[:, :, f : f + 1]
-        sl.copy_(vae.process_output(sl))
-
-
 def decode_video(
     job: VideoJob,
     env: DecodeEnv,
@@ -320,11 +281,11 @@ def decode_video(
     with measured(env, job.device) as m:
         if p.path == "host" and refused and p.over_budget:
             try:
-                _host_decode(job, view, bar, env, stats)
+                host_decode(job, view, bar, env, stats)
             except oom_types(env.oom_exceptions) as e:
                 raise host_oom_error(REPORT_NODE, e, refused) from e
         elif p.path == "host":
-            _host_decode(job, view, bar, env, stats)
+            host_decode(job, view, bar, env, stats)
         elif p.path == "wan":
             decode_wan_chunked(
                 model, z, c.k, c.tile, halo=p.halo, split=c.split, out=view,
@@ -344,7 +305,7 @@ def decode_video(
                 blend_fn(job), z, c.k, 1, upscale_ratio=frames_of, index_formula=index_formula, out=view,
                 progress=bar, should_stop=env.should_stop, oom_exceptions=env.oom_exceptions, on_oom=env.on_oom,
                 stats=stats)
-        _post(vae, view)
+        post_process(vae, view)
     seconds = time.perf_counter() - t1
     if not (stats.get("shrinks") or stats.get("restarts")):  # a finished plan, not re-planned smaller
         env.observed.note(observed_key(p.path, job.family, job.dtype, job.device), m.peak,

@@ -1,0 +1,60 @@
+"""What every video decode path writes its frames with: the result, the host's own decode into the output buffer
+(the exact fallback of every path) and the post-processing of that buffer in place. Nothing here imports ComfyUI."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..plan.types import Plan
+from ..plan.video import VideoJob
+from ..report import Report
+from ..vae.wan_layout import cache_protocol
+from .env import DecodeEnv
+
+__all__ = ["VideoDecodeResult", "host_decode", "post_process"]
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclasses.dataclass
+class VideoDecodeResult:
+    images: torch.Tensor
+    report: Report
+    plan: Plan
+    budget: Any
+    seconds: float
+    measured_peak: int | None
+    measure_method: str
+    stats: dict
+    plan_seconds: float
+
+
+def host_decode(job: VideoJob, view: torch.Tensor, bar: ProgressFn | None, env: DecodeEnv, stats: dict) -> None:
+    """The host's own ``first_stage_model.decode`` per batch item (as ``VAE.decode`` feeds it: the VAE's
+    dtype and device), written into the output view."""
+    model = job.vae.first_stage_model
+    b = int(job.z.shape[0])
+    for i in range(b):
+        if env.should_stop is not None:
+            env.should_stop()
+        if bar is not None:
+            bar(i, b)
+        out = model.decode(job.z[i : i + 1].to(job.dtype).to(job.device))
+        view[i : i + 1].copy_(out)
+        del out
+    if bar is not None:
+        bar(b, b)
+    stats.update(exact=True, chunks=b, units=b)
+    if job.wan:
+        stats["protocol"] = cache_protocol(model).name
+
+
+def post_process(vae: Any, view: torch.Tensor) -> None:
+    """``vae.process_output`` frame by frame, in place in the output buffer (same values as on the whole)."""
+    for f in range(view.shape[2]):
+        sl = view[:, :, f : f + 1]
+        sl.copy_(vae.process_output(sl))
