@@ -186,7 +186,11 @@ def test_cpu_template_runs_and_shows_reports(ui_page, ui_session, shots_dir, nam
     forms = page.saved_forms()
     for node in _template(name)["nodes"]:
         if node["type"] in REPORTS:
-            assert forms["widgets"][str(node["id"])] == node["widgets_values"]
+            saved, given = forms["widgets"][str(node["id"])], node["widgets_values"]
+            # the template leaves trailing optional widgets at their defaults (scripts/workflows.py); the frontend
+            # saves them (allow_approximate: False), never the report's text
+            assert saved[: len(given)] == given, (saved, given)
+            assert all(not isinstance(v, str) for v in saved[len(given) :]), saved
             assert REPORT_WIDGET not in forms["inputs"][str(node["id"])]
 
     for r in reports:
