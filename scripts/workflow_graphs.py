@@ -38,7 +38,7 @@ def _offload(wf: WorkflowDesc, value: Any, keep: Any) -> Any:
 def _tiled_decode(wf: WorkflowDesc, samples: Any, vae: Any) -> Any:
     """Tiled VAE Decode with its defaults: auto tile, traced halo, free memory, unload others."""
     return wf.add("VRAMFit_TiledVAEDecode", samples=samples, vae=vae, tile_size=0, halo=-1, budget_mb=0,
-                  unload_others=True)  # fmt: skip
+                  unload_others=True, allow_approximate=False)  # fmt: skip
 
 
 def _monitor(wf: WorkflowDesc, value: Any, label: str, plot: tuple[int, int] = (768, 384)) -> Any:
@@ -75,7 +75,7 @@ def _wan21_sample_and_save(wf: WorkflowDesc, models: tuple[Any, Any, Any, Any], 
     offload = _offload(wf, sampled.out(), keep=vae.out())
     frames = wf.add(
         "VRAMFit_TemporalChunkVideoDecode", samples=offload.out(), vae=vae.out(),
-        frames_per_chunk=0, tile_size=0, budget_mb=0, unload_others=True,
+        frames_per_chunk=0, tile_size=0, budget_mb=0, unload_others=True, allow_approximate=False,
     )  # fmt: skip
     monitor = _monitor(wf, frames.out(), "after decode")
     video = wf.add("CreateVideo", images=monitor.out(), fps=16.0)
@@ -337,7 +337,7 @@ def demo_cpu() -> WorkflowDesc:
     offload = _offload(wf, before.out(), keep=vae.out())
     images = wf.add(
         "VRAMFit_TiledVAEDecode", samples=offload.out(), vae=vae.out(),
-        tile_size=0, halo=-1, budget_mb=DEMO_BUDGET_MB, unload_others=True,
+        tile_size=0, halo=-1, budget_mb=DEMO_BUDGET_MB, unload_others=True, allow_approximate=False,
     )  # fmt: skip
     after = _monitor(wf, images.out(), "after decode", plot=(512, 256))
     wf.add("SaveImage", images=after.out(0), filename_prefix="vramfit_demo")
@@ -368,7 +368,7 @@ def image_cpu() -> WorkflowDesc:
     offload = _offload(wf, before.out(), keep=loader.out(2))
     images = wf.add(
         "VRAMFit_TiledVAEDecode", samples=offload.out(), vae=loader.out(2),
-        tile_size=64, halo=-1, budget_mb=0, unload_others=True,
+        tile_size=64, halo=-1, budget_mb=0, unload_others=True, allow_approximate=False,
     )  # fmt: skip
     after = wf.add("VRAMFit_VRAMMonitor", value=images.out(), label="after decode", plot_width=512, plot_height=256)
     wf.add("SaveImage", images=after.out(0), filename_prefix="vramfit_image_cpu")
@@ -396,7 +396,7 @@ def video_cpu() -> WorkflowDesc:
     offload = _offload(wf, latent.out(), keep=vae.out())
     frames = wf.add(
         "VRAMFit_TemporalChunkVideoDecode", samples=offload.out(), vae=vae.out(),
-        frames_per_chunk=1, tile_size=0, budget_mb=0, unload_others=True,
+        frames_per_chunk=1, tile_size=0, budget_mb=0, unload_others=True, allow_approximate=False,
     )  # fmt: skip
     monitor = wf.add("VRAMFit_VRAMMonitor", value=frames.out(), label="after decode", plot_width=512, plot_height=256)
     video = wf.add("CreateVideo", images=monitor.out(), fps=16.0)

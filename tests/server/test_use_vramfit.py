@@ -52,8 +52,11 @@ def test_mapping_node_specs_are_the_hosts(object_info, node_type):
     sockets = [(n, required[n][0]) for n in order if required[n][0] not in ("INT", "BOOLEAN", "FLOAT", "STRING")]
     assert [list(s) for s in sockets] == spec["inputs"]
     widgets = [{"name": n, **_widget_spec(required[n])} for n in order if required[n][0] in ("INT", "BOOLEAN")]
+    optional = info["input"].get("optional") or {}  # after the required ones (allow_approximate): widgets only
+    opt_order = info.get("input_order", {}).get("optional") or list(optional)
+    assert all(optional[n][0] in ("INT", "BOOLEAN") for n in opt_order), optional
+    widgets += [{"name": n, **_widget_spec(optional[n])} for n in opt_order]
     assert widgets == spec["widgets"]
-    assert not (info["input"].get("optional") or {})
     assert [list(o) for o in zip(info["output_name"], info["output"], strict=True)] == spec["outputs"]
 
 

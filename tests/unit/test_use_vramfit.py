@@ -88,7 +88,7 @@ def test_tiled_core_nodes_map_tile_sizes_and_keep_core_only_widgets_for_the_way_
     new_dec = next(n for n in out.graph["nodes"] if n["id"] == dec["id"])
     new_enc = next(n for n in out.graph["nodes"] if n["id"] == enc["id"])
     assert new_dec["type"] == "VRAMFit_TiledVAEDecode"
-    assert new_dec["widgets_values"] == [256, -1, 0, True]  # a chosen tile side stays
+    assert new_dec["widgets_values"] == [256, -1, 0, True, False]  # a chosen tile side stays
     assert (new_dec["title"], new_dec["color"], new_dec["pos"]) == ("my decode", "#123", dec["pos"])
     assert new_enc["widgets_values"] == [0, 0, True]  # core's default tile (512) -> auto
     kept = {s.node: s.kept for s in out.swaps}
@@ -116,7 +116,7 @@ def test_video_graphs_take_the_video_nodes_and_temporal_size_becomes_latent_fram
     dec = _by_type(core, "VAEDecode")
     dec.update(type="VAEDecodeTiled", widgets_values=[512, 64, 32, 8])
     out = u.swap(core, mapping=M).graph
-    assert _by_type(out, "VRAMFit_TemporalChunkVideoDecode")["widgets_values"] == [8, 0, 0, True]
+    assert _by_type(out, "VRAMFit_TemporalChunkVideoDecode")["widgets_values"] == [8, 0, 0, True, False]
     assert "VRAMFit_TemporalChunkVideoEncode" in _types(out)
     # the same decode in an image graph takes the image node
     image = _core_ui("VRAM Fit 2 - Image decode (CPU).json")
@@ -173,7 +173,7 @@ def test_frontend_saved_ui_nodes_widget_inputs_registry_fields_and_subgraphs():
     assert len(out.swaps) == 2
     new = _by_type(out.graph, "VRAMFit_TiledVAEDecode")
     assert "cnr_id" not in new["properties"]
-    assert new["size"] == [225, 30 + 22 * 2 + 26 * 4] and new["properties"][M.stash]["size"] == [225, 46]
+    assert new["size"] == [225, 30 + 22 * 2 + 26 * 5] and new["properties"][M.stash]["size"] == [225, 46]
     assert [o["name"] for o in new["outputs"]] == ["IMAGE", "report"]
     assert out.graph["definitions"]["subgraphs"][0]["nodes"][0]["type"] == "VRAMFit_TiledVAEDecode"
     assert u.swap(out.graph, revert=True, mapping=M).graph == core
