@@ -445,8 +445,12 @@ def test_specs_are_consistent():
         b, *spatial = spec.example_latent[:1] + spec.example_latent[2:]
         expected = [s * spec.spatial_ratio for s in spatial[-2:]]
         if spec.latent_dim == 3:
-            expected = [spatial[0] * spec.temporal_ratio - (spec.temporal_ratio - 1), *expected]
-        assert spec.example_output == (b, *expected, 3)
+            # the causal video VAEs give 1 + r (T - 1) frames; Hunyuan Image 2.1's refiner (zero-padded, not causal)
+            # r T (a 1-frame latent: the host keeps the last of its r frames)
+            refiner = (spec.full or kind) == "hunyuan_image_refiner"
+            frames = spatial[0] * spec.temporal_ratio - (0 if refiner else spec.temporal_ratio - 1)
+            expected = [frames, *expected]
+        assert spec.example_output == (b, *expected, 3), kind
     assert COMFY_KINDS == tuple(k for k in KINDS if k != "dcae_sana") and "cogvideox" in COMFY_KINDS
     assert FIXTURES["kl_f8"].dtype == torch.float16
     assert FIXTURES["mochi"].dtype == FIXTURES["cogvideox"].dtype == torch.bfloat16
