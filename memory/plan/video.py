@@ -200,16 +200,10 @@ def lower_bound(job: VideoJob, lay: WanLayout, cd: Chunking) -> int:
     b, c, t, h, w = (int(v) for v in job.z.shape)
     item = torch.empty((), dtype=job.dtype).element_size()
     t_meta = _t_meta(t, cd.k)
-    if cd.tile is None:
-        first, eh, ew = 0, h, w
-    else:
-        si = lay.split_info(cd.split)
-        first = si.first_slot
-        eh = max(e1 - e0 for _, _, e0, e1 in spans(h, cd.tile[0], si.halo))
-        ew = max(e1 - e0 for _, _, e0, e1 in spans(w, cd.tile[1], si.halo))
+    first = 0 if cd.tile is None else lay.split_info(cd.split).first_slot
     frames = min(2, t_meta)
-    cache = sum(s.channels * frames * eh * s.scale * ew * s.scale for s in lay.slots
-                if s.index >= first and s.kind == "conv")
+    cache = _ext_area(lay, h, w, cd) * sum(s.channels * frames * s.scale**2 for s in lay.slots
+                                           if s.index >= first and s.kind == "conv")
     store = 0 if cd.store != "device" else lay.store_bytes(h, w, t, b, item, cd.split)
     return int(b * c * t_meta * h * w * item + cache * b * item + store)
 
