@@ -30,6 +30,11 @@ Default safety reserve (``default_reserve``):
 
 Multiplicative untracked overhead (e.g. oneDNN scratch on CPU) belongs to the cost model
 (``CostModel.overhead``), not to this constant.
+
+Host memory (``host_room``): on an accelerator a plan may keep its store (whole-frame activations) in host
+memory to leave room on the device. That store takes RAM the offloaded models, the output and the rest of the
+process share, so a plan uses it only when it fits :data:`HOST_STORE_SHARE` of the RAM available once the
+offload is done, less the output buffer when the output lives in host memory.
 """
 
 from __future__ import annotations
@@ -106,6 +111,23 @@ class Budget:
 
     def __str__(self) -> str:
         return self.describe()
+
+
+HOST_STORE_SHARE = 0.75
+"""Part of the available host RAM a store in host memory may take (the rest: the OS, page cache, other programs)."""
+
+
+def host_room(ram_available: int | None, held: int = 0) -> int | None:
+    """Bytes a store in host memory may take: :data:`HOST_STORE_SHARE` of ``ram_available`` less ``held`` (what
+    the decode keeps there besides, e.g. its output buffer); None when the RAM is not known (unbounded)."""
+    if ram_available is None:
+        return None
+    return max(0, int(ram_available * HOST_STORE_SHARE) - int(held))
+
+
+def ram_available() -> int | None:
+    """The host's available RAM now (``psutil.virtual_memory().available``; None without psutil)."""
+    return _psutil_available()
 
 
 def _psutil_available() -> int | None:

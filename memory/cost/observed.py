@@ -18,6 +18,7 @@ peak inflated by other work in the process, or by the host's own hidden fallback
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,6 +66,10 @@ class ObservedStore(Store[float]):
             return found
         path, *_, device = key.split("/")
         return CUDA_PRIORS.get(path, 1.0) if device == "cuda" else 1.0
+
+    def ratios(self, family: str, dtype: torch.dtype | str, device: torch.device | str) -> Callable[[str], float]:
+        """``ratio(path)`` for one decode's family, dtype and device (what the planners take)."""
+        return lambda path: self.ratio(observed_key(path, family, dtype, device))
 
     def note(self, key: str, measured: int | None, predicted: int, method: str) -> float | None:
         """Keep ``measured / predicted`` when it is larger than the ratio held (and than :data:`SLACK`), for a

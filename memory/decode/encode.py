@@ -33,7 +33,7 @@ from ..tiles import spans
 from ..vae.encode_split import encode_split, prefix_ratio
 from ..vae.families import identify, model_name
 from ..vae.kl_layout import kl_layout
-from .env import DecodeEnv, load_weights, measured, prepare
+from .env import DecodeEnv, host_room_for, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
 from .self_check import ENCODE_METHODS, CheckStore, Verdict, checked, code_fingerprint
 
@@ -191,7 +191,8 @@ def _run(
         except ooms as e:
             if getattr(e, "_vramfit_from_stop", False) or getattr(e, "_vramfit_tail", False):
                 raise  # a cancel; an OOM after the tiles, which no smaller plan avoids
-            nxt = smaller(job, p) if len(oom_events) < MAX_REPLANS else None
+            nxt = (smaller(job, p, env.peaks, lambda b: env.attention(model, b)) if len(oom_events) < MAX_REPLANS
+                   else None)
             if nxt is None:
                 raise
             oom_events.append(
@@ -270,8 +271,7 @@ def encode_image(
             job = dataclasses.replace(job, exact_reason=f"the exact tiled walker's {verdict.describe()}")
     job = dataclasses.replace(job, verdict=verdict)
 
-    def ratio(path: str) -> float:
-        return env.observed.ratio(observed_key(path, job.family, job.dtype, job.device))
+    ratio = env.observed.ratios(job.family, job.dtype, job.device)
 
     model = job.vae.first_stage_model
 
@@ -283,6 +283,7 @@ def encode_image(
         unload_others,
     )
     budget = prep.budget
+    job = dataclasses.replace(job, host_room=host_room_for(env, job.device, job.out_device, 0))
     try:
         p = plan(job, int(budget.available), env.peaks, ratio, attention)
     except ImpossibleBudgetError as e:

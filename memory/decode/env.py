@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..budget import Budget, compute_budget
+from ..budget import Budget, compute_budget, host_room, ram_available
 from ..cost.exact import ExactCostStore
 from ..cost.observed import ObservedStore
 from ..cost.phases import CostModelStore
@@ -20,7 +20,8 @@ from ..oom import default_oom_exceptions
 from ..plan.video import PeakStore
 from .self_check import CheckStore, memory_store
 
-__all__ = ["DecodeEnv", "Measured", "Prepared", "default_budget", "load_weights", "measured", "prepare"]
+__all__ = ["DecodeEnv", "Measured", "Prepared", "default_budget", "host_room_for", "load_weights", "measured",
+           "prepare"]
 
 ProgressFn = Callable[[int, int], None]
 
@@ -70,6 +71,9 @@ class DecodeEnv:
     phase: Callable[[str], None] | None = None
     """Shows what a decode is doing besides decoding (first use: checking, calibrating) on the node; the
     nodes pass ComfyUI's progress text."""
+    host_ram: Callable[[], int | None] = ram_available
+    """The host's available RAM now (None: unknown), read after the offload: a store in host memory must fit it
+    (:func:`..budget.host_room`); tests pass a small figure."""
     measure_cpu_tensors: bool = True
     """On CPU, count live tensor bytes with ``PeakTracker`` (dispatch mode, a Python hook on every op: the
     figure the budget bounds); False: the process RSS high-water mark (cheaper, not comparable with it)."""
@@ -80,6 +84,15 @@ class Prepared:
     budget: Budget
     offload: str
     """The offload row of the report."""
+
+
+def host_room_for(env: DecodeEnv, device: torch.device, out_device: torch.device, out_bytes: int) -> int | None:
+    """Bytes a store in host memory may take in a decode on ``device`` whose output of ``out_bytes`` lives on
+    ``out_device`` (:func:`..budget.host_room`, read now: call it after the offload). None on the CPU (no store
+    there) or when the RAM is not known."""
+    if device.type == "cpu":
+        return None
+    return host_room(env.host_ram(), out_bytes if out_device.type == "cpu" else 0)
 
 
 def prepare(vae: Any, env: DecodeEnv, need: Callable[[], int | None], budget_mb: float,

@@ -69,7 +69,7 @@ from ..report import (
 )
 from ..vae.families import batch_coupling_hint
 from ..vae.split_layout import split_layout
-from .env import DecodeEnv, load_weights, measured, prepare
+from .env import DecodeEnv, host_room_for, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
 from .floor import (
     approximate_text,
@@ -462,14 +462,15 @@ def decode_image(
     job, verdict = _self_check(job, env, first)
     full = full_cost_model(job, env, lambda: load_weights(job.vae, env, 0), first)
 
-    def ratio(path: str) -> float:
-        return env.observed.ratio(observed_key(path, job.subject.key_name, job.dtype, job.device))
+    ratio = env.observed.ratios(job.subject.key_name, job.dtype, job.device)
 
     # Offload upstream models for the fastest plan's need (what ComfyUI's own decode would need).
     prep = prepare(job.vae, env, lambda: int(ideal_bytes(job, full) * ratio("untiled")), budget_mb,
                    unload_others)
     budget = prep.budget
     avail = int(budget.available)
+    job = dataclasses.replace(job, host_room=host_room_for(env, job.device, job.out_device, int(job.z.shape[0]) *
+                                                           job.out_hw[0] * job.out_hw[1] * 3 * 4))
     models = image_models(job, env, full, avail, first)
     p = _plan(job, avail, models, ratio, budget)
     batch_verdict = None

@@ -27,7 +27,7 @@ from ..report import (
     peak_verdict,
     summary_line,
 )
-from .env import DecodeEnv, load_weights, measured, prepare
+from .env import DecodeEnv, host_room_for, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
 from .self_check import Verdict
 from .video_out import VideoDecodeResult, host_decode, post_process
@@ -71,8 +71,10 @@ def decode_own(job: VideoJob, env: DecodeEnv, ex: OwnExecutor, *, budget_mb: flo
     prep = prepare(vae, env, lambda: ex.plan(job, 1 << 62, env.peaks, "", True).planned or None, budget_mb,
                    unload_others)
     budget = prep.budget
+    frames, oh, ow = ex.geometry(job)
     verdict = ex.check(job, env, lambda: load_weights(vae, env, 0), first)
-    job = dataclasses.replace(job, verdict=verdict)
+    job = dataclasses.replace(job, verdict=verdict,
+                              host_room=host_room_for(env, job.device, job.out_device, b * frames * oh * ow * 3 * 4))
     r = max(1.0, env.observed.ratio(key))
     p = ex.plan(job, int(budget.available / r), env.peaks, verdict.describe(), verdict.ok)
     p.ratio = r
@@ -83,7 +85,6 @@ def decode_own(job: VideoJob, env: DecodeEnv, ex: OwnExecutor, *, budget_mb: flo
     plan_seconds = time.perf_counter() - t0
     load_weights(vae, env, p.planned)
 
-    frames, oh, ow = ex.geometry(job)
     buf = torch.empty((b * frames, oh, ow, 3), dtype=torch.float32, device=job.out_device)
     view = buf.view(b, frames, oh, ow, 3).permute(0, 4, 1, 2, 3)
     bar = env.progress_bar(max(1, p.units * b)) if env.progress_bar is not None else None

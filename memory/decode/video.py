@@ -46,7 +46,7 @@ from ..vae.carry_layout import blend_refusal, carry_layout
 from ..vae.families import identify, model_name
 from ..vae.seedvr2_layout import seedvr2_of
 from ..vae.wan_layout import cache_protocol, is_wan_vae, wan_layout
-from .env import DecodeEnv, load_weights, measured, prepare
+from .env import DecodeEnv, host_room_for, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
 from .floor import floor_choice, host_oom_error, seeded
 from .self_check import FIDELITY_FLOOR_DB, CheckStore, Verdict, checked, code_fingerprint
@@ -246,8 +246,7 @@ def decode_video(
 
     t0 = time.perf_counter() if t_start is None else t_start  # planning time, offload included
     first = FirstUse(env.phase)
-    def ratio(path: str) -> float:
-        return env.observed.ratio(observed_key(path, job.family, job.dtype, job.device))
+    ratio = env.observed.ratios(job.family, job.dtype, job.device)
 
     # Offload for the fastest plan's peak (sized once, kept for the plan below); 0: not predicted.
     prep = prepare(vae, env, lambda: plan(job, 1 << 62, env.peaks, ratio).planned or None, budget_mb,
@@ -256,6 +255,8 @@ def decode_video(
 
     stats: dict = {}
     frames, r = output_geometry(job)
+    job = dataclasses.replace(job, host_room=host_room_for(env, job.device, job.out_device,
+                                                           b * frames * h * r * w * r * 3 * 4))
     if job.wan:
         verdict = check_chunked(job, env.checks, lambda: load_weights(vae, env, 0), first)
         job = dataclasses.replace(job, verdict=verdict)

@@ -153,6 +153,8 @@ class MetaSizer:
 
     ``modules``: models whose weights the block uses (swapped, for this thread only, for fake tensors of
     ``dtype`` for floating-point weights; other dtypes kept). ``device``: the device the fake tensors claim.
+    ``track_host``: also count the fake tensors the block puts in host memory (``cpu``, a store in host memory)
+    when ``device`` is another: their peak in ``host_peak_bytes`` (a second dispatch mode; 0 otherwise).
     """
 
     method = "meta"
@@ -162,14 +164,18 @@ class MetaSizer:
         modules: Sequence[torch.nn.Module] = (),
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
+        track_host: bool = False,
     ) -> None:
         self.modules = list(modules)
+        self.track_host = track_host
         self.dtype = dtype
         self.device = torch.device(device)
         self.peak_bytes = 0
         self.end_bytes = 0
+        self.host_peak_bytes = 0
         self._stack: contextlib.ExitStack | None = None
         self._tracker: PeakTracker | None = None
+        self._host: PeakTracker | None = None
 
     def __enter__(self) -> MetaSizer:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -187,6 +193,8 @@ class MetaSizer:
             stack.enter_context(_swapped_tensors(self.modules, fake_like))
             # The fake weights exist before the tracker starts: they are not part of the peak.
             self._tracker = stack.enter_context(PeakTracker(self.device, method="dispatch"))
+            if self.track_host and self.device.type != "cpu":
+                self._host = stack.enter_context(PeakTracker("cpu", method="dispatch"))
         except BaseException:
             stack.close()
             raise
@@ -203,7 +211,9 @@ class MetaSizer:
         self._stack.__exit__(*exc)
         self.peak_bytes = self._tracker.peak_bytes
         self.end_bytes = self._tracker.end_bytes
+        self.host_peak_bytes = self._host.peak_bytes if self._host is not None else 0
         self._stack = None
+        self._host = None
 
 
 def meta_sizer_factory(

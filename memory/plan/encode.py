@@ -97,6 +97,8 @@ class EncodeJob:
     """Image px per latent px of a split job (0: the KL layout's)."""
     prefix_ratio: int = 0
     """Image px per px of the split's prefix output: the tiles' unit (the latent ratio but for DC-AE)."""
+    host_room: int | None = None
+    """Bytes a store in host memory may take (:func:`..budget.host_room`, set after the offload; None: unbounded)."""
 
     @property
     def video(self) -> bool:
@@ -163,25 +165,42 @@ def encode_peak(job: EncodeJob, cfg: ExactEncode | None, peaks: PeakStore, attn:
     """Meta-sized peak bytes of one item's encode, its pixels on the device included: the encoder's own
     ``first_stage_model.encode`` (``cfg`` None) or the exact walker with ``cfg``, the mid block's attention
     sliced to ``attn`` bytes (``attention``); kept in ``peaks``."""
+    return _encode_sizes(job, cfg, peaks, attn, attention, False)[0]
+
+
+def encode_host_bytes(job: EncodeJob, cfg: ExactEncode, peaks: PeakStore, attn: int,
+                      attention: AttentionFn | None = None) -> int:
+    """Meta-sized peak bytes one item's store in host memory holds (``cfg.store == "host"`` on an accelerator; else
+    0); a video sized on fewer frames (:func:`_sizing_shape`) scaled to its own in proportion (kept in ``peaks``)."""
+    if cfg.store != "host" or job.device.type == "cpu":
+        return 0
+    ram = _encode_sizes(job, cfg, peaks, attn, attention, True)[1]
+    shape, _ = _sizing_shape(job, cfg)
+    return ram * int(job.x.shape[2]) // int(shape[2]) if job.video else ram
+
+
+def _encode_sizes(job: EncodeJob, cfg: ExactEncode | None, peaks: PeakStore, attn: int,
+                  attention: AttentionFn | None, host: bool) -> tuple[int, int]:
     key = _key(job, f"{'untiled' if cfg is None else f't{cfg.tile}-{cfg.store}'}/attn{attn >> 20}")
-    found = peaks.get(key)
-    if found is not None:
-        return found
+    found, ram = peaks.get(key), peaks.get(f"{key}/host-ram") if host else 0
+    if found is not None and ram is not None:
+        return found, ram
     model = job.vae.first_stage_model
-    host = torch.device("cpu")
     bound = attention(attn) if attention is not None else contextlib.nullcontext()
     shape, extra = _sizing_shape(job, cfg)
-    with torch.inference_mode(), bound, MetaSizer([model], job.dtype, job.device) as sizer:
+    with torch.inference_mode(), bound, MetaSizer([model], job.dtype, job.device, track_host=host) as sizer:
         x = torch.empty(shape, dtype=job.dtype, device=job.device)
         if cfg is None:
             out = model.encode(x)
         else:
-            store = job.device if cfg.store == "device" else host
+            store = job.device if cfg.store == "device" else torch.device("cpu")
             out = job.run_tiles(x, cfg.tile, compute_device=job.device, store_device=store, out_device=job.device)
         del out, x
-    peak = int(sizer.peak_bytes) + extra
+    peak, ram = int(sizer.peak_bytes) + extra, int(sizer.host_peak_bytes)
     peaks.put(key, peak)
-    return peak
+    if host:
+        peaks.put(f"{key}/host-ram", ram)
+    return peak, ram
 
 
 SIZING_FRAMES = 9
@@ -325,6 +344,14 @@ def plan(
         if found is not None:
             return found
 
+    refused: list[int] = []
+
+    def describe(cfg: ExactEncode) -> str:
+        if not refused or cfg.store == "host":
+            return cfg.describe(job.hw)
+        return (f"{cfg.describe(job.hw)} (store in host memory not used: it needs {fmt_bytes(max(refused))}, the "
+                f"host's RAM has room for {fmt_bytes(job.host_room or 0)})")
+
     def exact(b: int) -> Plan:
         sized = []
         attn = attention_bytes(b)
@@ -335,16 +362,21 @@ def plan(
                 n = math.prod(cfg.grid(job.hw))
                 if seen and seen[-1] == n and not job.tile_size:
                     continue  # the same number of (balanced) tiles as the last one: no smaller peak
+                if job.host_room is not None and cfg.store == "host":
+                    ram = encode_host_bytes(job, cfg, peaks, attn, attention)
+                    if ram > job.host_room:  # the host's RAM cannot hold this store
+                        refused.append(ram)
+                        continue
                 need = extra + encode_peak(job, cfg, peaks, attn, attention)
                 sized.append((need, cfg))
                 seen.append(n)
                 if need <= b:
-                    return Plan("exact", cfg, cfg.describe(job.hw), need, stats={"attention": attn})
+                    return Plan("exact", cfg, describe(cfg), need, stats={"attention": attn})
         finally:
             peaks.flush()
         need, cfg = min(sized, key=lambda e: e[0])
         if job.tile_size:
-            return Plan("exact", cfg, cfg.describe(job.hw), need, over_budget=True, stats={"attention": attn})
+            return Plan("exact", cfg, describe(cfg), need, over_budget=True, stats={"attention": attn})
         raise ImpossibleBudgetError(
             f"no plan fits the budget of {fmt_bytes(b)}: the smallest ({cfg.describe(job.hw)}) needs "
             f"{fmt_bytes(need)}; raise budget_mb or free memory",
@@ -355,14 +387,19 @@ def plan(
     return scaled(exact, budget, r("encode-exact"))
 
 
-def smaller(job: EncodeJob, p: Plan) -> Plan | None:
+def smaller(job: EncodeJob, p: Plan, peaks: PeakStore | None = None,
+            attention: AttentionFn | None = None) -> Plan | None:
     """After an out-of-memory error outside a tile: the exact walker with half the tile (on an accelerator,
-    first the same tile with a host store); None when nothing is smaller."""
+    first the same tile with a host store when the host's RAM holds it: sized with ``peaks`` and ``attention`` as
+    :func:`plan`); None when nothing is smaller."""
     if p.path == "untiled":
         cfg = ExactEncode(max(job.hw), "device")
     elif p.path == "exact":
         cfg = p.config
-        if cfg.store == "device" and job.device.type != "cpu":
+        if cfg.store == "device" and job.device.type != "cpu" and (
+                job.host_room is None or encode_host_bytes(job, ExactEncode(cfg.tile, "host"), peaks or PeakStore(),
+                                                           int(p.stats.get("attention") or 0), attention)
+                <= job.host_room):
             cfg = ExactEncode(cfg.tile, "host")
         elif cfg.tile > job.min_tile:
             half = cfg.tile // 2 // job.tile_step * job.tile_step

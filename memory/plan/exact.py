@@ -80,6 +80,7 @@ def choose_exact(
     extra_bytes: int = 0,
     post_bytes: int = 0,
     host_store: bool = False,
+    host_fits: Callable[[bool, int], bool] | None = None,
     tile: int | None = None,
     good_tile: int = 128,
     min_tile: int = MIN_AUTO_TILE,
@@ -92,7 +93,8 @@ def choose_exact(
     by the caller, so configurations that are never needed are never calibrated). ``max_side``: the
     largest activation side (output px). ``extra_bytes``: allocated on the device for the whole run
     (the output buffer when it lives there); ``post_bytes``: the post-processing peak of one item.
-    ``host_store``: allow the store in host memory (accelerators). ``tile``: a user tile (used as is;
+    ``host_store``: allow the store in host memory (accelerators); ``host_fits(recompute, tile)``: whether that
+    store fits the host's RAM (None: always). ``tile``: a user tile (used as is;
     the configuration is still chosen to fit, and ``fits`` says whether one did). ``allow_whole=False``:
     only tiles smaller than the image (a re-plan after the untiled decode ran out of memory).
 
@@ -104,6 +106,9 @@ def choose_exact(
     budget = int(budget)
     configs = [(False, True), (True, True)] + ([(False, False), (True, False)] if host_store else [])
 
+    def allowed(rec: bool, dev: bool, t: int) -> bool:
+        return dev or host_fits is None or host_fits(rec, t)
+
     def make(rec: bool, dev: bool, t: int) -> ExactChoice:
         return exact_choice(predict(rec, dev, t), t, rec, dev, max_side=max_side, budget=budget, overhead=overhead,
                             extra_bytes=extra_bytes, post_bytes=post_bytes)
@@ -111,7 +116,7 @@ def choose_exact(
     if tile is not None:
         tried = [make(rec, dev, int(tile)) for rec, dev in configs[:1]]
         if not tried[0].fits:
-            tried += [make(rec, dev, int(tile)) for rec, dev in configs[1:]]
+            tried += [make(rec, dev, int(tile)) for rec, dev in configs[1:] if allowed(rec, dev, int(tile))]
         fitting = [c for c in tried if c.fits]
         return fitting[0] if fitting else min(tried, key=lambda c: c.planned)
 
@@ -121,11 +126,15 @@ def choose_exact(
     smallest: list[ExactChoice] = []
 
     def best(rec: bool, dev: bool) -> ExactChoice | None:
+        c = None
         for t in cands:
+            if not allowed(rec, dev, t):
+                continue
             c = make(rec, dev, t)
             if c.fits:
                 return c
-        smallest.append(c)
+        if c is not None:
+            smallest.append(c)
         return None
 
     found = [c for c in [best(*configs[0])] if c is not None]

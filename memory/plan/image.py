@@ -19,6 +19,7 @@ from ..executors import kl_exact as te
 from ..geometry import Geometry, VaeGeometry
 from ..measure.reach import ReachReport, default_halo, traced_reach
 from ..measure.sizing import MetaSizer
+from ..report import fmt_bytes
 from ..vae.families import batch_coupling_hint, identify, model_name, structure_digest
 from ..vae.kl_layout import kl_layout, unsupported_reason
 from ..vae.split_layout import split_layout
@@ -70,6 +71,8 @@ class ImageJob:
     """Not empty: the decoder's output for one item depends on the other items of its batch (SVD's temporal
     decoder), or that could not be ruled out; why (the batch self-check's verdict). Only the whole batch in one
     pass is then exact (:func:`plan`)."""
+    host_room: int | None = None
+    """Bytes a store in host memory may take (:func:`..budget.host_room`, set after the offload; None: unbounded)."""
 
 
 def spatial_ratio(vae: Any, channels: int) -> int:
@@ -213,6 +216,8 @@ class ExactPlanner:
         self.calibrated: list[str] = []
         self.first_use = first_use
         """A :class:`..decode.first_use.FirstUse` that shows and times calibrations (None: silent)."""
+        self.host_refused = 0
+        """The largest host-memory store refused for the host's RAM (bytes; 0: none), for the plan row."""
 
     def cost_model(self, recompute: bool, on_device: bool) -> dp.ExactCostModel:
         job = self.job
@@ -254,6 +259,25 @@ class ExactPlanner:
         return dataclasses.replace(peak, tracked=peak.tracked * b, store=peak.store * b, work=peak.work * b,
                                    mid=peak.mid * b)
 
+    def host_fits(self, recompute: bool, tile: int) -> bool:
+        """Whether the store in host memory at ``tile`` fits the job's :attr:`ImageJob.host_room` (the store
+        holds what the device store would: its predicted bytes)."""
+        room = self.job.host_room
+        if room is None:
+            return True
+        need = self.predict(recompute, True, tile).store
+        if need <= room:
+            return True
+        self.host_refused = max(self.host_refused, need)
+        return False
+
+    def host_note(self, c: pe.ExactChoice) -> str:
+        """The plan row's words when a store in host memory was refused for the host's RAM."""
+        if not self.host_refused or not c.store_on_device:
+            return ""
+        return (f" (store in host memory not used: it needs {fmt_bytes(self.host_refused)}, the host's RAM has "
+                f"room for {fmt_bytes(self.job.host_room or 0)})")
+
     def _terms(self) -> dict[str, Any]:
         """What every configuration's figures add to its predicted peak (:func:`.exact.exact_choice`)."""
         job = self.job
@@ -265,7 +289,7 @@ class ExactPlanner:
         """The fastest configuration that fits (:func:`.exact.choose_exact`)."""
         job = self.job
         return pe.choose_exact(self.predict, budget=budget, allow_whole=not exclude_whole,
-                               host_store=job.device.type != "cpu", tile=tile, what=f"latent {tuple(job.z.shape)}",
+                               host_store=job.device.type != "cpu", host_fits=self.host_fits, tile=tile, what=f"latent {tuple(job.z.shape)}",
                                **self._terms())
 
     def choice(self, recompute: bool, on_device: bool, tile: int, budget: int) -> pe.ExactChoice:
@@ -274,14 +298,15 @@ class ExactPlanner:
                                **self._terms())
 
 
-def _exact(c: pe.ExactChoice) -> Plan:
-    return Plan("exact", c, c.describe(), c.planned, c.tracked, over_budget=not c.fits, units=c.peak.steps)
+def _exact(c: pe.ExactChoice, planner: ExactPlanner) -> Plan:
+    return Plan("exact", c, c.describe() + planner.host_note(c), c.planned, c.tracked, over_budget=not c.fits,
+                units=c.peak.steps)
 
 
 def plan_exact(planner: ExactPlanner, budget: int, tile: int | None, exclude_whole: bool = False) -> Plan:
     """The exact executor's fastest configuration that fits (:func:`.exact.choose_exact`)."""
     c = planner.choose(budget, tile, exclude_whole)
-    return _exact(c)
+    return _exact(c, planner)
 
 
 def plan_generic(job: ImageJob, full: CostModel, budget: int, tile: int | None, halo: int,
@@ -429,10 +454,10 @@ def _fallback(job: ImageJob, p: Plan, models: ImageModels, budget: int) -> Plan:
         c = p.config
         if not c.recompute:
             nxt = (True, c.store_on_device, c.tile)
-        elif c.store_on_device and job.device.type != "cpu":
+        elif c.store_on_device and job.device.type != "cpu" and planner.host_fits(False, c.tile):
             nxt = (False, False, c.tile)
         else:
             nxt = (c.recompute, c.store_on_device, max(te.MIN_TILE, c.tile // 2))
-        return _exact(planner.choice(*nxt, budget))
+        return _exact(planner.choice(*nxt, budget), planner)
     g = p.config
     return plan_generic(job, full, budget // 2, max(8 * job.ratio, g.tile_h * job.ratio // 2), p.halo, p.feather)

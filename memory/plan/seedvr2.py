@@ -16,13 +16,14 @@ import logging
 import torch
 
 from ..executors import seedvr2 as sx
+from ..report import fmt_bytes
 from ..vae.seedvr2_layout import seedvr2_layout
 from .types import Plan
-from .video import PeakStore, VideoJob, meta_peak, model_key, out_bytes
+from .video import PeakStore, VideoJob, meta_sizes, model_key, out_bytes
 
 log = logging.getLogger("vramfit.memory.plan.seedvr2")
 
-__all__ = ["SIZED_FRAMES", "TILES", "SeedVR2Config", "candidates", "plan_seedvr2", "seedvr2_peak"]
+__all__ = ["SIZED_FRAMES", "TILES", "SeedVR2Config", "candidates", "plan_seedvr2", "seedvr2_host_bytes", "seedvr2_peak"]
 
 TILES = (None, 512, 256, 128, 64, 32)
 """Tile sides (px at every activation's own resolution; None: whole frames) in the order the plan tries them."""
@@ -71,6 +72,16 @@ def candidates(job: VideoJob) -> list[SeedVR2Config]:
 def seedvr2_peak(job: VideoJob, cfg: SeedVR2Config, peaks: PeakStore) -> int:
     """Meta-sized peak bytes of the executor on one batch item of :data:`SIZED_FRAMES` latent frames (fewer when the
     latent has fewer) without its output (persisted in ``peaks``)."""
+    return _sizes(job, cfg, peaks)[0]
+
+
+def seedvr2_host_bytes(job: VideoJob, cfg: SeedVR2Config, peaks: PeakStore) -> int:
+    """Meta-sized peak bytes a store in host memory holds (whole-frame activations and carried frames of one
+    batch item; the later time slices repeat the sized one), 0 for a store on the device (persisted)."""
+    return _sizes(job, cfg, peaks)[1] if cfg.store == "host" and job.device.type != "cpu" else 0
+
+
+def _sizes(job: VideoJob, cfg: SeedVR2Config, peaks: PeakStore) -> tuple[int, int]:
     model = job.vae.first_stage_model
     _, c, t, h, w = (int(v) for v in job.z.shape)
     tm = min(t, SIZED_FRAMES)
@@ -79,17 +90,25 @@ def seedvr2_peak(job: VideoJob, cfg: SeedVR2Config, peaks: PeakStore) -> int:
     lay = seedvr2_layout(model)
     frames = lay.frames(tm)
     store = "cpu" if cfg.store == "host" else job.device
+    host = cfg.store == "host" and job.device.type != "cpu"
+    got: list[tuple[int, int]] = []
 
     def run() -> None:
         out = torch.empty((1, 3, frames, h * 8, w * 8), dtype=torch.float32, device=job.out_device)
         sx.decode_seedvr2(model, torch.empty((1, c, tm, h, w), dtype=job.dtype, device=job.device), cfg.tile,
                           out=out, compute_device=job.device, dtype=job.dtype, store_device=store, sizing=True)
 
-    def sized() -> int:
-        peak = meta_peak(job, run)
-        return max(0, peak - (frames * 3 * h * w * 64 * 4 if job.out_device.type == job.device.type else 0))
+    def sized() -> tuple[int, int]:  # one sizing gives both figures
+        if not got:
+            peak, ram = meta_sizes(job, run, track_host=host)
+            out_b = frames * 3 * h * w * 64 * 4
+            got.append((max(0, peak - (out_b if job.out_device.type == job.device.type else 0)),
+                        max(0, ram - (out_b if job.out_device.type == "cpu" else 0))))
+        return got[0]
 
-    return peaks.get_or_make(key, sized)
+    peak = peaks.get_or_make(key, lambda: sized()[0])
+    ram = peaks.get_or_make(f"{key}/host-ram", lambda: sized()[1]) if host else 0
+    return peak, ram
 
 
 def plan_seedvr2(job: VideoJob, budget: int, peaks: PeakStore, reason: str, exact: bool) -> Plan:
@@ -99,18 +118,28 @@ def plan_seedvr2(job: VideoJob, budget: int, peaks: PeakStore, reason: str, exac
     lay = seedvr2_layout(model)
     b, _, t, h, w = (int(v) for v in job.z.shape)
     buf = out_bytes(job, lay.frames(t), h * 8, w * 8)
-    chosen, planned = None, 0
-    for cfg in candidates(job):
+    chosen, planned, refused = None, 0, 0
+    cands = candidates(job)
+    for cfg in cands:
         try:
             peak = seedvr2_peak(job, cfg, peaks)
+            ram = seedvr2_host_bytes(job, cfg, peaks) if job.host_room is not None else 0
         except Exception as e:  # noqa: BLE001 - an op without a fake kernel: run unpredicted
             log.warning("meta sizing of the SeedVR2 executor failed (%s: %s)", type(e).__name__, e)
             chosen, planned = cfg, 0
             break
+        if job.host_room is not None and ram > job.host_room:  # the host's RAM cannot hold it: its device twin
+            refused = max(refused, ram)
+            twin = dataclasses.replace(cfg, store="device")
+            if twin not in cands:
+                cands.append(twin)
+            continue
         chosen, planned = cfg, peak + buf
         if planned <= budget:
             break
-    assert chosen is not None
+    assert chosen is not None, "no SeedVR2 candidate (a store on the device is always one)"
     units = sx.units(lay, t, h, w, chosen.tile)
-    return Plan("seedvr2", chosen, chosen.describe(), planned, exact=exact, reason=reason,
+    note = (f" (store in host memory not used: it needs {fmt_bytes(refused)}, the host's RAM has room for "
+            f"{fmt_bytes(job.host_room or 0)})" if refused and chosen.store != "host" else "")
+    return Plan("seedvr2", chosen, chosen.describe() + note, planned, exact=exact, reason=reason,
                 over_budget=bool(planned) and planned > budget, units=units)

@@ -64,9 +64,15 @@ class PeakStore(Store[int]):
 def meta_peak(job: VideoJob, run: Callable[[], Any]) -> int:
     """Peak bytes of ``run()`` on fake tensors with the job's model, dtype and device, under
     ``torch.inference_mode`` as ComfyUI runs nodes (what ``run`` returns is dropped at once)."""
-    with torch.inference_mode(), MetaSizer([job.vae.first_stage_model], job.dtype, job.device) as sizer:
+    return meta_sizes(job, run)[0]
+
+
+def meta_sizes(job: VideoJob, run: Callable[[], Any], track_host: bool = False) -> tuple[int, int]:
+    """:func:`meta_peak` and, with ``track_host``, the peak bytes ``run()`` keeps in host memory (0 otherwise)."""
+    with torch.inference_mode(), MetaSizer([job.vae.first_stage_model], job.dtype, job.device,
+                                           track_host=track_host) as sizer:
         run()
-    return int(sizer.peak_bytes)
+    return int(sizer.peak_bytes), int(sizer.host_peak_bytes)
 
 
 def executor_digest() -> str:
@@ -100,6 +106,8 @@ class VideoJob:
     """A causal decoder without a host cache (:mod:`..vae.carry_layout`): exact carried-context chunks."""
     carry_why: str = ""
     """Why there are no carried-context chunks (``carry`` None; "" for Wan), for the report."""
+    host_room: int | None = None
+    """Bytes a store in host memory may take (:func:`..budget.host_room`, set after the offload; None: unbounded)."""
 
     @property
     def wan(self) -> bool:
@@ -346,7 +354,7 @@ def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None, ti
     for tile, grid in _grids(h, w, tile_user) if tiled else [(None, (1, 1))]:
         for split in [lay.default_split] if tile is None else _split_options(lay):
             area = area_factor(h, w, tile, lay.split_info(split).halo)
-            for host in (False,) if tile is None else hosts:
+            for host in (False,) if tile is None else [x for x in hosts if not x or host_store_fits(job, split)]:
                 for k in ks:
                     c = 0.0 if tile is None else c_tiles
                     speed = area * (1 + c / k) * (1 + 1e-3 * k)
@@ -355,6 +363,25 @@ def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None, ti
                         cands.append((speed, rollback, not host, k, Chunking(k, tile, grid, split, rollback, store)))
     cands.sort(key=lambda e: e[:4])
     return [e[4] for e in cands]
+
+
+def host_store_bytes(job: VideoJob, split: int) -> int:
+    """Bytes of the Wan store of the whole clip at ``split`` (what a store in host memory holds)."""
+    b, _, t, h, w = (int(v) for v in job.z.shape)
+    return job.layout.store_bytes(h, w, t, b, torch.empty((), dtype=job.dtype).element_size(), split)
+
+
+def host_store_fits(job: VideoJob, split: int) -> bool:
+    """Whether the store in host memory at ``split`` fits :attr:`VideoJob.host_room` (None: unbounded)."""
+    return job.host_room is None or host_store_bytes(job, split) <= job.host_room
+
+
+def host_store_note(job: VideoJob, cd: Chunking) -> str:
+    """The plan row's words when the store in host memory was left out for the host's RAM (tiles on the device)."""
+    if cd.tile is None or cd.store != "device" or job.device.type == "cpu" or host_store_fits(job, cd.split):
+        return ""
+    return (f" (store in host memory not used: it needs {fmt_bytes(host_store_bytes(job, cd.split))}, the host's "
+            f"RAM has room for {fmt_bytes(job.host_room or 0)})")
 
 
 def _better_twin(p: Plan, size: Callable[[Chunking], Plan], budget: int) -> Plan:
@@ -392,7 +419,7 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
 
     def make(cd: Chunking, dec: int) -> Plan:
         halo = lay.split_info(cd.split).halo
-        return Plan("wan", cd, describe(cd, halo), out_b + max(dec, post), halo=halo)
+        return Plan("wan", cd, describe(cd, halo) + host_store_note(job, cd), out_b + max(dec, post), halo=halo)
 
     found: Plan | None = None
     failed: list[Chunking] = []

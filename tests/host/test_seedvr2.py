@@ -241,6 +241,38 @@ def test_plan_candidates(seedvr2):
     assert user == [((200, 200), "device")]
 
 
+def test_a_store_in_host_memory_only_where_the_hosts_ram_holds_it(seedvr2, monkeypatch):
+    """Planning for an accelerator under a budget that no store on the device meets: the store in host memory when
+    the host's RAM holds it; the store on the device at ever smaller tiles when it does not, the plan row saying
+    why. The sizes are stand-ins (the meta sizing of a host store: test_memory_sizing; a CPU build cannot run the
+    walk on fake CUDA tensors): whole frames 900, each tile size less, a store in host memory 300 less and 50 MB
+    of RAM."""
+    import dataclasses
+
+    from vramfit.memory.decode.video import make_job
+    from vramfit.memory.plan import seedvr2 as ps
+    from vramfit.memory.plan.video import PeakStore
+
+    def sizes(job, cfg, peaks):
+        peak = 900 - (0 if cfg.tile is None else 1000 // cfg.tile[0]) - (300 if cfg.store == "host" else 0)
+        return peak, (50 << 20 if cfg.store == "host" else 0)
+
+    monkeypatch.setattr(ps, "_sizes", sizes)
+    z = torch.zeros(1, 16, 3, 12, 10)
+    job = dataclasses.replace(make_job(seedvr2, z, "cpu"), device=torch.device("cuda"))  # planning only
+    assert ps.seedvr2_host_bytes(job, ps.candidates(job)[-1], PeakStore()) == 50 << 20
+    free = ps.plan_seedvr2(job, 100, PeakStore(), "", True)  # nothing fits: the last candidate, in host memory
+    assert free.config.store == "host" and free.over_budget and "not used" not in free.description
+    roomy = ps.plan_seedvr2(dataclasses.replace(job, host_room=50 << 20), 100, PeakStore(), "", True)
+    assert roomy.config == free.config
+    fits = ps.plan_seedvr2(dataclasses.replace(job, host_room=50 << 20), 600, PeakStore(), "", True)
+    assert fits.config.store == "host" and fits.config.tile is None and not fits.over_budget
+    tight = ps.plan_seedvr2(dataclasses.replace(job, host_room=(50 << 20) - 1), 600, PeakStore(), "", True)
+    assert tight.config.store == "device" and tight.config.tile == (32, 32) and tight.over_budget
+    assert "store in host memory not used: it needs 50.0 MiB, the host's RAM has room for 50.0 MiB" in \
+        tight.description
+
+
 def test_self_check_is_cached_per_structure(seedvr2, case):
     from vramfit.memory.decode.seedvr2 import CHECK_LATENT, check_seedvr2
     from vramfit.memory.decode.self_check import CheckStore

@@ -129,3 +129,38 @@ def test_hunyuan_image_tiles_need_the_downsamples_context(comfy, fixture_vaes, m
         (2 * a, 2 * b) if info.kind == "downsample" and info.halo else real(info, name, a, b, n)))
     diff = (_exact(vae, pixels) - ref["samples"].float()).abs().max().item()
     assert diff > 1e-3, diff
+
+
+def test_a_store_in_host_memory_only_where_the_hosts_ram_holds_it(comfy, fixture_vaes, monkeypatch):
+    """Planning an encode for an accelerator under a budget no store on the device meets: the store in host memory
+    when the host's RAM holds it, else only device stores (none fits: the error), the out-of-memory re-plan
+    likewise; the plan row says why. Sizes are stand-ins (the host store's meta sizing: test_memory_sizing): 900
+    bytes on the device, 300 with the store in host memory, which takes 50 MB of RAM."""
+    import dataclasses
+
+    from vramfit.memory.decode.encode import make_job
+    from vramfit.memory.plan import encode as pen
+    from vramfit.memory.plan.grid import ImpossibleBudgetError
+    from vramfit.memory.plan.types import Plan
+    from vramfit.memory.plan.video import PeakStore
+
+    vae = _vae(comfy, fixture_vaes, "kl_f8")
+    monkeypatch.setattr(pen, "encode_peak", lambda job, cfg, *a, **k: 300 if cfg is not None and cfg.store == "host"
+                        else 900)
+    monkeypatch.setattr(pen, "encode_host_bytes", lambda job, cfg, *a, **k: 50 << 20)
+    x = torch.zeros(1, 3, *PX)
+    job = dataclasses.replace(make_job(vae, x, "cpu"), device=torch.device("cuda"))  # planning only
+    assert job.exact_reason is None
+    free = pen.plan(job, 400, PeakStore())
+    assert free.config.store == "host" and "not used" not in free.description
+    assert pen.plan(dataclasses.replace(job, host_room=50 << 20), 400, PeakStore()).config.store == "host"
+    tight = dataclasses.replace(job, host_room=(50 << 20) - 1)
+    with pytest.raises(ImpossibleBudgetError):
+        pen.plan(tight, 400, PeakStore())
+    forced = pen.plan(dataclasses.replace(tight, tile_size=32), 400, PeakStore())
+    assert forced.config.store == "device" and forced.over_budget
+    assert "store in host memory not used: it needs 50.0 MiB, the host's RAM has room for 50.0 MiB" in \
+        forced.description
+    on_device = Plan("exact", pen.ExactEncode(32, "device"), "", 900)
+    assert pen.smaller(job, on_device, PeakStore()).config.store == "host"
+    assert pen.smaller(tight, on_device, PeakStore()).config == pen.ExactEncode(16, "device")

@@ -521,6 +521,31 @@ def test_least_memory_first_among_equal_speeds_then_the_fitting_twins(case21):
     assert pv._better_twin(size(dataclasses.replace(first, store="host")), size, 13).config.store == "host"
 
 
+def test_a_store_in_host_memory_only_where_the_hosts_ram_holds_it(case21):
+    """On an accelerator the host-store candidates are left out when the clip's store does not fit
+    :attr:`VideoJob.host_room` (kept when it does, or when the RAM is unknown); a tiled plan on the device then
+    says why in its row. Planning only: nothing runs on the device."""
+    import dataclasses
+
+    from vramfit.memory.plan import video as pv
+
+    _, model, _, _ = case21
+    job = dataclasses.replace(_job(model, _z((1, 4, 3, 6, 6))), device=torch.device("cuda"))
+    splits = {c.split for c in pv.candidates(job, 0, None) if c.store == "host"}
+    assert splits
+    need = {s: pv.host_store_bytes(job, s) for s in splits}
+    assert all(n > 0 for n in need.values())
+    for room, kept in [(None, splits), (max(need.values()), splits), (min(need.values()) - 1, set())]:
+        j = dataclasses.replace(job, host_room=room)
+        assert {c.split for c in pv.candidates(j, 0, None) if c.store == "host"} == kept, room
+    small = dataclasses.replace(job, host_room=0)
+    cd = next(c for c in pv.candidates(small, 0, None) if c.tile is not None)
+    assert cd.store == "device"
+    assert pv.host_store_note(small, cd).startswith(" (store in host memory not used: it needs ")
+    assert pv.host_store_note(job, cd) == "" and pv.host_store_note(dataclasses.replace(small, device=torch.device(
+        "cpu")), cd) == ""
+
+
 def test_planner_persists_sized_peaks_and_a_new_key_resizes(case21, tmp_path, monkeypatch):
     """A second plan (a new store read from the file the first wrote) sizes nothing and gives the same plan;
     another executor version (the key) sizes again. The tight budget makes the planner tile."""

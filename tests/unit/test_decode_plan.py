@@ -139,6 +139,27 @@ def test_host_store_only_where_allowed_and_needed():
     assert not c.store_on_device and c.tile == 128
 
 
+def test_host_store_left_out_where_the_hosts_ram_cannot_hold_it():
+    """``host_fits`` refuses the store in host memory: the choice is the device store's (or none), never the host's;
+    the user's tile alike."""
+    predict = _synthetic()
+    budget = 10 * 128**2 + 1  # no device store fits at all
+    asked: list[tuple[bool, int]] = []
+
+    def never(rec: bool, tile: int) -> bool:
+        asked.append((rec, tile))
+        return False
+
+    with pytest.raises(ImpossibleBudgetError):
+        pe.choose_exact(predict, 256, budget, host_store=True, host_fits=never)
+    assert asked  # asked, refused
+    c = pe.choose_exact(predict, 256, budget, host_store=True, host_fits=lambda rec, t: t <= 128)
+    assert not c.store_on_device and c.tile == 128
+    forced = pe.choose_exact(predict, 256, budget, host_store=True, host_fits=never, tile=64)
+    assert forced.store_on_device and not forced.fits
+    assert not pe.choose_exact(predict, 256, budget, host_store=True, tile=64).store_on_device
+
+
 def test_impossible_budget_states_a_minimum_that_works():
     predict = _synthetic()
     with pytest.raises(ImpossibleBudgetError) as err:

@@ -176,6 +176,27 @@ def test_exact_fallback_order(vae, case, device, order):
     assert seen == order and planner.asked == order
 
 
+def test_exact_fallback_skips_a_host_store_the_hosts_ram_cannot_hold(vae, case):
+    """On an accelerator whose host RAM has no room for the store (:attr:`ImageJob.host_room`), the fallback goes
+    from recomputation to half the tile on the device; the plan row says why."""
+
+    class BigStore(StubPlanner):
+        def predict(self, recompute: bool, on_device: bool, tile: int) -> dp.ExactPeak:
+            self.asked.append((recompute, on_device, tile))
+            return dp.ExactPeak(1, 5 << 30, 1, "seg", 0, 1)
+
+    job = idm.make_job(vae, case[0], core=True, out_device="cpu")
+    job = dataclasses.replace(job, device=torch.device("cuda"), host_room=1 << 30)  # planning only
+    planner = BigStore(job)
+    p = _exact_plan(64, False, True)
+    seen = []
+    for _ in range(3):
+        p = pim.fallback(job, p, pim.ImageModels(None, planner), 10**9)
+        seen.append((p.config.recompute, p.config.store_on_device, p.config.tile))
+    assert seen == [(True, True, 64), (True, True, 32), (True, True, 16)]
+    assert "store in host memory not used: it needs 5.00 GiB, the host's RAM has room for 1.00 GiB" in p.description
+
+
 def test_oom_in_the_untiled_pass_falls_back_to_tiles_smaller_than_the_image(vae, case, stores):
     z, ref = case
     passes: list[int] = []

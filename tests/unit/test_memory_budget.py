@@ -70,3 +70,20 @@ def test_weights_to_load() -> None:
 def test_accelerator_without_get_free_memory_needs_one() -> None:
     with pytest.raises(ValueError):
         compute_budget("mps")
+
+
+def test_host_room_is_a_share_of_the_available_ram_less_what_the_decode_keeps_there():
+    """A store in host memory may take ``HOST_STORE_SHARE`` of the RAM available after the offload, less the output
+    kept in host memory; unknown RAM bounds nothing; a decode on the CPU has no host store."""
+    from vramfit.memory.budget import HOST_STORE_SHARE, host_room
+    from vramfit.memory.decode.env import DecodeEnv, host_room_for
+
+    assert host_room(None, 5) is None
+    assert host_room(1000, 100) == int(1000 * HOST_STORE_SHARE) - 100
+    assert host_room(100, 1000) == 0
+    env = DecodeEnv(host_ram=lambda: 4 << 30)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert host_room_for(env, cuda, cpu, 1 << 30) == int((4 << 30) * HOST_STORE_SHARE) - (1 << 30)
+    assert host_room_for(env, cuda, cuda, 1 << 30) == int((4 << 30) * HOST_STORE_SHARE)
+    assert host_room_for(env, cpu, cpu, 1 << 30) is None
+    assert host_room_for(DecodeEnv(host_ram=lambda: None), cuda, cpu, 0) is None

@@ -87,6 +87,26 @@ def test_a_tracker_around_meta_sizing_counts_no_fake_bytes() -> None:
     assert outer.peak_bytes == 0, outer.peak_bytes
 
 
+def test_meta_sizer_counts_a_store_in_host_memory_apart() -> None:
+    """With ``track_host`` on an accelerator the fake tensors put in host memory are counted in
+    ``host_peak_bytes``, apart from the device's peak; nothing is allocated (fake CUDA tensors on any machine)."""
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+    def run() -> None:
+        x = conv(torch.empty(1, 4, 64, 64, device="cuda"))  # 64 KiB on the device
+        kept = x.to("cpu")  # a store of it in host memory
+        y = conv(x)
+        del x, y, kept
+
+    with MetaSizer([conv], torch.float32, "cuda", track_host=True) as s:
+        run()
+    assert s.host_peak_bytes == 4 * 64 * 64 * 4
+    assert s.peak_bytes >= 2 * 4 * 64 * 64 * 4
+    with MetaSizer([conv], torch.float32, "cuda") as s2:
+        run()
+    assert s2.host_peak_bytes == 0 and s2.peak_bytes == s.peak_bytes
+
+
 def test_meta_sizer_huge_shape_and_dtype() -> None:
     vae = toy_vae()
     run32 = decode_run(vae.first_stage_model.decode, 4, torch.float32)
