@@ -448,6 +448,8 @@ def part_scenes(host: Host, rows: Rows, size: str) -> None:
          lambda: host.tiled.decode(dc, {"samples": z}, unload_others=False).images),
         ("Offload Manager -> VAE Decode (ExtraModels' decode)", True, lambda: dc.decode(z)),
         ("Offload Manager -> Tiled VAE Decode", True, lambda: host.tiled.decode(dc, {"samples": z}).images),
+        ("Offload Manager -> Tiled VAE Decode, 1 GB budget (the prefix in tiles at 2048²)", True,
+         lambda: host.tiled.decode(dc, {"samples": z}, budget_mb=1024).images),
     ]
     ref = first_peak = None
     for name, with_offload, fn in variants:

@@ -56,7 +56,7 @@ from ..plan.image import (
     make_job,
     splits_batch,
 )
-from ..plan.split import suffix_reach, tile_px
+from ..plan.split import prefix_tile, suffix_reach, tile_px
 from ..plan.types import Plan
 from ..report import (
     Report,
@@ -125,6 +125,9 @@ def check_exact(job: ImageJob, store: CheckStore, norm_params: te.NormParamsFn |
 CHECK_SPLIT_TILE = 8
 """Suffix tiles of the split path's self-check, in px of the prefix's output, for a prefix at 4x the latent's
 resolution (2x3 tiles for DC-AE); :func:`check_split_tile` scales it to other prefixes."""
+CHECK_PREFIX_TILE = 2
+"""Latent px of the prefix's tiles in the split path's self-check: 2x3 tiles of the check's latent at every level
+(DC-AE's linear attention summed over them)."""
 
 
 def check_split_tile(scale: int) -> int:
@@ -138,12 +141,15 @@ def check_split(job: ImageJob, store: CheckStore, prepare: Callable[[], None] | 
     """Self-check of the split path for this decoder on this host: a tiny random latent
     (:data:`CHECK_LATENT_HW`) through the VAE's own decode (``first_stage_model.decode``; for a VAE that
     overrides ``VAE.decode``, that decode, against ComfyUI's output processing of ours) and through
-    :func:`..executors.split.decode_split` in tiles of :func:`check_split_tile` px with the traced halo."""
+    :func:`..executors.split.decode_split` in tiles of :func:`check_split_tile` px with the traced halo; a prefix
+    that runs in tiles (:attr:`..vae.split_layout.SplitLayout.prefix_units`) also in tiles of
+    :data:`CHECK_PREFIX_TILE` latent px."""
     model = job.vae.first_stage_model
     layout = split_layout(model)
     cls = type(model)
+    tiled_prefix = bool(layout.prefix_units)
     key = (f"split/{layout.family}/{cls.__module__}.{cls.__qualname__}/{code_fingerprint(model)}"
-           f"/{str(job.dtype).removeprefix('torch.')}/{job.device.type}")
+           f"/{str(job.dtype).removeprefix('torch.')}/{job.device.type}" + ("/prefix-tiles" if tiled_prefix else ""))
     z = torch.randn((1, job.channels, *CHECK_LATENT_HW), generator=torch.Generator().manual_seed(0))
     z = z.to(job.device, job.dtype)
     scale, _, reach = suffix_reach(layout, model, job.channels, job.dtype, job.device)
@@ -156,7 +162,13 @@ def check_split(job: ImageJob, store: CheckStore, prepare: Callable[[], None] | 
     def reference() -> torch.Tensor:
         return model.decode(z).float() if job.core else job.vae.decode(z).float()
 
+    def prefix_tiled() -> torch.Tensor:
+        out = decode_split(layout, z, tile, halo, prefix_tile=CHECK_PREFIX_TILE)
+        return out if job.core else _process(out).movedim(1, -1)
+
     configs = [(f"suffix tiles of {tile} px", tiled)]
+    if tiled_prefix:
+        configs.append((f"prefix in tiles of {CHECK_PREFIX_TILE} latent px, suffix tiles of {tile} px", prefix_tiled))
     return checked(key, store, model, reference, configs, job.dtype, prepare, first_use)
 
 
@@ -353,6 +365,7 @@ class _Run:
             fault_hook=self._tile_hook(),
             oom_exceptions=self.oom,
             on_oom=self._tile_oom,
+            prefix_tile=prefix_tile(p),
         )
         process = getattr(job.vae, "process_output", None) if job.core else None
         images = (process or _process)(img)

@@ -1,7 +1,8 @@
 """Exact tiled decode of a prefix/suffix decoder (:mod:`..vae.split_layout`): the prefix once on the whole
-latent, then the local suffix in tiles of the prefix's output with a halo of at least its reach
-(:func:`.generic.decode_generic`, no feather). Each output pixel then sees exactly the inputs it sees in the
-whole decode, so the result equals it up to float rounding (convolution algorithms may differ by tile size).
+latent (or, with ``prefix_tile``, in tiles: :mod:`.prefix_tiles`), then the local suffix in tiles of the prefix's
+output with a halo of at least its reach (:func:`.generic.decode_generic`, no feather). Each output pixel then sees
+exactly the inputs it sees in the whole decode, so the result equals it up to float rounding (convolution
+algorithms may differ by tile size; the tiled prefix's attention sums add up in another order).
 
 Progress: one unit for the prefix, then one per tile. An OOM inside a suffix tile halves the tile and resumes
 (finished tiles are kept); one in the prefix propagates to the caller, who re-plans.
@@ -15,6 +16,7 @@ import torch
 
 from ..vae.split_layout import SplitLayout
 from .generic import decode_generic
+from .prefix_tiles import run_units
 
 __all__ = ["decode_split"]
 
@@ -32,15 +34,20 @@ def decode_split(
     oom_exceptions: tuple[type[BaseException], ...] | None = None,
     on_oom: Callable[[], None] | None = None,
     min_tile: int = 4,
+    prefix_tile: int = 0,
 ) -> torch.Tensor:
     """Decode one ``(1, C, h, w)`` latent ``z`` (dtype and device the decoder runs in); returns the decoder's
     output (``first_stage_model.decode``'s range) in float32 on ``out_device``. ``tile`` and ``halo``: px of
-    the prefix's output (the suffix's input); ``halo`` must cover the suffix's reach for exactness."""
+    the prefix's output (the suffix's input); ``halo`` must cover the suffix's reach for exactness.
+    ``prefix_tile``: the prefix in tiles of that many latent px (:attr:`.SplitLayout.prefix_units`; 0: whole)."""
     layout.require()
     if should_stop is not None:
         should_stop()
     with torch.no_grad():
-        x = layout.prefix(z)
+        if prefix_tile and layout.prefix_units:
+            x = run_units(layout.prefix_units, z, prefix_tile, should_stop)
+        else:
+            x = layout.prefix(z)
 
     def tiles_progress(done: int, total: int) -> None:
         if progress is not None:

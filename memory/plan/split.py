@@ -1,6 +1,8 @@
 """Planning the exact split path (:mod:`..vae.split_layout`, :mod:`..executors.split`): the prefix's output
 and peak meta-sized on this latent, the suffix's traced reach (the halo) and its cost model (calibrated once
-per structure like the untiled one, keyed ``split``), then the fewest tiles that fit.
+per structure like the untiled one, keyed ``split``), then the fewest tiles that fit. When the prefix on the whole
+latent does not fit and it runs in tiles (:attr:`..vae.split_layout.SplitLayout.prefix_units`: DC-AE), the largest
+of :data:`PREFIX_TILES` whose meta-sized peak fits.
 
 Tiles are planned in latent px (the suffix's cost model is indexed by the latent area a tile stands for) and
 run in px of the prefix's output: ``prefix_scale`` of them per latent px."""
@@ -16,6 +18,7 @@ import torch
 
 from ..cost.calibration import cost_model_for
 from ..cost.phases import CostModel
+from ..executors.prefix_tiles import run_units
 from ..geometry import Geometry, VaeGeometry
 from ..measure.reach import ReachReport, default_halo, traced_reach
 from ..measure.sizing import MetaSizer
@@ -25,13 +28,16 @@ from ..vae.split_layout import SplitLayout
 from .grid import ImpossibleBudgetError, Tiling, plan_tiling
 from .types import Plan
 
-__all__ = ["EXECUTOR", "PHASES", "SplitPlanner", "plan_split", "split_planner", "suffix_reach", "suffix_run",
-           "tail_reach", "tile_px"]
+__all__ = ["EXECUTOR", "PHASES", "PREFIX_TILES", "SplitPlanner", "plan_split", "prefix_tile", "split_planner",
+           "suffix_reach", "suffix_run", "tail_reach", "tile_px"]
 
 EXECUTOR = "split"
 """The suffix's cost-model key (:func:`..cost.calibration.vae_key`)."""
 PHASES = (("const", "px"),)
 """The suffix's feature phases: no attention (a global op would be in the prefix), so no quadratic term."""
+PREFIX_TILES = (64, 32, 16, 8, 4)
+"""Tile sides of a tiled prefix in latent px (at a map ``s`` times the latent's resolution: ``s`` times more),
+tried largest first."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +55,8 @@ class SplitPlanner:
     reach: ReachReport
     """The suffix's traced reach in prefix px."""
     suffix: CostModel
+    prefix_tiled: Callable[[int], int] | None = None
+    """Tracked peak of the prefix in tiles of a given latent px (meta-sized, kept); None: it runs whole only."""
 
     @property
     def halo(self) -> int:
@@ -110,7 +118,27 @@ def split_planner(job: Any, layout: SplitLayout, env: Any, first_use: Any = None
     run = suffix_run(layout, model, job.channels, job.dtype, job.device)
     suffix = cost_model_for(job.subject, env.cost_models, executor=EXECUTOR, run=run, first_use=first_use,
                             phases=PHASES)
-    return SplitPlanner(layout, scale, c, peak, math.prod(shape) * elem, report, suffix)
+    tiled = _prefix_tiled_peak(layout, model, job.channels, hw, job.dtype, job.device) if layout.prefix_units \
+        else None
+    return SplitPlanner(layout, scale, c, peak, math.prod(shape) * elem, report, suffix, tiled)
+
+
+def _prefix_tiled_peak(layout: SplitLayout, model: Any, channels: int, hw: tuple[int, int], dtype: torch.dtype,
+                       device: torch.device) -> Callable[[int], int]:
+    """``peak(tile)``: the tracked peak of the prefix in tiles of ``tile`` latent px on a ``(1, channels, *hw)``
+    latent (fake tensors, one tile per shape), kept per tile."""
+    sized: dict[int, int] = {}
+
+    def peak(tile: int) -> int:
+        if tile not in sized:
+            with torch.inference_mode(), MetaSizer([model], dtype, device) as sizer:
+                x = run_units(layout.prefix_units, torch.empty((1, channels, *hw), dtype=dtype, device=device), tile,
+                              sizing=True)
+                del x
+            sized[tile] = int(sizer.peak_bytes)
+        return sized[tile]
+
+    return peak
 
 
 def suffix_run(layout: SplitLayout, model: Any, channels: int, dtype: torch.dtype,
@@ -146,22 +174,36 @@ def plan_split(job: Any, sp: SplitPlanner, budget: int, tile: int | None, extra:
         if tile is None:
             raise
         p, over = e.smallest, True
-    planned = extra + max(sp.prefix_peak, sp.prefix_bytes + p.predicted_peak)
+    pre_tile, pre_peak = 0, sp.prefix_peak
+    if extra + max(pre_peak, sp.prefix_bytes + p.predicted_peak) > budget and sp.prefix_tiled is not None:
+        lh, lw = int(job.z.shape[2]), int(job.z.shape[3])
+        for t in [t for t in PREFIX_TILES if t < max(lh, lw)] or [PREFIX_TILES[-1]]:
+            pre_tile, pre_peak = t, sp.prefix_tiled(t)
+            if extra + max(pre_peak, sp.prefix_bytes + p.predicted_peak) <= budget:
+                break
+    planned = extra + max(pre_peak, sp.prefix_bytes + p.predicted_peak)
+    where = "on the whole latent" if not pre_tile else f"in tiles of {pre_tile} latent px (its linear attention's " \
+        "sums over all tiles)"
     if planned > budget and not over:
         if tile is None:
             raise ImpossibleBudgetError(
-                f"exact split tiles need {fmt_bytes(planned)} (the prefix runs on the whole latent)",
+                f"exact split tiles need {fmt_bytes(planned)} (the prefix runs {where})",
                 budget=budget, minimum=planned, smallest=p)
         over = True
     largest = max(p.tiles(), key=lambda t: (t.cy1 - t.cy0) * (t.cx1 - t.cx0))
     g = Geometry(largest.cy1 - largest.cy0, largest.cx1 - largest.cx0, spatial_ratio=job.ratio)
-    tracked = extra + max(sp.prefix_peak, sp.prefix_bytes + sp.suffix.predict_tracked(g))
+    tracked = extra + max(pre_peak, sp.prefix_bytes + sp.suffix.predict_tracked(g))
     th, tw = p.tile_h * sp.prefix_scale, p.tile_w * sp.prefix_scale
     res = job.ratio // sp.prefix_scale
     desc = f"{p.rows}x{p.cols} suffix tiles of {th}x{tw} px at 1/{res} resolution, " \
-           f"halo {sp.halo} px; prefix on the whole latent"
+           f"halo {sp.halo} px; prefix {where}"
     return Plan("split", p, desc, planned, tracked, exact=True, reason=sp.layout.describe(), halo=sp.halo,
-                over_budget=over, units=1 + p.rows * p.cols)
+                over_budget=over, units=1 + p.rows * p.cols, stats={"prefix_tile": pre_tile})
+
+
+def prefix_tile(p: Plan) -> int:
+    """The plan's prefix tile in latent px (0: the prefix on the whole latent)."""
+    return int(p.stats.get("prefix_tile") or 0)
 
 
 def tile_px(p: Plan, sp: SplitPlanner) -> tuple[int, int]:

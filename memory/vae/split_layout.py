@@ -24,10 +24,21 @@ import torch
 from .swap import swapped
 
 __all__ = [
-    "DCAE_MODULES", "DESCRIPTIONS", "Description", "SplitLayout", "Stage", "is_dcae", "is_global", "split_layout",
+    "DCAE_MODULES", "DESCRIPTIONS", "Description", "SplitLayout", "Stage", "Unit", "is_dcae", "is_global",
+    "is_linear_attention", "split_layout",
 ]
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One step of a prefix stage that :mod:`..executors.prefix_tiles` runs in tiles: a local ``run`` whose reach is
+    its ``modules``' convolutions', or (``attention`` set) a linear attention run in two passes."""
+
+    run: Fn
+    modules: tuple[Any, ...] = ()
+    attention: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +48,8 @@ class Stage:
     name: str
     run: Fn
     modules: tuple[Any, ...]
+    units: tuple[Unit, ...] = ()
+    """``run`` as units that run in tiles (empty: the stage runs on the whole map only)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +113,15 @@ class SplitLayout:
         """The local part: any tile of the prefix's output (with a halo of its reach)."""
         return _compose(self.stages[self.split :], x)
 
+    @property
+    def prefix_units(self) -> tuple[Unit, ...]:
+        """The prefix as units that run in tiles (:mod:`..executors.prefix_tiles`); empty when a prefix stage has
+        none (the prefix then runs on the whole latent only)."""
+        stages = self.stages[: self.split]
+        if not stages or any(not s.units for s in stages):
+            return ()
+        return tuple(u for s in stages for u in s.units)
+
     def describe(self) -> str:
         pre = ", ".join(s.name for s in self.stages[: self.split]) or "nothing"
         return f"{self.family}: prefix {pre} on the whole latent; suffix {self.stages[self.split].name} .. " \
@@ -138,6 +160,32 @@ def _dcae_reason(model: Any) -> str | None:
     return None
 
 
+def is_linear_attention(m: Any) -> bool:
+    """diffusers' ``SanaMultiscaleLinearAttention`` with its 2.0 processor (:mod:`..executors.prefix_tiles`
+    reproduces that processor in two passes)."""
+    return (type(m).__name__ == "SanaMultiscaleLinearAttention"
+            and type(getattr(m, "processor", None)).__name__ == "SanaMultiscaleAttnProcessor2_0"
+            and all(hasattr(m, a) for a in ("to_q", "to_k", "to_v", "to_qkv_multiscale", "to_out", "norm_out",
+                                            "nonlinearity", "eps", "attention_head_dim", "norm_type",
+                                            "residual_connection")))
+
+
+def _dcae_units(block: Any) -> tuple[Unit, ...]:
+    """An up block's children as units: an EfficientViT block (``attn`` then ``conv_out``) as its linear attention
+    and its local GLUMBConv; any other child (upsampling, ResBlock) local. Empty when a child has another global
+    module."""
+    units: list[Unit] = []
+    for child in block.children():
+        attn, local = getattr(child, "attn", None), getattr(child, "conv_out", None)
+        if type(child).__name__ == "EfficientViTBlock" and is_linear_attention(attn) and local is not None:
+            units += [Unit(attn, attention=attn), Unit(local, (local,))]
+        elif any(is_global(m) for m in child.modules()):
+            return ()
+        else:
+            units.append(Unit(child, (child,)))
+    return tuple(units)
+
+
 def _dcae_stages(model: Any) -> list[Stage]:
     """diffusers ``autoencoder_dc.Decoder.forward`` (0.32-0.36): ``conv_in`` plus the channel-repeat
     shortcut, the up blocks from the deepest, then RMSNorm over channels, activation and ``conv_out``."""
@@ -154,8 +202,9 @@ def _dcae_stages(model: Any) -> list[Stage]:
         return dec.conv_out(dec.conv_act(x))
 
     n = len(dec.up_blocks)
-    return ([Stage("conv_in", conv_in, (dec.conv_in,))]
-            + [Stage(f"up_blocks.{i}", dec.up_blocks[i], (dec.up_blocks[i],)) for i in reversed(range(n))]
+    return ([Stage("conv_in", conv_in, (dec.conv_in,), (Unit(conv_in, (dec.conv_in,)),))]
+            + [Stage(f"up_blocks.{i}", dec.up_blocks[i], (dec.up_blocks[i],), _dcae_units(dec.up_blocks[i]))
+               for i in reversed(range(n))]
             + [Stage("out", out, (dec.norm_out, dec.conv_act, dec.conv_out))])
 
 

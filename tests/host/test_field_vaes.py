@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -62,3 +63,62 @@ def test_dcae_tiles_are_exact_whatever_the_halo(tiled, dcae):
     assert r.plan.path == "split" and "exact: global prefix once" in text, text
     assert "2x2 tiles" in text, text
     assert (r.images - ref).abs().max().item() <= 1e-4, text
+
+
+def test_dcae_prefix_in_tiles_equals_the_hosts_decode(dcae):
+    """The prefix in tiles (2 latent px: 2x3 tiles at every level, the linear attention's sums added over them)
+    then the suffix in tiles: the host's decode within float noise; the prefix alone within float32 rounding."""
+    from vramfit.memory.executors.prefix_tiles import run_units
+    from vramfit.memory.executors.split import decode_split
+    from vramfit.memory.vae.split_layout import split_layout
+
+    model = dcae.first_stage_model
+    layout = split_layout(model)
+    assert layout.prefix_units and sum(u.attention is not None for u in layout.prefix_units) == 9
+    z = structured_latent((1, 32, 4, 6), seed=3)
+    with torch.inference_mode():
+        whole = layout.prefix(z)
+        parts = run_units(layout.prefix_units, z, 2)
+        assert parts.shape == whole.shape and 0 < (parts - whole).abs().max().item() <= 1e-4 * whole.abs().max().item()
+        ref = model.decode(z).float()
+        out = decode_split(layout, z, 8, 16, prefix_tile=2)
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+def test_dcae_prefix_runs_in_tiles_under_a_budget_below_its_whole_peak(dcae):
+    """A budget below the prefix's peak on the whole latent (the EfficientViT stages' linear attention: 10 GiB at
+    4096^2 in bfloat16, meta-sized) plans the prefix in tiles, the largest whose meta-sized peak fits; the row says
+    so; a budget that holds the whole prefix keeps it whole. Planning only (a 768x1024 decode of the full-size
+    fixture takes minutes here): the suffix's smallest tile is sized on a stand-in cost model."""
+    from vramfit.memory.decode.image import make_job
+    from vramfit.memory.plan.split import (
+        SplitPlanner,
+        _meta_prefix,
+        _prefix_tiled_peak,
+        plan_split,
+        prefix_tile,
+        suffix_reach,
+    )
+    from vramfit.memory.vae.split_layout import split_layout
+
+    class OneMiB:  # the suffix's cost model: every tile 1 MiB
+        def predict(self, g):
+            return 1 << 20
+
+        predict_tracked = predict
+
+    model = dcae.first_stage_model
+    layout = split_layout(model)
+    z = structured_latent((1, 32, 24, 32), seed=3)
+    cpu = torch.device("cpu")
+    shape, whole = _meta_prefix(layout, model, 32, (24, 32), torch.float32, cpu)
+    peak = _prefix_tiled_peak(layout, model, 32, (24, 32), torch.float32, cpu)
+    assert peak(8) < peak(16) < 0.5 * whole, (peak(8), peak(16), whole)
+    scale, c, reach = suffix_reach(layout, model, 32, torch.float32, cpu)
+    sp = SplitPlanner(layout, scale, c, whole, math.prod(shape) * 4, reach, OneMiB(), peak)
+    job = make_job(dcae, z, core=False, out_device="cpu")
+    p = plan_split(job, sp, peak(16) + (2 << 20), None, 0)
+    assert prefix_tile(p) == 16 and "prefix in tiles of 16 latent px" in p.description and not p.over_budget
+    assert p.planned <= peak(16) + (2 << 20)
+    roomy = plan_split(job, sp, whole + (64 << 20), None, 0)
+    assert prefix_tile(roomy) == 0 and "prefix on the whole latent" in roomy.description
