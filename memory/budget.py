@@ -125,6 +125,12 @@ def host_room(ram_available: int | None, held: int = 0) -> int | None:
     return max(0, int(ram_available * HOST_STORE_SHARE) - int(held))
 
 
+def host_refused_text(need: int, room: int | None) -> str:
+    """The plan row's words when a store in host memory of ``need`` bytes was left out for :func:`host_room`."""
+    return (f" (store in host memory not used: it needs {fmt_bytes(need)}, the host's RAM has room for "
+            f"{fmt_bytes(room or 0)})")
+
+
 def ram_available() -> int | None:
     """The host's available RAM now (``psutil.virtual_memory().available``; None without psutil)."""
     return _psutil_available()

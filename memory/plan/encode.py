@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..budget import host_refused_text
 from ..executors import kl_exact as te
 from ..executors import split_encode as se
 from ..measure.sizing import MetaSizer
@@ -349,8 +350,7 @@ def plan(
     def describe(cfg: ExactEncode) -> str:
         if not refused or cfg.store == "host":
             return cfg.describe(job.hw)
-        return (f"{cfg.describe(job.hw)} (store in host memory not used: it needs {fmt_bytes(max(refused))}, the "
-                f"host's RAM has room for {fmt_bytes(job.host_room or 0)})")
+        return cfg.describe(job.hw) + host_refused_text(max(refused), job.host_room)
 
     def exact(b: int) -> Plan:
         sized = []

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..budget import host_refused_text
 from ..cost import exact as dp
 from ..cost.calibration import Subject, cost_model_for, subject
 from ..cost.phases import CostModel
@@ -19,7 +20,6 @@ from ..executors import kl_exact as te
 from ..geometry import Geometry, VaeGeometry
 from ..measure.reach import ReachReport, default_halo, traced_reach
 from ..measure.sizing import MetaSizer
-from ..report import fmt_bytes
 from ..vae.families import batch_coupling_hint, identify, model_name, structure_digest
 from ..vae.kl_layout import kl_layout, unsupported_reason
 from ..vae.split_layout import split_layout
@@ -275,8 +275,7 @@ class ExactPlanner:
         """The plan row's words when a store in host memory was refused for the host's RAM."""
         if not self.host_refused or not c.store_on_device:
             return ""
-        return (f" (store in host memory not used: it needs {fmt_bytes(self.host_refused)}, the host's RAM has "
-                f"room for {fmt_bytes(self.job.host_room or 0)})")
+        return host_refused_text(self.host_refused, self.job.host_room)
 
     def _terms(self) -> dict[str, Any]:
         """What every configuration's figures add to its predicted peak (:func:`.exact.exact_choice`)."""

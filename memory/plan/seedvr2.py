@@ -15,8 +15,8 @@ import logging
 
 import torch
 
+from ..budget import host_refused_text
 from ..executors import seedvr2 as sx
-from ..report import fmt_bytes
 from ..vae.seedvr2_layout import seedvr2_layout
 from .types import Plan
 from .video import PeakStore, VideoJob, meta_sizes, model_key, out_bytes
@@ -139,7 +139,6 @@ def plan_seedvr2(job: VideoJob, budget: int, peaks: PeakStore, reason: str, exac
             break
     assert chosen is not None, "no SeedVR2 candidate (a store on the device is always one)"
     units = sx.units(lay, t, h, w, chosen.tile)
-    note = (f" (store in host memory not used: it needs {fmt_bytes(refused)}, the host's RAM has room for "
-            f"{fmt_bytes(job.host_room or 0)})" if refused and chosen.store != "host" else "")
+    note = host_refused_text(refused, job.host_room) if refused and chosen.store != "host" else ""
     return Plan("seedvr2", chosen, chosen.describe() + note, planned, exact=exact, reason=reason,
                 over_budget=bool(planned) and planned > budget, units=units)

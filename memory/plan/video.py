@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..budget import host_refused_text
 from ..cost.phases import dtype_name
 from ..executors import wan as vc
 from ..executors.blend import frame_fn
@@ -380,8 +381,7 @@ def host_store_note(job: VideoJob, cd: Chunking) -> str:
     """The plan row's words when the store in host memory was left out for the host's RAM (tiles on the device)."""
     if cd.tile is None or cd.store != "device" or job.device.type == "cpu" or host_store_fits(job, cd.split):
         return ""
-    return (f" (store in host memory not used: it needs {fmt_bytes(host_store_bytes(job, cd.split))}, the host's "
-            f"RAM has room for {fmt_bytes(job.host_room or 0)})")
+    return host_refused_text(host_store_bytes(job, cd.split), job.host_room)
 
 
 def _better_twin(p: Plan, size: Callable[[Chunking], Plan], budget: int) -> Plan:
