@@ -20,6 +20,7 @@ import folder_paths
 import torch
 
 from ..memory.budget import Budget, compute_budget, weights_to_load
+from ..memory.decode.guard import NotDescribed
 from ..memory.offload import (
     DeviceResidency,
     OffloadReport,
@@ -89,9 +90,8 @@ def latent_tensor(node: str, vae: Any, samples: Any, stream: str) -> tuple[torch
         return NodeInputError(node, message)
 
     if dim not in (2, 3):
-        raise error(f"this VAE has latent_dim {dim} (audio or another 1-D latent, not images or video); "
-                    f"{label}: the VRAM Fit decode nodes decode image and video VAEs only; decode it with "
-                    "ComfyUI's own decode node for this VAE (e.g. VAE Decode Audio)")
+        raise NotDescribed(f"a VAE of latent_dim {dim} (audio or another 1-D latent, not images or video); the pack "
+                           "decodes image and video VAEs (for audio, ComfyUI's VAE Decode Audio gives a waveform)")
     if z.ndim not in (4, 5):
         raise error(f"{label} is neither a 4-D image latent (B, C, H, W) nor a 5-D video latent "
                     "(B, C, T, H, W)")
@@ -104,9 +104,9 @@ def latent_tensor(node: str, vae: Any, samples: Any, stream: str) -> tuple[torch
     if getattr(vae, "handles_tiling", False) and (dim != 3 or (host_grid_of(vae.first_stage_model) is None
                                                               and seedvr2_of(vae.first_stage_model) is None)):
         # ComfyUI >= 0.33: MiniMax H3's grid is reproduced (memory/plan/host_grid.py), SeedVR2 decoded in exact
-        # tiles (memory/executors/seedvr2.py); another VAE that tiles internally is refused
-        raise error(f"this VAE ({type(vae.first_stage_model).__name__}) tiles internally (handles_tiling); "
-                    f"{label}: decode it with ComfyUI's VAE Decode, which lets the model bound its memory")
+        # tiles (memory/executors/seedvr2.py); another VAE that tiles internally gets the host's own decode
+        raise NotDescribed(f"{type(vae.first_stage_model).__name__} tiles internally (handles_tiling) in a way the "
+                           "pack does not reproduce; the host's decode lets the model bound its memory")
     want = getattr(vae, "latent_channels", None)
     if want is not None and int(want) != int(shape[1]):
         raise error(f"{label} has {shape[1]} channels but the VAE expects {want}: wrong VAE for this latent "
@@ -125,6 +125,20 @@ def oom_exceptions() -> tuple[type[BaseException], ...]:
     """The exception types ComfyUI treats as out-of-memory on this machine."""
     exc = getattr(mm, "OOM_EXCEPTION", None) or torch.cuda.OutOfMemoryError
     return (exc,) if isinstance(exc, type) else tuple(exc)
+
+
+def cancel_exceptions() -> tuple[type[BaseException], ...]:
+    """ComfyUI's Cancel (``InterruptProcessingException``): passed on, never replaced by the host's decode."""
+    exc = getattr(mm, "InterruptProcessingException", None)
+    return (exc,) if isinstance(exc, type) else ()
+
+
+def core_node(name: str) -> Any:
+    """An instance of ComfyUI's own node class ``name`` (``VAEDecode``, ``VAEEncode``, ``VAEEncodeForInpaint``): what
+    a pack node returns when its own path cannot do better is exactly what that node returns."""
+    import nodes as comfy_nodes  # ComfyUI's top-level node module
+
+    return getattr(comfy_nodes, name)()
 
 
 def should_stop() -> None:

@@ -17,14 +17,19 @@ from ..memory.cost.observed import ObservedStore
 from ..memory.cost.phases import CostModelStore
 from ..memory.decode import self_check
 from ..memory.decode.env import DecodeEnv
+from ..memory.decode.guard import never_worse
+from ..memory.oom import oom_types
 from ..memory.plan.grid import ImpossibleBudgetError
 from ..memory.plan.video import PeakStore
 from . import _comfy
 from ._vae_ops import bounded_vae_attention, group_norm_params
 
-__all__ = ["budget_inputs", "comfy_env", "input_errors", "report_output"]
+__all__ = ["budget_inputs", "comfy_env", "guarded", "input_errors", "report_output"]
 
 _STORES: dict[str, Any] = {}
+STAGE_HOOK: Callable[[str], None] | None = None
+"""Test hook (``DecodeEnv.stage_hook``) of every decode and encode node: called with each step's name as the flow
+enters it (raise there to make that step fail). Read when a node starts."""
 
 
 def _store(name: str, make: Callable[[Any], Any], what: str) -> Any:
@@ -55,6 +60,7 @@ def comfy_env(node_id: str | None, fault_hook: Callable[[str, int], None] | None
         norm_params=group_norm_params,
         fault_hook=fault_hook,
         measure_cpu_tensors=measure_cpu_tensors,
+        stage_hook=STAGE_HOOK,
     )
 
 
@@ -76,6 +82,21 @@ def input_errors(node: str) -> Iterator[None]:
         yield
     except ImpossibleBudgetError as e:
         raise _comfy.NodeInputError(node, str(e)) from e
+
+
+def guarded(node: str, env: DecodeEnv, own: Callable[[], Any], host: Callable[[], Any], *, vae: Any,
+            budget_mb: float, work: str = "decode") -> Any:
+    """``own()`` (an impossible budget as the node's input error); when the pack's own machinery fails, the host's
+    own node ``host()`` on the whole input instead, with a report saying why (:func:`never_worse`). The user's
+    bad input, Cancel and out of memory are passed on."""
+    passthrough = (_comfy.NodeInputError, *_comfy.cancel_exceptions(), *oom_types(env.oom_exceptions))
+
+    def run() -> Any:
+        env.at("identify")
+        with input_errors(node):
+            return own()
+
+    return never_worse(node, env, run, host, vae=vae, budget_mb=budget_mb, passthrough=passthrough, work=work)
 
 
 def budget_inputs() -> list[Any]:

@@ -39,7 +39,8 @@ class _EngineVAE:
         return getattr(self._vae, name)
 
     def encode(self, pixels: Any) -> Any:
-        self.result = encode(self._vae, pixels, node=REPORT_NODE, **self._settings)
+        self.result = encode(self._vae, pixels, node=REPORT_NODE, host=lambda: self._vae.encode(pixels),
+                             **self._settings)
         return self.result.latent
 
 

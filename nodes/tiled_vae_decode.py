@@ -19,6 +19,7 @@ from typing import Any
 from comfy_api.v0_0_2 import io
 
 from ..memory.decode.env import DecodeEnv
+from ..memory.decode.guard import HostResult
 from ..memory.decode.image import REPORT_NODE, DecodeResult, ImageJob, decode_image, make_job
 from ..memory.decode.video import VideoDecodeResult, VideoJob, decode_video
 from ..memory.vae.one_frame import one_frame_vae
@@ -44,39 +45,41 @@ def _error(message: str) -> _comfy.NodeInputError:
     return _comfy.NodeInputError(REPORT_NODE, message)
 
 
-def _checked(vae: Any, samples: Any, tile_size: int, halo: int) -> tuple[ImageJob | VideoJob, str]:
-    """``(job, note)``: an image job, or a video job of single frames where the VAE is a video VAE (a 4-D
-    latent, or a 5-D one of one frame); ``note`` says how the latent was reshaped ("" when it was not)."""
-    z, label, note = _comfy.latent_tensor(REPORT_NODE, vae, samples, "first stream")
-    if z.ndim == 5 and z.shape[2] > 1:
-        raise _error(f"{label} is a video latent of {z.shape[2]} frames (B, C, T, H, W) on a video VAE "
-                     "(latent_dim 3); this node decodes images (4-D latents, or video latents of one frame): "
-                     "use the Temporal-Chunk Video Decode (VRAM Fit) node for videos")
+def _widgets(tile_size: int, halo: int) -> None:
+    """The node's own inputs (VAE Decode has none of them): a bad value is the user's input error."""
     if tile_size < 0 or (tile_size and (tile_size % 8 or tile_size < MIN_TILE_PX)):
         raise _error(f"tile_size {tile_size}: use 0 (auto) or a multiple of 8 of at least {MIN_TILE_PX} px")
     if halo < -1:
         raise _error(f"halo {halo}: use -1 (auto: the decoder's convolutional reach) or >= 0 latent px")
+
+
+def _checked(vae: Any, samples: Any, tile_size: int, halo: int) -> tuple[ImageJob | VideoJob, str]:
+    """``(job, note)``: an image job, or a video job where the VAE is a video VAE (a 4-D latent of single frames,
+    or a 5-D one: a video latent of several frames goes to the video engine, as Temporal-Chunk Video Decode
+    decodes it, so that every latent VAE Decode takes decodes here too); ``note`` says how the latent was
+    reshaped or routed ("" when it was not)."""
+    _widgets(tile_size, halo)
+    z, label, note = _comfy.latent_tensor(REPORT_NODE, vae, samples, "first stream")
     if hasattr(vae, "throw_exception_if_invalid"):
         vae.throw_exception_if_invalid()
-    one = one_frame_vae(vae) if z.ndim == 5 else None
+    one = one_frame_vae(vae) if z.ndim == 5 and z.shape[2] == 1 else None
     if one is not None:  # a 3-D image VAE (Hunyuan Image 2.1's refiner): its one-frame latents are images
         route = ("one-frame latents of a 3-D image VAE: decoded as images, the 3-D decoder's tiles holding all of "
                  "its frames")
         note = f"{note}; {route}" if note else route
-        try:
-            return make_job(one, z[:, :, 0], core=_comfy.has_core_decode(vae), out_device=_comfy.intermediate_device(),
-                            tile_size=tile_size, halo=halo), note
-        except ValueError as e:
-            raise _error(str(e)) from e
-    if z.ndim == 5:  # single frames of a video VAE: the video engine (exact Wan path), as the video node does
-        route = "the video engine decodes them, as Temporal-Chunk Video Decode (VRAM Fit) does"
-        note = f"{note}; {route}" if note else f"single frames of a video VAE: {route}"
-        return video_decode.make_job(vae, z, _comfy.intermediate_device(), tile_size=tile_size), note
-    try:
-        return make_job(vae, z, core=_comfy.has_core_decode(vae), out_device=_comfy.intermediate_device(),
+        return make_job(one, z[:, :, 0], core=_comfy.has_core_decode(vae), out_device=_comfy.intermediate_device(),
                         tile_size=tile_size, halo=halo), note
-    except ValueError as e:  # the spatial ratio cannot be inferred
-        raise _error(str(e)) from e
+    if z.ndim == 5:  # a video VAE's latent: the video engine (exact chunks), as the video node does
+        if z.shape[2] > 1:
+            route = (f"{label} is a video latent of {z.shape[2]} frames: the video engine decodes it, as Temporal-"
+                     "Chunk Video Decode (VRAM Fit) does (same frames as VAE Decode, flattened into one batch)")
+        else:
+            route = "the video engine decodes them, as Temporal-Chunk Video Decode (VRAM Fit) does"
+            route = f"single frames of a video VAE: {route}" if not note else route
+        note = f"{note}; {route}" if note else route
+        return video_decode.make_job(vae, z, _comfy.intermediate_device(), tile_size=tile_size), note
+    return make_job(vae, z, core=_comfy.has_core_decode(vae), out_device=_comfy.intermediate_device(),
+                    tile_size=tile_size, halo=halo), note
 
 
 def _validate(vae: Any, samples: Any, tile_size: int, halo: int) -> ImageJob | VideoJob:
@@ -98,17 +101,24 @@ def decode(
     unload_others: bool = True,
     node_id: str | None = None,
     allow_approximate: bool = False,
-) -> DecodeResult | VideoDecodeResult:
+) -> DecodeResult | VideoDecodeResult | HostResult:
     """Everything the node does; returns the images (B, H, W, C) on [0, 1] and the report (single frames of a
     video VAE: the video engine's result). ``allow_approximate``: approximate tiles (or chunks) that measure under
-    30 dB against VAE Decode may run (else the host's own decode)."""
+    30 dB against VAE Decode may run (else the host's own decode). When the pack's own path fails: VAE Decode's
+    result (:func:`._decode_node.guarded`)."""
     t0 = time.perf_counter()
-    job, note = _checked(vae, samples, int(tile_size), int(halo))
-    run = decode_video if isinstance(job, VideoJob) else decode_image
-    with _decode_node.input_errors(REPORT_NODE):
-        result = run(job, comfy_env(node_id), budget_mb=int(budget_mb), unload_others=bool(unload_others),
-                     t_start=t0, allow_approximate=bool(allow_approximate))
-    return video_decode.noted(result, REPORT_NODE, note)
+    env = comfy_env(node_id)
+
+    def own() -> DecodeResult | VideoDecodeResult:
+        job, note = _checked(vae, samples, int(tile_size), int(halo))
+        run = decode_video if isinstance(job, VideoJob) else decode_image
+        result = run(job, env, budget_mb=int(budget_mb), unload_others=bool(unload_others), t_start=t0,
+                     allow_approximate=bool(allow_approximate))
+        return video_decode.noted(result, REPORT_NODE, note)
+
+    _widgets(int(tile_size), int(halo))
+    return _decode_node.guarded(REPORT_NODE, env, own, lambda: _comfy.core_node("VAEDecode").decode(vae, samples)[0],
+                                vae=vae, budget_mb=int(budget_mb))
 
 
 # --------------------------------------------------------------------------------------------------

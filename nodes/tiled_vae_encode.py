@@ -19,6 +19,7 @@ from comfy_api.v0_0_2 import io, ui
 
 from ..memory.decode.encode import REPORT_NODE, EncodeResult, encode_image, make_job
 from ..memory.decode.env import DecodeEnv
+from ..memory.decode.guard import HostResult
 from ..memory.plan.encode import encode_ratio
 from . import _comfy, _decode_node
 
@@ -106,18 +107,24 @@ def encode(
     unload_others: bool = True,
     node_id: str | None = None,
     node: str = REPORT_NODE,
-) -> EncodeResult:
+    host: Callable[[], Any] | None = None,
+) -> EncodeResult | HostResult:
     """Everything the node does (``node``: the name errors give); the result's ``latent`` is what VAE Encode
-    returns."""
+    returns. When the pack's own path fails: ``host()`` (default: VAE Encode's latent) instead
+    (:func:`._decode_node.guarded`)."""
     t0 = time.perf_counter()
-    job = _validate(vae, pixels, int(tile_size), node)
-    with _decode_node.input_errors(node):
-        result = encode_image(
-            job, comfy_env(node_id), budget_mb=int(budget_mb), unload_others=bool(unload_others), t_start=t0
-        )
-    result.latent = _as_vae_encode(vae, result)
-    result.report.node = node  # titled by the node that ran it
-    return result
+    env = comfy_env(node_id)
+
+    def own() -> EncodeResult:
+        job = _validate(vae, pixels, int(tile_size), node)
+        result = encode_image(job, env, budget_mb=int(budget_mb), unload_others=bool(unload_others), t_start=t0)
+        result.latent = _as_vae_encode(vae, result)
+        result.report.node = node  # titled by the node that ran it
+        return result
+
+    if host is None:
+        host = lambda: _comfy.core_node("VAEEncode").encode(vae, pixels)[0]["samples"]  # noqa: E731
+    return _decode_node.guarded(node, env, own, host, vae=vae, budget_mb=int(budget_mb), work="encode")
 
 
 def encode_schema(node_id: str, display_name: str, description: str, *, pixels: str, vae: str, tile: str,
@@ -145,7 +152,7 @@ def encode_schema(node_id: str, display_name: str, description: str, *, pixels: 
     )
 
 
-def node_output(latent: dict, result: EncodeResult) -> io.NodeOutput:
+def node_output(latent: dict, result: EncodeResult | HostResult) -> io.NodeOutput:
     """The node's outputs: the latent dict and the report (logged, and shown on the node)."""
     text = result.report.text()
     log.info("%s", text)

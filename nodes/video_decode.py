@@ -18,6 +18,7 @@ from comfy_api.v0_0_2 import io
 
 from ..memory.decode import image as image_engine
 from ..memory.decode.env import DecodeEnv
+from ..memory.decode.guard import HostResult
 from ..memory.decode.video import REPORT_NODE, VideoDecodeResult, VideoJob, decode_video, make_job
 from ..memory.vae.one_frame import one_frame_vae
 from . import _comfy, _decode_node
@@ -41,21 +42,29 @@ def _error(message: str) -> _comfy.NodeInputError:
     return _comfy.NodeInputError(REPORT_NODE, message)
 
 
-def _checked(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int
-             ) -> tuple[VideoJob | image_engine.ImageJob, str]:
-    """``(job, note)``: a 4-D latent on a video VAE is its batch of single frames; ``note`` says so. One-frame
-    latents of a 3-D image VAE (Hunyuan Image 2.1's refiner, ``memory/vae/one_frame.py``) are images: an image
-    job (Tiled VAE Decode's engine: exact tiles under a budget)."""
-    z, label, note = _comfy.latent_tensor(REPORT_NODE, vae, samples, "video stream")
-    if z.ndim == 4:  # the VAE is an image VAE (latent_tensor laid the latent out as it decodes)
-        raise _error(f"this VAE is an image VAE, not a video VAE; {label} decodes as images: use "
-                     "Tiled VAE Decode (VRAM Fit)")
+def _widgets(frames_per_chunk: int, tile_size: int) -> None:
+    """The node's own inputs (VAE Decode has none of them): a bad value is the user's input error."""
     if frames_per_chunk < 0:
         raise _error(f"frames_per_chunk {frames_per_chunk}: use 0 (auto) or >= 1 latent frames")
     if tile_size < 0:
         raise _error(f"tile_size {tile_size}: use 0 (auto) or a tile side in output pixels")
+
+
+def _checked(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int
+             ) -> tuple[VideoJob | image_engine.ImageJob, str]:
+    """``(job, note)``: a 4-D latent on a video VAE is its batch of single frames; ``note`` says so. One-frame
+    latents of a 3-D image VAE (Hunyuan Image 2.1's refiner, ``memory/vae/one_frame.py``) and the latents of an
+    image VAE are images: an image job (Tiled VAE Decode's engine: exact tiles under a budget), so that every latent
+    VAE Decode takes decodes here too."""
+    _widgets(frames_per_chunk, tile_size)
+    z, label, note = _comfy.latent_tensor(REPORT_NODE, vae, samples, "video stream")
     if hasattr(vae, "throw_exception_if_invalid"):
         vae.throw_exception_if_invalid()
+    if z.ndim == 4:  # an image VAE (latent_tensor laid the latent out as it decodes): Tiled VAE Decode's engine
+        route = f"{label} on an image VAE: decoded as images by Tiled VAE Decode's engine, as VAE Decode does"
+        note = f"{note}; {route}" if note else route
+        return image_engine.make_job(vae, z, core=_comfy.has_core_decode(vae), out_device=_comfy.intermediate_device(),
+                                     tile_size=tile_size), note
     one = one_frame_vae(vae) if z.shape[2] == 1 else None
     if one is not None:
         route = ("one-frame latents of a 3-D image VAE: decoded as images (Tiled VAE Decode's engine), the 3-D "
@@ -63,11 +72,8 @@ def _checked(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int
         if frames_per_chunk > 1:
             route += f"; frames_per_chunk {frames_per_chunk} does not apply (one latent frame)"
         note = f"{note}; {route}" if note else route
-        try:
-            return image_engine.make_job(one, z[:, :, 0], core=_comfy.has_core_decode(vae),
-                                         out_device=_comfy.intermediate_device(), tile_size=tile_size), note
-        except ValueError as e:
-            raise _error(str(e)) from e
+        return image_engine.make_job(one, z[:, :, 0], core=_comfy.has_core_decode(vae),
+                                     out_device=_comfy.intermediate_device(), tile_size=tile_size), note
     return make_job(vae, z, _comfy.intermediate_device(), frames_per_chunk=frames_per_chunk,
                     tile_size=tile_size), note
 
@@ -99,20 +105,26 @@ def decode(
     unload_others: bool = True,
     node_id: str | None = None,
     allow_approximate: bool = False,
-) -> VideoDecodeResult | image_engine.DecodeResult:
+) -> VideoDecodeResult | image_engine.DecodeResult | HostResult:
     """Everything the node does; returns frames ``(B*T, H, W, 3)`` on [0, 1] (as VAEDecode) and the report.
-    ``allow_approximate``: an overlap-blend that measures under 30 dB may run (else the host's own decode)."""
+    ``allow_approximate``: an overlap-blend that measures under 30 dB may run (else the host's own decode). When the
+    pack's own path fails: VAE Decode's result (:func:`._decode_node.guarded`)."""
     t0 = time.perf_counter()
-    job, note = _checked(vae, samples, int(frames_per_chunk), int(tile_size))
-    with _decode_node.input_errors(REPORT_NODE):
+    env = comfy_env(node_id)
+
+    def own() -> VideoDecodeResult | image_engine.DecodeResult:
+        job, note = _checked(vae, samples, int(frames_per_chunk), int(tile_size))
         if isinstance(job, image_engine.ImageJob):
-            result = image_engine.decode_image(job, comfy_env(node_id), budget_mb=int(budget_mb),
-                                               unload_others=bool(unload_others), t_start=t0)
+            result = image_engine.decode_image(job, env, budget_mb=int(budget_mb), unload_others=bool(unload_others),
+                                               t_start=t0, allow_approximate=bool(allow_approximate))
         else:
-            result = decode_video(job, comfy_env(node_id), budget_mb=int(budget_mb),
-                                  unload_others=bool(unload_others), t_start=t0,
+            result = decode_video(job, env, budget_mb=int(budget_mb), unload_others=bool(unload_others), t_start=t0,
                                   allow_approximate=bool(allow_approximate))
-    return noted(result, REPORT_NODE, note)
+        return noted(result, REPORT_NODE, note)
+
+    _widgets(int(frames_per_chunk), int(tile_size))
+    return _decode_node.guarded(REPORT_NODE, env, own, lambda: _comfy.core_node("VAEDecode").decode(vae, samples)[0],
+                                vae=vae, budget_mb=int(budget_mb))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,15 +5,21 @@
   own loader (this pack included); returns ComfyUI's top-level ``nodes`` module.
 * ``fixture_vaes``: random-weight VAEs with the real architectures in the host's ``models/vae``.
 * ``server`` / ``client``: a real ComfyUI server started headless on 127.0.0.1 for API tests.
+* ``VRAMFIT_STRICT=1``: the pack's own path may not fall back to the host's result silently.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 import sys
 
 import pytest
+
+# The pack's own path must work in its tests: a failure of its machinery raises here instead of being replaced by
+# the host's result (memory/decode/guard.py; the servers the tests start inherit it). The never-worse tests set 0.
+os.environ.setdefault("VRAMFIT_STRICT", "1")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # ``scripts`` (host harness, fixtures) is importable; appended so ComfyUI's modules still win.

@@ -265,12 +265,14 @@ def encode_image(
     t0 = time.perf_counter() if t_start is None else t_start
     first = FirstUse(env.phase, "encode")
     verdict = None
+    env.at("check")
     if job.exact_reason is None:
         verdict = check_encode(job, env.checks, env.norm_params, lambda: load_weights(job.vae, env, 0), first)
         if not verdict.ok:
             job = dataclasses.replace(job, exact_reason=f"the exact tiled walker's {verdict.describe()}")
     job = dataclasses.replace(job, verdict=verdict)
 
+    env.at("cost")
     ratio = env.observed.ratios(job.family, job.dtype, job.device)
 
     model = job.vae.first_stage_model
@@ -278,26 +280,31 @@ def encode_image(
     def attention(max_bytes: int) -> Any:
         return env.attention(model, max_bytes)
 
+    env.at("prepare")
     prep = prepare(
         job.vae, env, lambda: plan(job, 1 << 62, env.peaks, ratio, attention).planned or None, budget_mb,
         unload_others,
     )
     budget = prep.budget
     job = dataclasses.replace(job, host_room=host_room_for(env, job.device, job.out_device, 0))
+    env.at("plan")
     try:
         p = plan(job, int(budget.available), env.peaks, ratio, attention)
     except ImpossibleBudgetError as e:
         raise ImpossibleBudgetError(
             f"{e} (budget: {budget.describe('encoding')})", budget=e.budget, minimum=e.minimum
         ) from e
+    env.at("weights")
     load_weights(job.vae, env, p.planned)
     plan_seconds = time.perf_counter() - t0
     bar = env.progress_bar(1) if env.progress_bar is not None else None
     oom_events: list[str] = []
     t1 = time.perf_counter()
+    env.at("run")
     with measured(env, job.device) as m:
         out, p = _run(job, p, env, bar, oom_events)
     seconds = time.perf_counter() - t1
+    env.at("report")
     if not oom_events and p.path != "host":
         env.observed.note(
             observed_key("encode-" + p.path, job.family, job.dtype, job.device),

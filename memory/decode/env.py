@@ -21,7 +21,7 @@ from ..plan.video import PeakStore
 from .self_check import CheckStore, memory_store
 
 __all__ = ["DecodeEnv", "Measured", "Prepared", "default_budget", "host_room_for", "load_weights", "measured",
-           "prepare"]
+           "prepare", "unaliased"]
 
 ProgressFn = Callable[[int, int], None]
 
@@ -77,6 +77,16 @@ class DecodeEnv:
     measure_cpu_tensors: bool = True
     """On CPU, count live tensor bytes with ``PeakTracker`` (dispatch mode, a Python hook on every op: the
     figure the budget bounds); False: the process RSS high-water mark (cheaper, not comparable with it)."""
+    stage: str = "identify"
+    """The step the decode is in (:data:`.guard.STAGES`): named in the report when the pack's own path fails."""
+    stage_hook: Callable[[str], None] | None = None
+    """Tests: called with each step's name as the flow enters it (raise there to make that step fail)."""
+
+    def at(self, stage: str) -> None:
+        """The flow enters ``stage`` (one of :data:`.guard.STAGES`)."""
+        self.stage = stage
+        if self.stage_hook is not None:
+            self.stage_hook(stage)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +127,16 @@ def prepare(vae: Any, env: DecodeEnv, need: Callable[[], int | None], budget_mb:
             want += max(0, int(patcher.model_size()) - int(patcher.loaded_size()))
         text = env.offload(vae, want).describe()
     return Prepared(env.budget(vae, budget_mb), text)
+
+
+def unaliased(out: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """``out``, copied when it shares memory with ``given`` (a decoder that returns its input, as the pixel-space
+    VAE's): ComfyUI's output processing works in place and must never write into a tensor the caller gave."""
+    if out.device.type == "meta" or out.device != given.device:
+        return out
+    if out.untyped_storage().data_ptr() == given.untyped_storage().data_ptr():
+        return out.clone()
+    return out
 
 
 def load_weights(vae: Any, env: DecodeEnv, planned: int) -> None:

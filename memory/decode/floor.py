@@ -26,6 +26,7 @@ from ..executors import generic as tg
 from ..plan.grid import scaled
 from ..plan.image import ImageJob, ImageModels, plan_untiled, splits_batch
 from ..plan.types import Plan
+from .env import unaliased
 from .first_use import FirstUse
 from .self_check import BATCH_CHECK_ITEMS, FIDELITY_FLOOR_DB, CheckStore, Verdict, checked, code_fingerprint
 
@@ -63,13 +64,18 @@ def floor_choice(v: Verdict, allow: bool, what: str) -> tuple[str, str]:
     return "", f"{what}: its fidelity could not be measured ({v.detail or v.describe()}): not taken without {ALLOW}"
 
 
-def host_oom_error(node: str, exc: BaseException, refused: str, over: bool = True) -> RuntimeError:
+class HostOomError(RuntimeError):
+    """The host's own decode, taken over the budget for a stated reason, ran out of memory: the user's call (free
+    memory, or allow approximate output), never a failure of the pack's machinery (:mod:`.guard` passes it on)."""
+
+
+def host_oom_error(node: str, exc: BaseException, refused: str, over: bool = True) -> HostOomError:
     """The error when the host's own decode, taken (``over``: over the budget) because of ``refused``, runs out of
     memory: it names ``allow_approximate`` only where the floor was the reason."""
     ask = (f"Set {ALLOW} to true to accept approximate output, or free memory" if ALLOW in refused
            else "Free memory or decode a smaller latent")
     why = "it ran over the budget" if over else "it was taken"
-    return RuntimeError(f"{node}: the host's own decode ran out of memory ({type(exc).__name__}); {why} because "
+    return HostOomError(f"{node}: the host's own decode ran out of memory ({type(exc).__name__}); {why} because "
                         f"{refused}. {ask}")
 
 
@@ -90,7 +96,7 @@ def generic_fn(job: ImageJob) -> Callable[[torch.Tensor], torch.Tensor]:
         model = job.vae.first_stage_model
 
         def fn(t: torch.Tensor) -> torch.Tensor:
-            return model.decode(t.to(job.dtype).to(job.device)).to(job.out_device).float()
+            return unaliased(model.decode(t.to(job.dtype).to(job.device)).to(job.out_device).float(), t)
         return fn
 
     def own(t: torch.Tensor) -> torch.Tensor:
@@ -149,7 +155,7 @@ def check_batch_split(job: ImageJob, store: CheckStore, latent_hw: tuple[int, in
     z = z.to(job.device, job.dtype)
 
     def decode(x: torch.Tensor) -> torch.Tensor:
-        return job.vae.process_output(job.vae.first_stage_model.decode(x).float()).float() if job.core \
+        return job.vae.process_output(unaliased(job.vae.first_stage_model.decode(x).float(), x)).float() if job.core \
             else job.vae.decode(x).float()
 
     def one_per_pass() -> torch.Tensor:

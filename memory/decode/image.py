@@ -69,7 +69,7 @@ from ..report import (
 )
 from ..vae.families import batch_coupling_hint
 from ..vae.split_layout import split_layout
-from .env import DecodeEnv, host_room_for, load_weights, measured, prepare
+from .env import DecodeEnv, host_room_for, load_weights, measured, prepare, unaliased
 from .first_use import FirstUse, first_use_tag
 from .floor import (
     approximate_text,
@@ -292,7 +292,7 @@ class _Run:
         self._pass()
         if job.core:
             z = self.latent(a, b)
-            out = job.vae.first_stage_model.decode(z).to(job.out_device).float()
+            out = unaliased(job.vae.first_stage_model.decode(z).to(job.out_device).float(), job.z)
             del z
             images = job.vae.process_output(out).movedim(1, -1)
         else:
@@ -472,29 +472,38 @@ def decode_image(
     """
     t_plan = time.perf_counter() if t_start is None else t_start
     first = FirstUse(env.phase)
+    env.at("check")
     job, verdict = _self_check(job, env, first)
+    env.at("cost")
     full = full_cost_model(job, env, lambda: load_weights(job.vae, env, 0), first)
 
     ratio = env.observed.ratios(job.subject.key_name, job.dtype, job.device)
 
     # Offload upstream models for the fastest plan's need (what ComfyUI's own decode would need).
+    env.at("prepare")
     prep = prepare(job.vae, env, lambda: int(ideal_bytes(job, full) * ratio("untiled")), budget_mb,
                    unload_others)
     budget = prep.budget
     avail = int(budget.available)
     job = dataclasses.replace(job, host_room=host_room_for(env, job.device, job.out_device, int(job.z.shape[0]) *
                                                            job.out_hw[0] * job.out_hw[1] * 3 * 4))
+    env.at("cost")
     models = image_models(job, env, full, avail, first)
+    env.at("plan")
     p = _plan(job, avail, models, ratio, budget)
     batch_verdict = None
     if splits_batch(job, p):  # several passes: only the host's result when its items decode independently
+        env.at("check")
         batch_verdict = check_batch_items(job, env.checks, lambda: load_weights(job.vae, env, 0), first)
         if not batch_verdict.ok:
             job = dataclasses.replace(job, batch_reason=batch_reason(job, batch_verdict))
+            env.at("plan")
             p = _plan(job, avail, models, ratio, budget)
+    env.at("check")
     gate = floor_plan_hook(job, models, env.checks, avail, allow_approximate, ratio,
                            lambda: load_weights(job.vae, env, 0), first, CHECK_LATENT_HW)
     p = gate(p)
+    env.at("weights")
     load_weights(job.vae, env, p.planned)
     plan_seconds = time.perf_counter() - t_plan
 
@@ -502,10 +511,12 @@ def decode_image(
     bar = env.progress_bar(max(1, total)) if env.progress_bar is not None else None
     run = _Run(job, env, _Progress(bar, total))
     t0 = time.perf_counter()
+    env.at("run")
     with measured(env, job.device) as m:
         p = _execute(run, p, models, avail, gate)
     assert run.out is not None
     seconds = time.perf_counter() - t0
+    env.at("report")
     if not run.oom_events:
         key = observed_key(p.path, job.subject.key_name, job.dtype, job.device)
         env.observed.note(key, m.peak, int(p.planned / p.ratio), m.kind)
@@ -587,6 +598,8 @@ def _report(job: ImageJob, plan: Plan, models: ImageModels, budget: Any, offload
         path = (f"approximate: generic tiles with halo and crop ({f'{fid}; ' if fid else ''}not exact because: "
                 f"{_not_exact(job)})")
     r.add("path", path)
+    if job.exact_reason is not None and job.split_reason is not None and plan.path == "untiled":
+        r.add("structure", f"not described for exact tiles: {_not_exact(job)}")
     if batch_verdict is not None and batch_verdict.ok:
         r.add("batch", f"items decode independently: batch {batch_verdict.describe()}")
     if verdict is not None and verdict.ok:

@@ -68,13 +68,16 @@ def decode_own(job: VideoJob, env: DecodeEnv, ex: OwnExecutor, *, budget_mb: flo
     t0 = time.perf_counter() if t_start is None else t_start
     first = FirstUse(env.phase)
     key = observed_key(ex.path, job.family, job.dtype, job.device)
+    env.at("prepare")
     prep = prepare(vae, env, lambda: ex.plan(job, 1 << 62, env.peaks, "", True).planned or None, budget_mb,
                    unload_others)
     budget = prep.budget
     frames, oh, ow = ex.geometry(job)
+    env.at("check")
     verdict = ex.check(job, env, lambda: load_weights(vae, env, 0), first)
     job = dataclasses.replace(job, verdict=verdict,
                               host_room=host_room_for(env, job.device, job.out_device, b * frames * oh * ow * 3 * 4))
+    env.at("plan")
     r = max(1.0, env.observed.ratio(key))
     p = ex.plan(job, int(budget.available / r), env.peaks, verdict.describe(), verdict.ok)
     p.ratio = r
@@ -83,6 +86,7 @@ def decode_own(job: VideoJob, env: DecodeEnv, ex: OwnExecutor, *, budget_mb: flo
         p = Plan("host", Chunking(max(1, t - 1)), "the host's own decode (first_stage_model.decode, as VAE Decode), "
                  "one batch item at a time", 0, reason=f"the {ex.name}'s {verdict.describe()}")
     plan_seconds = time.perf_counter() - t0
+    env.at("weights")
     load_weights(vae, env, p.planned)
 
     buf = torch.empty((b * frames, oh, ow, 3), dtype=torch.float32, device=job.out_device)
@@ -90,6 +94,7 @@ def decode_own(job: VideoJob, env: DecodeEnv, ex: OwnExecutor, *, budget_mb: flo
     bar = env.progress_bar(max(1, p.units * b)) if env.progress_bar is not None else None
     stats: dict = {}
     t1 = time.perf_counter()
+    env.at("run")
     with measured(env, job.device) as m:
         if p.path == "host":
             host_decode(job, view, bar, env, stats)
@@ -97,6 +102,7 @@ def decode_own(job: VideoJob, env: DecodeEnv, ex: OwnExecutor, *, budget_mb: flo
             ex.run(job, p, view, bar, env, stats)
         post_process(vae, view)
     seconds = time.perf_counter() - t1
+    env.at("report")
     if p.planned and not stats.get("restarts"):
         env.observed.note(key, m.peak, int(p.planned / p.ratio), m.kind)
     report = _report(job, ex, p, budget, prep.offload, stats, seconds, plan_seconds, m.peak, m.method, first)

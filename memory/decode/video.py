@@ -234,6 +234,7 @@ def decode_video(
     patcher). ``t_start``: ``time.perf_counter()`` when planning started. ``allow_approximate``: an overlap-blend
     that measures under :data:`.self_check.FIDELITY_FLOOR_DB` on its first-use check may run (else the host's own
     decode runs, flagged when over budget). Raises :class:`.grid.ImpossibleBudgetError` when no plan fits."""
+    env.at("identify")
     if host_grid_of(job.vae.first_stage_model) is not None:  # tiles internally (MiniMax H3): the host's own grid
         from .host_grid import decode_host_grid_video
         return decode_host_grid_video(job, env, budget_mb=budget_mb, unload_others=unload_others, t_start=t_start)
@@ -249,6 +250,7 @@ def decode_video(
     ratio = env.observed.ratios(job.family, job.dtype, job.device)
 
     # Offload for the fastest plan's peak (sized once, kept for the plan below); 0: not predicted.
+    env.at("prepare")
     prep = prepare(vae, env, lambda: plan(job, 1 << 62, env.peaks, ratio).planned or None, budget_mb,
                    unload_others)
     budget = prep.budget
@@ -257,6 +259,7 @@ def decode_video(
     frames, r = output_geometry(job)
     job = dataclasses.replace(job, host_room=host_room_for(env, job.device, job.out_device,
                                                            b * frames * h * r * w * r * 3 * 4))
+    env.at("check")
     if job.wan:
         verdict = check_chunked(job, env.checks, lambda: load_weights(vae, env, 0), first)
         job = dataclasses.replace(job, verdict=verdict)
@@ -266,12 +269,15 @@ def decode_video(
             job = dataclasses.replace(job, verdict=verdict)
         frames_of, index_formula, _ = blend_ratios(vae)
     oh, ow = h * r, w * r
+    env.at("plan")
     p = plan(job, int(budget.available), env.peaks, ratio)
     refused = ""
     if p.path == "blend":  # approximate: measured first, never taken under the floor unless the user asked
+        env.at("check")
         p, refused = _blend_or_host(job, p, env, int(budget.available), allow_approximate, first)
     c = p.config
     plan_seconds = time.perf_counter() - t0
+    env.at("weights")
     load_weights(vae, env, p.planned)
 
     buf = torch.empty((b * frames, oh, ow, 3), dtype=torch.float32, device=job.out_device)
@@ -279,6 +285,7 @@ def decode_video(
     bar = env.progress_bar(1) if env.progress_bar is not None else None
     hook = env.fault_hook
     t1 = time.perf_counter()
+    env.at("run")
     with measured(env, job.device) as m:
         if p.path == "host" and refused and p.over_budget:
             try:
@@ -308,6 +315,7 @@ def decode_video(
                 stats=stats)
         post_process(vae, view)
     seconds = time.perf_counter() - t1
+    env.at("report")
     if not (stats.get("shrinks") or stats.get("restarts")):  # a finished plan, not re-planned smaller
         env.observed.note(observed_key(p.path, job.family, job.dtype, job.device), m.peak,
                           int(p.planned / p.ratio), m.kind)
@@ -329,6 +337,10 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
         r.add("path", f"exact: {plan.reason}")
     else:
         r.add("path", f"APPROXIMATE: {plan.reason}")
+    if not job.wan and getattr(job, "carry", None) is None:
+        model = job.vae.first_stage_model
+        r.add("structure", f"not described for exact chunks: {type(model).__module__}.{type(model).__qualname__} (the "
+                           "host's own decode when it fits, else overlapping chunks measured against it)")
     if job.wan:
         proto = cache_protocol(job.vae.first_stage_model)
         how = "carried by the host's blocks" if not proto.restores else "restored by the executor"
