@@ -77,6 +77,9 @@ class Budget:
     psutil_available: int | None = None
     evictable_bytes: int = 0
     """Dynamic-VRAM weights of other models that aimdo evicts on demand (counted as available)."""
+    patcher_free: int | None = None
+    """The VAE patcher's own ``get_free_memory`` under dynamic VRAM (what newer ComfyUI asks model code to read):
+    shown beside the figure used; it also counts the VAE's own staged weights as free, which the decode needs."""
 
     @property
     def source(self) -> str:
@@ -107,6 +110,9 @@ class Budget:
                 f"{mib(self.reserve)} = {mib(self.available)} available for {work}")
         if self.psutil_available is not None:
             text += f" (psutil: {mib(self.psutil_available)} RAM available)"
+        if self.patcher_free is not None:
+            text += (f"; the VAE patcher's get_free_memory says {mib(self.patcher_free)} (it counts the VAE's own "
+                     "staged weights as free too, so the figure above is the one used)")
         return text
 
     def __str__(self) -> str:
@@ -154,6 +160,7 @@ def compute_budget(
     reserve_floor: int = 0,
     user_budget_mb: float | None = None,
     evictable_bytes: int = 0,
+    patcher_free: int | None = None,
 ) -> Budget:
     """The :class:`Budget` of a decode on ``device``.
 
@@ -162,7 +169,8 @@ def compute_budget(
     back to psutil and an accelerator to ``torch.cuda.mem_get_info``. ``reserve`` overrides the
     default; ``reserve_floor`` raises it (e.g. ComfyUI's ``extra_reserved_memory()``).
     ``user_budget_mb`` (> 0) replaces free memory. ``evictable_bytes``: dynamic-VRAM weights of other
-    models on the device (``memory.offload.evictable_bytes``), added to free memory.
+    models on the device (``memory.offload.evictable_bytes``), added to free memory. ``patcher_free``: the VAE
+    patcher's ``get_free_memory`` under dynamic VRAM, reported beside the figure used (:attr:`Budget.patcher_free`).
     """
     dev = torch.device(device)
     total: int | None = None
@@ -218,6 +226,7 @@ def compute_budget(
         total_bytes=total,
         psutil_available=psutil_avail,
         evictable_bytes=evictable,
+        patcher_free=None if user is not None or patcher_free is None else int(patcher_free),
     )
 
 

@@ -196,16 +196,21 @@ def vae_budget(vae: Any, budget_mb: float | None) -> Budget:
     which are not counted whether they are loaded yet or not (the same budget then gives the same plan
     either way). 0: ``free + evictable - VAE weights to load - reserve``, where ``evictable`` is the
     dynamic-VRAM pages of every *other* model on the device (ComfyUI >= 0.33 with comfy-aimdo; 0
-    elsewhere), which aimdo evicts when the decode allocates. See docs/MEMORY.md, "Budget".
+    elsewhere), which aimdo evicts when the decode allocates; under dynamic VRAM the VAE patcher's own
+    ``get_free_memory`` (newer ComfyUI's advice to model code) is read and shown beside it. See docs/MEMORY.md,
+    "Budget".
     """
     device = torch.device(vae.device)
     patcher = vae_patcher(vae)
     user = budget_mb if budget_mb and budget_mb > 0 else None
     to_load = 0
     evictable = 0
+    patcher_free = None
     if user is None and hasattr(patcher, "model_size") and hasattr(patcher, "loaded_size"):
         to_load = weights_to_load(patcher.model_size(), patcher.loaded_size())
         evictable = evictable_bytes(mm, device, exclude=[patcher])
+        if is_dynamic(patcher) and callable(getattr(patcher, "get_free_memory", None)):
+            patcher_free = int(patcher.get_free_memory(device))  # upstream's hint, shown beside ours
     return compute_budget(
         device,
         mm.get_free_memory,
@@ -214,6 +219,7 @@ def vae_budget(vae: Any, budget_mb: float | None) -> Budget:
         reserve_floor=int(mm.extra_reserved_memory()) if device.type != "cpu" else 0,
         user_budget_mb=user,
         evictable_bytes=evictable,
+        patcher_free=patcher_free,
     )
 
 

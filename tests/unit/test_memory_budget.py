@@ -87,3 +87,16 @@ def test_host_room_is_a_share_of_the_available_ram_less_what_the_decode_keeps_th
     assert host_room_for(env, cuda, cuda, 1 << 30) == int((4 << 30) * HOST_STORE_SHARE)
     assert host_room_for(env, cpu, cpu, 1 << 30) is None
     assert host_room_for(DecodeEnv(host_ram=lambda: None), cuda, cpu, 0) is None
+
+
+def test_the_patchers_own_free_memory_is_shown_beside_the_figure_used() -> None:
+    """Newer ComfyUI asks model code to read the patcher's ``get_free_memory`` under dynamic VRAM: it counts the
+    VAE's own staged weights as free, so the budget keeps torch's free memory + other models' evictable pages and
+    says both."""
+    b = compute_budget("cuda", lambda d: 6 * GiB, get_total_memory=lambda d: 24 * GiB, evictable_bytes=2 * GiB,
+                       patcher_free=9 * GiB)
+    assert b.available == 8 * GiB - b.reserve
+    text = b.describe()
+    assert "evictable 2,048 MiB" in text and "the VAE patcher's get_free_memory says 9,216 MiB" in text, text
+    user = compute_budget("cuda", lambda d: 6 * GiB, user_budget_mb=512, patcher_free=9 * GiB)
+    assert user.patcher_free is None and "get_free_memory" not in user.describe()
