@@ -52,10 +52,12 @@ def scaled(plan_fn: Callable[[int], Any], budget: int, ratio: float) -> Any:
     try:
         p = plan_fn(int(budget / ratio))
     except ImpossibleBudgetError as e:
+        text = str(e)
+        rest = text.split(" is too small", 1)[1] if " is too small" in text else f": {text}"
         raise ImpossibleBudgetError(
-            f"{e} (this path's measured peaks on this device ran {ratio:.2f}x its predictions, so it was "
-            f"planned for {fmt_bytes(int(budget / ratio))} of {fmt_bytes(budget)})", budget,
-            int(e.minimum * ratio), e.smallest) from e
+            f"budget {fmt_bytes(budget)} is too small{rest} (with the {ratio:.2f}x this path's measured peaks on "
+            f"this device ran over its predictions: {fmt_bytes(int(e.minimum * ratio))}; it was planned for "
+            f"{fmt_bytes(int(budget / ratio))})", budget, int(e.minimum * ratio), e.smallest) from e
     return None if p is None else dataclasses.replace(p, planned=int(p.planned * ratio), ratio=ratio)
 
 

@@ -319,3 +319,21 @@ def test_bad_shapes() -> None:
         plan_tiling((1, 4, 64), FAMILIES["kl"], 10**9, LINEAR)
     with pytest.raises(ValueError):
         plan_tiling((1, 4, 0, 64), FAMILIES["kl"], 10**9, LINEAR)
+
+
+def test_an_impossible_budget_names_the_users_figure_first():
+    """A path planned with a learned ratio (measured peaks over predictions) is planned for budget / ratio; the
+    error leads with the user's own figure, then says why less was planned for (issue 42: TAESD at 4 MiB said
+    "budget 2 MiB is too small")."""
+    from vramfit.memory.plan.grid import ImpossibleBudgetError, scaled
+
+    def plan_fn(b: int):
+        raise ImpossibleBudgetError(f"budget {b // 2**20} MiB is too small to decode latent (1, 4, 8, 8): the "
+                                    "smallest plan allowed needs 3 MiB", budget=b, minimum=3 * 2**20)
+
+    with pytest.raises(ImpossibleBudgetError) as err:
+        scaled(plan_fn, 4 * 2**20, 2.0)
+    text = str(err.value)
+    assert text.startswith("budget 4.0 MiB is too small to decode latent (1, 4, 8, 8)"), text
+    assert "2.00x" in text and "6.0 MiB" in text and "planned for 2.0 MiB" in text, text
+    assert err.value.minimum == 6 * 2**20
