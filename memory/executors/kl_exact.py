@@ -6,7 +6,8 @@ GroupNorm uses the global statistics merged from the previous segment's tile cor
 the untiled decode up to float rounding. Encode is the same walk the other way: ``conv_in`` and the down path
 in segments and tiles, then the whole tail (mid block, output convolution, the host's own regularizer) once
 per item on the latent-resolution map. An OOM inside a tile halves the tile and resumes (finished tiles are
-kept). Design: docs/TILED_DECODE.md, docs/ENCODE.md. Duck-typed: no ComfyUI import.
+kept). The statistics' merge is :mod:`.kl_stats`, the row-band store :mod:`.kl_store`. Design:
+docs/TILED_DECODE.md, docs/ENCODE.md. Duck-typed: no ComfyUI import.
 """
 
 from __future__ import annotations
@@ -26,20 +27,22 @@ from ..vae.kl_layout import (
     KlLayout,
     SegmentInfo,
     band_rows,
-    bands_in,
     block_shortcut,
     dying_inputs,
-    hunyuan_image,
     kl_layout,
     read_span,
     whole_output,
 )
+from ..vae.kl_structure import hunyuan_image
 from ..vae.swap import swapped
+from .kl_stats import _default_norm_params, _StatAcc
+from .kl_store import _Bands
 
 log = logging.getLogger("vramfit.memory.executors.kl_exact")
 
 EXECUTOR_VERSION = "v1"
-"""Version of this executor's allocation pattern, part of every exact cost-model key (shipped and cached).
+"""Version of this executor's allocation pattern (this module, its store :mod:`.kl_store` and statistics
+:mod:`.kl_stats`), part of every exact cost-model key (shipped and cached) and self-check verdict.
 Bump it when a change alters what the executor holds at its peak, then re-ship ``memory/cost/data/exact``
 (``bench/tiled_decode.py --write-defaults``); edits that do not (comments, error handling) keep the key."""
 
@@ -53,151 +56,7 @@ MIN_TILE = 8
 
 
 # --------------------------------------------------------------------------------------------------
-# Statistics
-
-
-class _StatAcc:
-    """Per (batch item, group) statistics of one activation, from per-tile partials.
-
-    Each tile contributes (count, mean, M2) per group, reduced in float32 (float64 for float64
-    activations) and kept in float64 on the statistics device; :meth:`finalize` merges them with Chan's
-    parallel formula. Recording a tile is a list append, so it cannot fail half-way (a tile whose
-    write already happened is never recorded twice).
-    """
-
-    def __init__(self, batch: int, norm: Any, device: torch.device) -> None:
-        self.batch = batch
-        self.groups = int(norm.num_groups)
-        self.eps = float(norm.eps)
-        self.device = device
-        self.parts: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
-
-    def tile_stats(self, core: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]:
-        """(count, mean, M2) of one (1, C, h, w) tile per group ((1, C, T, h, w): all its frames)."""
-        g = self.groups
-        c = int(core.shape[1])
-        rest = tuple(int(v) for v in core.shape[2:])
-        grouped = core.view(g, c // g, *rest)  # a view even of a cropped (strided) tile
-        if grouped.dtype not in (torch.float32, torch.float64):
-            grouped = grouped.float()
-        var, mean = torch.var_mean(grouped, dim=tuple(range(1, grouped.ndim)), correction=0)
-        cnt = c // g
-        for v in rest:
-            cnt *= v
-        return float(cnt), mean.to(self.device, torch.float64), var.to(self.device, torch.float64) * cnt
-
-    def record(self, b: int, stats: tuple[float, torch.Tensor, torch.Tensor]) -> None:
-        self.parts.append((b, *stats))
-
-    def finalize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, rstd) float64 of shape (B, G): all tiles merged at once, in float64.
-
-        Per batch item, with tile counts ``n_i``, means ``m_i`` and ``M2_i``: ``n = sum n_i``,
-        ``mean = sum n_i m_i / n`` and ``M2 = sum M2_i + sum n_i (m_i - mean)^2``: the parallel-variance
-        (Chan) merge of all tiles in one step, its between-tile term taken about the final mean (the
-        two-pass form, at least as accurate as merging tile by tile). A few tensor ops whatever the
-        number of tiles."""
-        mean = torch.zeros(self.batch, self.groups, dtype=torch.float64, device=self.device)
-        m2 = torch.zeros_like(mean)
-        n = torch.zeros(self.batch, 1, dtype=torch.float64, device=self.device)
-        if self.parts:
-            idx = torch.tensor([p[0] for p in self.parts], dtype=torch.long, device=self.device)
-            cnt = torch.tensor([p[1] for p in self.parts], dtype=torch.float64, device=self.device).unsqueeze(1)
-            t_mean = torch.stack([p[2] for p in self.parts])  # (P, G) float64
-            t_m2 = torch.stack([p[3] for p in self.parts])
-            n.index_add_(0, idx, cnt)
-            mean.index_add_(0, idx, t_mean * cnt)
-            mean /= n.clamp_min(1.0)
-            delta = t_mean - mean[idx]
-            m2.index_add_(0, idx, t_m2 + delta * delta * cnt)
-        return mean, torch.rsqrt(m2 / n.clamp_min(1.0) + self.eps)
-
-
-def _default_norm_params(norm: Any, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    w = getattr(norm, "weight", None)
-    bias = getattr(norm, "bias", None)
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    w = None if w is None else w.detach().to(device=x.device, dtype=dtype)
-    bias = None if bias is None else bias.detach().to(device=x.device, dtype=dtype)
-    return w, bias
-
-
-# --------------------------------------------------------------------------------------------------
 # The executor
-
-
-class _Bands:
-    """One activation in the store: per batch item, row bands (``rows``: the tile rows of the segment that
-    writes it), each allocated when a row of tiles first writes it and released once no remaining tile
-    reads it. ``whole``: one ``(B, C, H, W)`` tensor allocated at once and never released (the returned
-    image). ``lead``: the sizes between channels and rows (a 3-D decoder's frames, every band holding all of
-    them; () for 2-D)."""
-
-    def __init__(self, run: _ExactRun, c: int, h: int, w: int, rows: list[tuple[int, int]],
-                 device: torch.device, whole: bool, base: torch.Tensor | None = None,
-                 lead: tuple[int, ...] = ()) -> None:
-        self.run = run
-        self.c, self.h, self.w = c, h, w
-        self.lead = lead
-        self.rows = rows
-        self.starts = [r[0] for r in rows]
-        self.device = device if base is None else base.device
-        if base is None and whole:
-            base = run._alloc((run.batch, c, *lead, h, w), device)
-        self.base = base
-        self.bands: list[list[torch.Tensor | None]] = [[None] * len(rows) for _ in range(run.batch)]
-
-    def ensure(self, b: int, y0: int, y1: int) -> None:
-        if self.base is not None:
-            return
-        for i in bands_in(self.rows, y0, y1, self.starts):
-            if self.bands[b][i] is None:
-                r0, r1 = self.rows[i]
-                self.bands[b][i] = self.run._alloc((1, self.c, *self.lead, r1 - r0, self.w), self.device)
-
-    def _band(self, b: int, i: int) -> torch.Tensor:
-        t = self.bands[b][i]
-        if t is None:
-            raise RuntimeError(f"exact tiled walk: band {self.rows[i]} of item {b} read after its release")
-        return t
-
-    def read(self, b: int, y0: int, y1: int, x0: int, x1: int, device: torch.device) -> torch.Tensor:
-        if self.base is not None:
-            return self.base[b : b + 1, ..., y0:y1, x0:x1].to(device, non_blocking=True)
-        idx = bands_in(self.rows, y0, y1, self.starts)
-        if len(idx) == 1:
-            r0 = self.rows[idx[0]][0]
-            return self._band(b, idx[0])[..., y0 - r0 : y1 - r0, x0:x1].to(device, non_blocking=True)
-        out = torch.empty((1, self.c, *self.lead, y1 - y0, x1 - x0), dtype=self.run.dtype, device=device)
-        for i in idx:
-            r0, r1 = self.rows[i]
-            a, e = max(y0, r0), min(y1, r1)
-            out[..., a - y0 : e - y0, :].copy_(self._band(b, i)[..., a - r0 : e - r0, x0:x1], non_blocking=True)
-        return out
-
-    def write(self, r: Rect, core: torch.Tensor) -> None:
-        if self.base is not None:
-            self.base[r.b : r.b + 1, ..., r.y0 : r.y1, r.x0 : r.x1].copy_(core, non_blocking=True)
-            return
-        for i in bands_in(self.rows, r.y0, r.y1, self.starts):
-            r0, r1 = self.rows[i]
-            a, e = max(r.y0, r0), min(r.y1, r1)
-            self._band(r.b, i)[..., a - r0 : e - r0, r.x0 : r.x1].copy_(core[..., a - r.y0 : e - r.y0, :],
-                                                                        non_blocking=True)
-
-    def release_below(self, b: int, row: int) -> None:
-        """Release item ``b``'s bands that end at or above ``row``."""
-        if self.base is not None:
-            return
-        for i, (_, r1) in enumerate(self.rows):
-            if r1 <= row:
-                self.bands[b][i] = None
-
-    def tensor(self) -> torch.Tensor:
-        if self.base is not None:
-            return self.base
-        return torch.cat([torch.cat([self._band(b, i) for i in range(len(self.rows))], dim=-2)
-                          for b in range(len(self.bands))])
 
 
 @dataclasses.dataclass(frozen=True)
