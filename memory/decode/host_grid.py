@@ -1,8 +1,8 @@
 """Video decode of a VAE that tiles internally (ComfyUI 0.33's ``handles_tiling``; MiniMax H3's video VAE): the
-host's own grid reproduced one tile at a time (:mod:`..executors.host_grid`), after the same offload and budget
-steps as every decode, with its first-use self-check against the host's own result and its report. Entered from
-``decode/video.decode_video`` when :func:`..plan.host_grid.host_grid_of` recognises the model. Nothing here
-imports ComfyUI."""
+host's own grid (0.33.0's raw-edge grid or the newer neighbour-blended one) reproduced one tile, or one row group,
+at a time (:mod:`..executors.host_grid`), after the same offload and budget steps as every decode, with its
+first-use self-check against the host's own result and its report. Entered from ``decode/video.decode_video`` when
+:func:`..plan.host_grid.host_grid_of` recognises the model. Nothing here imports ComfyUI."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 
+from ..executors import host_grid as hg
 from ..executors.host_grid import decode_host_grid
 from ..plan.host_grid import host_grid_of, plan_host_grid
 from ..plan.types import Plan
 from ..plan.video import VideoJob, model_key
+from ..report import fmt_bytes
 from .env import DecodeEnv
 from .first_use import FirstUse
 from .own_executor import OwnExecutor, decode_own
@@ -27,8 +29,8 @@ __all__ = ["CHECK_FRAMES", "EXACT_TEXT", "check_host_grid", "decode_host_grid_vi
 
 CHECK_FRAMES = (12, 8, 1)
 """Latent frames of the self-check's latents: two clips of the host's grid (the first clip's kept tail cross-faded
-into the second, the second's flushed), in 2x2 tiles; two clips, the second padded, and one frame (``decode``'s
-single-frame case), each in one small tile."""
+into the second, the second's flushed), in 2x2 tiles (on the newer grid once a tile per decoder call, once a row
+per call); two clips, the second padded, and one frame (``decode``'s single-frame case), each in one small tile."""
 EXACT_TEXT = "exact (the host's own tiled result reproduced)"
 
 
@@ -36,15 +38,16 @@ def _grid_key(job: VideoJob) -> str:
     m = job.vae.first_stage_model
     grid = "/".join(str(getattr(m, f, "-")) for f in ("tiling", "tile_size", "tile_overlap_min", "clip_length",
                                                       "token_drop"))
-    return f"host-grid/{model_key(job)}/{grid}"
+    return f"host-grid/{model_key(job)}/{grid}/{hg.grid_kind(m)}/{hg.EXECUTOR_VERSION}"
 
 
 def check_host_grid(job: VideoJob, store: CheckStore, prepare: Callable[[], None] | None = None,
                     first_use: FirstUse | None = None) -> Verdict:
     """Self-check of the grid executor for this model on this host: the latents of :data:`CHECK_FRAMES` (the first
     one latent px larger than the host's tile each way: 2x2 tiles; the others 1x1 latent px), decoded by the host's
-    ``first_stage_model.decode`` and by the executor. Cached per structure (code fingerprint, grid fields,
-    executor version, dtype, device type); an inconclusive check is never cached."""
+    ``first_stage_model.decode`` and by the executor (on the newer grid: a tile per decoder call and a row per
+    call). Cached per structure (code fingerprint, grid fields and kind, executor version, dtype, device type); an
+    inconclusive check is never cached."""
     model = job.vae.first_stage_model
     c = int(job.z.shape[1])
     side = (int(model.tile_size) // int(model.vae_ratio) + 1) if model.tiling else 2
@@ -55,22 +58,26 @@ def check_host_grid(job: VideoJob, store: CheckStore, prepare: Callable[[], None
     def host() -> torch.Tensor:
         return torch.cat([model.decode(z).float().flatten() for z in zs])
 
-    def grid() -> torch.Tensor:
+    def grid(batch: int) -> torch.Tensor:
         outs = []
         for z in zs:
             shape = tuple(int(v) for v in model.decode_output_shape(tuple(z.shape)))
             out = torch.empty(shape, dtype=torch.float32, device=job.device)
-            outs.append(decode_host_grid(model, z, out=out, compute_device=job.device, dtype=job.dtype).flatten())
+            outs.append(decode_host_grid(model, z, out=out, compute_device=job.device, dtype=job.dtype,
+                                         row_batch=batch).flatten())
         return torch.cat(outs)
 
-    return checked(_grid_key(job), store, model, host, [("2 clips x 2x2 tiles; a padded clip; one frame", grid)], job.dtype,
-                   prepare, first_use)
+    what = "2 clips x 2x2 tiles; a padded clip; one frame"
+    configs = [(f"{what} ({hg.grid_kind(model)}, a tile per call)", lambda: grid(1))]
+    if hg.grid_kind(model) == hg.BLENDED and model.tiling:
+        configs.append((f"{what} ({hg.BLENDED}, a row per call)", lambda: grid(hg.ROW_BATCH_MAX)))
+    return checked(_grid_key(job), store, model, host, configs, job.dtype, prepare, first_use)
 
 
 def _run(job: VideoJob, p: Plan, view: torch.Tensor, bar: Any, env: DecodeEnv, stats: dict) -> None:
     hook = env.fault_hook
     decode_host_grid(job.vae.first_stage_model, job.z, out=view, compute_device=job.device, dtype=job.dtype,
-                     store_device=job.out_device, progress=bar, should_stop=env.should_stop,
+                     store_device=job.out_device, row_batch=p.config.batch, progress=bar, should_stop=env.should_stop,
                      fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
                      oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
 
@@ -82,10 +89,24 @@ def _geometry(job: VideoJob) -> tuple[int, int, int]:
     return frames, h * int(model.vae_ratio), w * int(model.vae_ratio)
 
 
+def _notes(job: VideoJob) -> list[tuple[str, str]]:
+    """The model's own hint, shown: what its ``memory_used_decode`` says the host's decode of this latent takes
+    (what ComfyUI reserves before calling it); the plan sizes the executor's decoder call on fake tensors."""
+    est = getattr(job.vae, "memory_used_decode", None)
+    if not callable(est):
+        return []
+    try:
+        need = int(est(tuple(job.z.shape), job.dtype))
+    except Exception:  # noqa: BLE001 - a hint only
+        return []
+    return [("model estimate", f"{fmt_bytes(need)} for the host's own decode of this latent (the model's "
+                               "memory_used_decode, what ComfyUI reserves for it)")]
+
+
 HOST_GRID = OwnExecutor(
     path="host_grid",
     name="grid executor",
-    exact_text=f"{EXACT_TEXT}: this VAE tiles internally; its grid decoded one tile at a time",
+    exact_text=f"{EXACT_TEXT}: this VAE tiles internally; its grid decoded a tile (or a row group) at a time",
     check=lambda job, env, prep, first: check_host_grid(job, env.checks, prep, first),
     plan=plan_host_grid,
     geometry=_geometry,
@@ -93,7 +114,8 @@ HOST_GRID = OwnExecutor(
     over_text="one tile of the host's grid; another grid would change the result",
     time_text=lambda st: f"{st.get('chunks', '?')} clips" + (f" x {st['tiles']} tiles" if st.get("tiles") else ""),
     shape_text=lambda st: f"{st.get('units', '?')} grid tiles",
-    oom_text=lambda n: f"{n} tile(s) decoded again after an out-of-memory error (finished tiles kept)",
+    oom_text=lambda n: f"{n} decoder call(s) made again after an out-of-memory error (finished tiles kept)",
+    notes=_notes,
 )
 """MiniMax H3's grid as an executor of its own (:mod:`.own_executor`)."""
 
