@@ -6,11 +6,15 @@ nodes" command does the same on the open graph, web/js/vramfit_swap.js):
 
 Takes API-format prompts (``{id: {class_type, inputs}}``) and UI-format workflows (``{nodes, links}``, their
 subgraphs included), told apart by their shape. Which node becomes which, and how widgets carry over, is
-``web/vramfit_swap.json`` (read by the browser command too). Links, ids, titles, positions, sizes, colours
-and groups stay as they were; a widget without a counterpart (core ``overlap``, the pack's ``budget_mb``...)
-is kept on the swapped node (``properties`` / ``_meta`` under the mapping's ``stash`` key) when a swap back
-needs it to give the same node again, so swap then revert gives back the identical graph. Needs only the
-standard library.
+``web/vramfit_swap.json`` (read by the browser command too): a core node becomes the video node where the
+graph shows a video (its VAE's file, the latent's source; seen through reroutes and subgraph boundaries,
+:func:`kind_of`), and its temporal widgets go by that VAE's temporal compression. Links, ids, titles,
+positions, sizes, colours, modes and groups stay as they were; a widget without a counterpart (core
+``overlap``, the pack's ``budget_mb``...) is kept on the swapped node (``properties`` / ``_meta`` under the
+mapping's ``stash`` key) when a swap back needs it to give the same node again, and so is what the saved
+node lacked or held otherwise (no ``widgets_values``, its registry fields' place), so swap then revert gives
+back the identical graph (the same JSON once loaded). VAE nodes with no counterpart here (audio, 3-D) are
+left as they are, counted with why in the log. Needs only the standard library.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import dataclasses
 import json
 import logging
 import pathlib
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -31,6 +36,8 @@ log = logging.getLogger("vramfit.use_vramfit")
 
 MAPPING_PATH = pathlib.Path(__file__).resolve().parents[1] / "web" / "vramfit_swap.json"
 VIDEO, IMAGE, ANY = "video", "image", "any"
+UI_KEYS_KEPT_ABSENT = ("widgets_values",)
+"""Node keys a swap writes that a saved node may lack: a swap back leaves them out again."""
 ORIGIN_PROPERTIES = ("cnr_id", "ver", "aux_id")
 """Node properties newer frontends save to say which pack (and version) a node comes from: they belong to
 the old type, so a swapped node keeps them in its stash."""
@@ -79,6 +86,10 @@ class Mapping:
     def video_hints(self) -> tuple[set[str], set[str]]:
         return set(self.data["video"]["upstream"]), set(self.data["video"]["downstream"])
 
+    def unmapped(self) -> dict[str, str]:
+        """VAE node types with no counterpart here, and why."""
+        return self.data.get("unmapped") or {}
+
 
 def load_mapping(path: pathlib.Path = MAPPING_PATH) -> Mapping:
     return Mapping(json.loads(path.read_text()))
@@ -94,15 +105,28 @@ def _clamp(value: int, spec: dict) -> int:
     return value - (value - base) % step
 
 
-def _map_value(rule: dict, value: Any, to_pack: bool, target_spec: dict) -> Any:
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """What the graph shows at a node: ``kind`` (``video``/``image``), the VAE's temporal compression (output
+    frames per latent frame, the mapping's ``divide: "temporal_compression"``) and why (for the log)."""
+
+    kind: str = IMAGE
+    temporal_compression: int = 4
+    why: str = ""
+
+
+def _map_value(rule: dict, value: Any, to_pack: bool, target_spec: dict, kind: Kind = Kind()) -> Any:
     """A widget value carried across a rule of the mapping: the core default <-> the pack's auto, else
-    scaled by ``divide`` and kept in the target widget's range."""
+    scaled by ``divide`` (a number, or ``"temporal_compression"``: the VAE's, from ``kind``) and kept in the
+    target widget's range."""
     src_auto, dst_auto = ("core_auto", "pack_auto") if to_pack else ("pack_auto", "core_auto")
     if src_auto in rule and value == rule[src_auto]:
         return rule[dst_auto]
     if not isinstance(value, int) or isinstance(value, bool):
         return value
     divide = rule.get("divide", 1)
+    if divide == "temporal_compression":
+        divide = kind.temporal_compression
     scaled = value // divide if to_pack else value * divide
     if to_pack and value > 0:
         scaled = max(scaled, 1)
@@ -120,7 +144,7 @@ class State:
     stash: dict | None
 
 
-def _convert(m: Mapping, x: State, kind: str, use_stash: bool = True) -> tuple[str, dict[str, Any], dict]:
+def _convert(m: Mapping, x: State, kind: Kind, use_stash: bool = True) -> tuple[str, dict[str, Any], dict]:
     """``(type, widgets, entry)`` of the other side of node ``x``."""
     to_pack = m.is_core(x.type)
     stash = x.stash if use_stash else None
@@ -130,7 +154,7 @@ def _convert(m: Mapping, x: State, kind: str, use_stash: bool = True) -> tuple[s
         entry = m.entry(*pair)
     if entry is None:
         stash = None
-        entry = m.pick(x.type, kind) if to_pack else m.entry(m.data["revert"][x.type], x.type)
+        entry = m.pick(x.type, kind.kind) if to_pack else m.entry(m.data["revert"][x.type], x.type)
     y_type = entry["pack"] if to_pack else entry["core"]
     y_specs = {w["name"]: w for w in m.spec(y_type)["widgets"]}
     y = m.defaults(y_type)
@@ -141,10 +165,10 @@ def _convert(m: Mapping, x: State, kind: str, use_stash: bool = True) -> tuple[s
         if xn not in x.widgets:
             continue
         if stash and yn in stash.get("widgets", {}):
-            back = _map_value(rule, stash["widgets"][yn], not to_pack, m.spec(x.type)["widgets"][_index(m, x.type, xn)])
-            if back == x.widgets[xn]:
+            x_spec = m.spec(x.type)["widgets"][_index(m, x.type, xn)]
+            if _map_value(rule, stash["widgets"][yn], not to_pack, x_spec, kind) == x.widgets[xn]:
                 continue  # unchanged since the stash was made: its value
-        y[yn] = _map_value(rule, x.widgets[xn], to_pack, y_specs[yn])
+        y[yn] = _map_value(rule, x.widgets[xn], to_pack, y_specs[yn], kind)
     return y_type, y, entry
 
 
@@ -164,7 +188,7 @@ def _auto_title(m: Mapping, x: State, y_type: str) -> str | None:
     return x.title
 
 
-def convert(m: Mapping, x: State, kind: str) -> tuple[State, dict]:
+def convert(m: Mapping, x: State, kind: Kind) -> tuple[State, dict]:
     """The node ``x`` on the other side, and the mapping entry used. The result carries a stash (``x``'s type,
     widgets and title) only when converting it back without one would not give ``x`` again."""
     y_type, y_widgets, entry = _convert(m, x, kind)
@@ -193,6 +217,8 @@ class Swap:
     new: str
     kept: dict[str, Any]
     """Widgets of the old node with no counterpart on the new one (kept in the stash for a swap back)."""
+    why: str = ""
+    """Why the video node was chosen (empty for the image node and for a swap back)."""
 
 
 @dataclasses.dataclass
@@ -202,13 +228,26 @@ class Outcome:
     swaps: list[Swap] = dataclasses.field(default_factory=list)
     skipped: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
     """``(node, type, why)`` of the nodes left as they were."""
+    unmapped: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    """``(node, type, why)`` of the VAE nodes with no VRAM Fit counterpart (audio, 3-D...), left as they are."""
+
+    def left(self) -> dict[str, tuple[int, str]]:
+        """``{type: (count, why)}`` of the unmapped VAE nodes."""
+        out: dict[str, tuple[int, str]] = {}
+        for _, t, why in self.unmapped:
+            out[t] = (out.get(t, (0, why))[0] + 1, why)
+        return out
 
     def summary(self) -> str:
         lines = [f"{len(self.swaps)} node(s) swapped ({self.format} format)"]
         for s in self.swaps:
-            kept = ", ".join(f"{k}={v!r}" for k, v in s.kept.items())
-            lines.append(f"  node {s.node}: {s.old} -> {s.new}" + (f" (no counterpart: {kept})" if kept else ""))
+            notes = [s.why] if s.why else []
+            if s.kept:
+                notes.append("no counterpart: " + ", ".join(f"{k}={v!r}" for k, v in s.kept.items()))
+            lines.append(f"  node {s.node}: {s.old} -> {s.new}" + (f" ({'; '.join(notes)})" if notes else ""))
         lines += [f"  node {n} ({t}) left as it was: {why}" for n, t, why in self.skipped]
+        lines += [f"  {count} {t} node(s) left as they are (no VRAM Fit counterpart): {why}"
+                  for t, (count, why) in self.left().items()]
         return "\n".join(lines)
 
 
@@ -221,24 +260,116 @@ def _kept(m: Mapping, entry: dict, x: State) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ video hints
 
 
-def _reaches(start: str, edges: dict[str, set[str]], types: dict[str, str], wanted: set[str]) -> bool:
-    seen, todo = {start}, [start]
-    while todo:
-        for nxt in edges.get(todo.pop(), ()):
-            if nxt not in seen:
-                if types.get(nxt) in wanted:
-                    return True
-                seen.add(nxt)
-                todo.append(nxt)
-    return False
+@dataclasses.dataclass
+class Flow:
+    """The links of a whole workflow as one graph: node keys (API: the id; UI: ``(subgraph id or None, node
+    id as a string)``, with ``(graph, "in"|"out", slot)`` for a subgraph's input and output slots), their types and
+    values (UI widgets_values, API inputs), and each node's origins by input name and its targets. A link
+    into a subgraph node goes to the subgraph's input slot, on to the nodes inside its definition; one out
+    of it comes from the definition's output slot: the flow sees through subgraph boundaries."""
+
+    types: dict[Any, str | None] = dataclasses.field(default_factory=dict)
+    values: dict[Any, list] = dataclasses.field(default_factory=dict)
+    ups: dict[Any, list[tuple[str | None, Any]]] = dataclasses.field(default_factory=dict)
+    downs: dict[Any, set] = dataclasses.field(default_factory=dict)
+
+    def link(self, origin: Any, target: Any, name: str | None) -> None:
+        self.ups.setdefault(target, []).append((name, origin))
+        self.downs.setdefault(origin, set()).add(target)
+
+    def closure(self, starts: list, down: bool = False) -> set:
+        """``starts`` and every node upstream of them (downstream with ``down``)."""
+        seen, todo = set(starts), list(starts)
+        while todo:
+            key = todo.pop()
+            nexts = self.downs.get(key, ()) if down else (o for _, o in self.ups.get(key, ()))
+            for nxt in nexts:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
 
 
-def _kind(m: Mapping, node: str, node_type: str, types: dict, ups: dict, downs: dict) -> str:
+def _ui_slot(node: dict, side: str, slot: Any, names: list[str]) -> Any:
+    """The subgraph slot that slot ``slot`` of subgraph node ``node`` stands for (by name, else by index)."""
+    entries = node.get(side) or []
+    name = entries[slot].get("name") if isinstance(slot, int) and 0 <= slot < len(entries) else None
+    return names.index(name) if name in names else slot
+
+
+def ui_flow(workflow: dict) -> Flow:
+    """The :class:`Flow` of a UI-format workflow, its subgraphs included."""
+    flow = Flow()
+    subs = {s.get("id"): s for s in (workflow.get("definitions") or {}).get("subgraphs") or []}
+    io_names = {sid: ([i.get("name") for i in s.get("inputs") or []], [o.get("name") for o in s.get("outputs") or []])
+                for sid, s in subs.items()}
+    for gid, graph in [(None, workflow), *subs.items()]:
+        nodes = {str(n.get("id")): n for n in graph.get("nodes") or []}
+        for nid, n in nodes.items():
+            flow.types[(gid, nid)] = n.get("type")
+            flow.values[(gid, nid)] = n.get("widgets_values") if isinstance(n.get("widgets_values"), list) else []
+        for origin, o_slot, target, t_slot in _ui_link_ends(graph):
+            origin, target = str(origin), str(target)
+            src, dst = (gid, origin), (gid, target)
+            if origin == "-10":
+                src = (gid, "in", o_slot)
+            elif nodes.get(origin, {}).get("type") in subs:
+                sid = nodes[origin]["type"]
+                src = (sid, "out", _ui_slot(nodes[origin], "outputs", o_slot, io_names[sid][1]))
+            name = None
+            if target == "-20":
+                dst = (gid, "out", t_slot)
+            elif nodes.get(target, {}).get("type") in subs:
+                sid = nodes[target]["type"]
+                dst = (sid, "in", _ui_slot(nodes[target], "inputs", t_slot, io_names[sid][0]))
+            else:
+                entries = nodes.get(target, {}).get("inputs") or []
+                name = entries[t_slot].get("name") if isinstance(t_slot, int) and 0 <= t_slot < len(entries) else None
+            flow.link(src, dst, name)
+    return flow
+
+
+def api_flow(prompt: dict) -> Flow:
+    """The :class:`Flow` of an API-format prompt."""
+    flow = Flow()
+    for k, n in prompt.items():
+        flow.types[k] = n.get("class_type")
+        flow.values[k] = list((n.get("inputs") or {}).values())
+    for k, n in prompt.items():
+        for name, v in (n.get("inputs") or {}).items():
+            if _is_link(v) and v[0] in prompt:
+                flow.link(v[0], k, name)
+    return flow
+
+
+def kind_of(m: Mapping, flow: Flow, key: Any, node_type: str) -> Kind:
+    """Whether core node ``node_type`` at ``key`` works on a video (web/vramfit_swap.json ``video``): its VAE's
+    file (a loader upstream of its ``vae`` input), a node making video latents or frames upstream of it, or,
+    for a decode whose VAE file is not seen, a node downstream taking its frames as a video."""
+    video = m.data["video"]
     upstream, downstream = m.video_hints()
-    if _reaches(node, ups, types, upstream):
-        return VIDEO
+    loaders = set(video.get("vae_loaders") or [])
+    default = video.get("temporal_compression", 4)
+    families = video.get("families") or {}
+    vae_from = [o for name, o in flow.ups.get(key, ()) if name == "vae"]
+    files = sorted({v for k in flow.closure(vae_from) if flow.types.get(k) in loaders
+                    for v in flow.values.get(k) or [] if isinstance(v, str)})
+    seen = next(((f, rule["family"]) for rule in video.get("vae_files") or [] for f in files
+                 if re.search(rule["match"], f, re.IGNORECASE)), None)
+    above = sorted({t for k in flow.closure([key]) - {key} if (t := flow.types.get(k)) in upstream})
+    family = seen[1] if seen else next(
+        (fam for fam, spec in families.items() if set(spec.get("upstream") or []) & set(above)), None)
+    temporal = (families.get(family) or {}).get("temporal_compression", default)
+    if seen:
+        return Kind(VIDEO, temporal, f"video: VAE {seen[0]}")
+    if above:
+        return Kind(VIDEO, temporal, f"video: from {above[0]}")
     decode = bool(m.spec(node_type)["inputs"]) and m.spec(node_type)["inputs"][0][1] == "LATENT"
-    return VIDEO if decode and _reaches(node, downs, types, downstream) else IMAGE
+    if decode and not files:
+        below = sorted({t for k in flow.closure([key], down=True) if (t := flow.types.get(k)) in downstream})
+        if below:
+            return Kind(VIDEO, temporal, f"video: into {below[0]}")
+    return Kind(IMAGE, temporal)
 
 
 # ------------------------------------------------------------------------------------ API format
@@ -251,18 +382,16 @@ def _is_link(value: Any) -> bool:
 def swap_api(m: Mapping, prompt: dict, revert: bool = False) -> Outcome:
     out = Outcome(copy.deepcopy(prompt), "API")
     graph = out.graph
-    types = {k: n.get("class_type") for k, n in graph.items()}
-    ups: dict[str, set[str]] = {k: set() for k in graph}
-    downs: dict[str, set[str]] = {k: set() for k in graph}
+    flow = api_flow(graph)
     used_slots: dict[str, set[int]] = {k: set() for k in graph}
-    for k, n in graph.items():
+    for n in graph.values():
         for v in n.get("inputs", {}).values():
             if _is_link(v) and v[0] in graph:
-                ups[k].add(v[0])
-                downs[v[0]].add(k)
                 used_slots[v[0]].add(v[1])
     for k, n in graph.items():
         t = n.get("class_type")
+        if not revert and t in m.unmapped():
+            out.unmapped.append((k, t, m.unmapped()[t]))
         if t not in m.sources(revert):
             continue
         inputs = n.get("inputs", {})
@@ -276,7 +405,8 @@ def swap_api(m: Mapping, prompt: dict, revert: bool = False) -> Outcome:
             continue
         meta = n.get("_meta") or {}
         x = State(t, {w: inputs.get(w, m.defaults(t)[w]) for w in names}, meta.get("title"), meta.get(m.stash))
-        y, entry = convert(m, x, _kind(m, k, t, types, ups, downs))
+        kind = kind_of(m, flow, k, t)
+        y, entry = convert(m, x, kind)
         sockets = [s for s, _ in m.spec(y.type)["inputs"]]
         new_inputs = {s: inputs[s] for s in sockets if s in inputs}
         new_inputs.update(y.widgets)
@@ -289,7 +419,7 @@ def swap_api(m: Mapping, prompt: dict, revert: bool = False) -> Outcome:
             new_meta[m.stash] = y.stash
         if new_meta or "_meta" in n:
             n["_meta"] = new_meta
-        out.swaps.append(Swap(k, t, y.type, _kept(m, entry, x)))
+        out.swaps.append(Swap(k, t, y.type, _kept(m, entry, x), "" if revert else kind.why))
     return out
 
 
@@ -300,6 +430,11 @@ def _ui_graphs(workflow: dict) -> Iterator[dict]:
     """The workflow's graph and its subgraphs' (frontends with subgraphs keep them under definitions)."""
     yield workflow
     yield from (workflow.get("definitions") or {}).get("subgraphs") or []
+
+
+def _ui_graph_id(workflow: dict, graph: dict) -> str | None:
+    """``graph``'s part of a :class:`Flow` key: None for the workflow's own graph, else the subgraph's id."""
+    return None if graph is workflow else graph.get("id")
 
 
 def _ui_link_ends(graph: dict) -> list[tuple[Any, Any, Any, Any]]:
@@ -354,7 +489,7 @@ def _ui_outputs(m: Mapping, node: dict, y: State) -> list[dict]:
         entry.update(name=name, type=typ)
         if localized:
             entry["localized_name"] = name
-        if numbered:
+        if numbered and not (i < len(old) and "slot_index" in old[i]):  # an output's own (null or not) stays
             entry["slot_index"] = i
         new.append(entry)
     return new
@@ -362,17 +497,15 @@ def _ui_outputs(m: Mapping, node: dict, y: State) -> list[dict]:
 
 def swap_ui(m: Mapping, workflow: dict, revert: bool = False) -> Outcome:
     out = Outcome(copy.deepcopy(workflow), "UI")
+    flow = ui_flow(workflow)  # of the graph as it came: every node's kind from the same graph
     for graph in _ui_graphs(out.graph):
+        gid = _ui_graph_id(out.graph, graph)
         nodes = graph.get("nodes") or []
-        types = {n["id"]: n.get("type") for n in nodes}
         style = _ui_style(nodes)
-        ups: dict[Any, set] = {n["id"]: set() for n in nodes}
-        downs: dict[Any, set] = {n["id"]: set() for n in nodes}
-        for a, _, b, _ in _ui_link_ends(graph):
-            ups.setdefault(b, set()).add(a)
-            downs.setdefault(a, set()).add(b)
         for n in nodes:
             t = n.get("type")
+            if not revert and t in m.unmapped():
+                out.unmapped.append((str(n["id"]), t, m.unmapped()[t]))
             if t not in m.sources(revert):
                 continue
             nid = str(n["id"])
@@ -388,13 +521,21 @@ def swap_ui(m: Mapping, workflow: dict, revert: bool = False) -> Outcome:
             widgets = {w: values[i] if i < len(values) else m.defaults(t)[w] for i, w in enumerate(names)}
             props = n.get("properties") or {}
             x = State(t, widgets, n.get("title"), props.get(m.stash))
-            y, entry = convert(m, x, _kind(m, n["id"], t, types, ups, downs))
+            kind = kind_of(m, flow, (gid, str(n["id"])), t)
+            y, entry = convert(m, x, kind)
+            returning = bool(x.stash) and x.stash.get("type") == y.type  # back to what the node was
+            absent = [k for k in UI_KEYS_KEPT_ABSENT if k not in n]
             n["type"] = y.type
             n["inputs"] = _ui_inputs(m, n, y, style)
             n["outputs"] = _ui_outputs(m, n, y)
             n["widgets_values"] = [y.widgets[w] for w in m.widget_names(y.type)]
             stash = y.stash
-            returning = bool(x.stash) and x.stash.get("type") == y.type  # back to what the node was
+            if returning:
+                for key in x.stash.get("absent") or []:
+                    if not n.get(key):  # nothing of its own since (a widget-less node's [] is nothing)
+                        n.pop(key, None)
+            elif absent:  # a key the node had not (older frontends save no widgets_values on a widget-less node)
+                stash = {**(stash or _stash_of(x)), "absent": absent}
             if returning and x.stash.get("size"):
                 n["size"] = list(x.stash["size"])
             elif not returning and isinstance(n.get("size"), list) and len(n["size"]) == 2:
@@ -410,15 +551,20 @@ def swap_ui(m: Mapping, workflow: dict, revert: bool = False) -> Outcome:
             new_props = {k: v for k, v in props.items() if k != m.stash and k not in ORIGIN_PROPERTIES}
             if new_props.get("Node name for S&R") == t:
                 new_props["Node name for S&R"] = y.type
-            if x.stash and x.stash.get("type") == y.type:
+            if returning:
                 new_props.update(x.stash.get("properties") or {})
+                order = x.stash.get("order") or []
+                new_props = {**{k: new_props[k] for k in order if k in new_props}, **new_props}
             origin = {k: props[k] for k in ORIGIN_PROPERTIES if k in props}
             if origin:  # whose node it was (the frontend's registry fields): the other side's, kept for the way back
                 stash = {**(stash or _stash_of(x)), "properties": origin}
+                order = [k for k in props if k != m.stash]
+                if order != [k for k in order if k not in origin] + list(origin):  # not last: where they were
+                    stash["order"] = order
             if stash:
                 new_props[m.stash] = stash
             n["properties"] = new_props
-            out.swaps.append(Swap(nid, t, y.type, _kept(m, entry, x)))
+            out.swaps.append(Swap(nid, t, y.type, _kept(m, entry, x), "" if revert else kind.why))
     return out
 
 

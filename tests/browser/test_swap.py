@@ -18,6 +18,7 @@ import copy
 import pytest
 
 from scripts import use_vramfit
+from tests.unit.test_use_vramfit import _subgraph_workflow
 
 pytestmark = pytest.mark.server
 
@@ -202,4 +203,38 @@ def test_swap_command_runs_the_graph_and_swaps_back_to_the_same_graph(page, rend
         expected, back = _laid_out(expected), _laid_out(back)
     assert _differences(_by_id(expected), _by_id(back)) == {}
     assert back == expected
+    page.close_overlays()
+
+
+def test_swap_sees_through_a_subgraph_and_names_the_vae_nodes_it_leaves(page):
+    """The decode inside a subgraph takes the video node from the Wan VAE loaded outside it (through the
+    subgraph's input), its temporal_size 4096 as 4096 / 4 latent frames, as the headless swap of the graph the
+    frontend serialized; the audio decode is left and the toast says why; swapping back gives that graph."""
+    workflow = _subgraph_workflow("Wan2_1_VAE_bf16.safetensors")
+    workflow["nodes"].append({
+        "id": 4, "type": "VAEDecodeAudio", "pos": [0, 300], "size": [240, 50], "flags": {}, "order": 3, "mode": 0,
+        "inputs": [{"name": "samples", "type": "LATENT", "link": None}, {"name": "vae", "type": "VAE", "link": None}],
+        "outputs": [{"name": "AUDIO", "type": "AUDIO", "links": []}], "properties": {}, "widgets_values": []})
+    page.js("return window.app.loadGraphData(arguments[0])", workflow)
+    page.close_overlays()
+    original = page.js(_SERIALIZED_JS)
+    headless = use_vramfit.swap(original)
+    assert [(s.node, s.new, s.why) for s in headless.swaps] == [
+        ("12", "VRAMFit_TemporalChunkVideoDecode", "video: VAE Wan2_1_VAE_bf16.safetensors")]
+
+    page.command(USE)
+    text = _toast(page, "1 VAE node(s) now use VRAM Fit")
+    assert "Left 1 VAEDecodeAudio node(s) as they are (no VRAM Fit counterpart): audio VAE" in text
+    swapped = page.js(_SERIALIZED_JS)
+    inner = swapped["definitions"]["subgraphs"][0]["nodes"]
+    expected = headless.graph["definitions"]["subgraphs"][0]["nodes"]
+    assert [_essentials(n) for n in inner] == [_essentials(n) for n in expected]
+    assert inner[0]["widgets_values"][:2] == [1024, 0]
+    page.close_overlays()
+
+    page.command(REVERT)
+    _toast(page, "1 VRAM Fit VAE node(s) swapped back to core nodes")
+    back = page.js(_SERIALIZED_JS)
+    assert _differences(_by_id(back), _by_id(original)) == {}
+    assert back == original
     page.close_overlays()

@@ -1,8 +1,9 @@
 """The VAE node swap (scripts/use_vramfit.py, web/vramfit_swap.json) against a real ComfyUI: the mapping's
 node specs are the host's own (/object_info: sockets, widgets in order with defaults and ranges, outputs,
 display names), core versions of the CPU templates and their swapped graphs validate on the host, UI and API
-swaps agree (the swapped UI converted to API format equals the swapped API twin), and a swapped core graph
-runs (issue 37)."""
+swaps agree (the swapped UI converted to API format equals the swapped API twin), a swapped core graph
+runs (issue 37), and every node the swap makes of ComfyUI's own templates (the corpus of
+tests/unit/test_use_vramfit.py) is valid on the host (issue 42)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import pytest
 from scripts import use_vramfit as u
 from scripts.host import output_files
 from scripts.workflow_graphs import CPU_WORKFLOWS, all_workflows
-from scripts.workflow_schema import Schemas
-from scripts.workflow_validate import validate_workflow
+from scripts.workflow_schema import Schemas, value_counts
+from scripts.workflow_validate import check_widget_value, validate_workflow
 from scripts.workflows import API_DIR, WORKFLOWS_DIR, copy_shipped_inputs
+from tests.unit.test_use_vramfit import vae_corpus
 
 pytestmark = pytest.mark.server
 
@@ -111,3 +113,46 @@ def test_a_swapped_core_graph_runs(server, client, shipped_inputs):
     assert len(reports) == 1
     verdict = reports[0].splitlines()[1]
     assert verdict.startswith("exact") and "tiles" in verdict, verdict  # core's tile side (64) carried
+
+
+def _node_problems(schemas: Schemas, node: dict) -> list[str]:
+    """Why UI node ``node`` would not load as the host declares its type: its widgets (count, types, ranges,
+    steps), its sockets and widget entries, its outputs."""
+    schema = schemas.get(node["type"])
+    if schema is None:
+        return ["the host has no such node type"]
+    values = node.get("widgets_values") or []
+    slots = schemas.ui_widget_layout(schema, values)
+    problems = [] if len(values) in value_counts(slots) else [f"{len(values)} widget values: {values}"]
+    problems += [f"{slot.spec.name}: {why}" for slot in slots
+                 if slot.index < len(values) and (why := check_widget_value(slot.spec, values[slot.index]))]
+    sockets = [(i["name"], i["type"]) for i in node.get("inputs") or [] if "widget" not in i]
+    if sockets != [(spec.name, spec.type) for spec in schema.sockets]:
+        problems.append(f"sockets {sockets}")
+    widgets = {spec.name: spec.type for spec in schema.widgets}
+    problems += [f"widget entry {i['name']} ({i['type']})" for i in node.get("inputs") or []
+                 if "widget" in i and widgets.get(i["name"]) != i["type"]]
+    outputs = [(o["name"], o["type"]) for o in node.get("outputs") or []]
+    if outputs != list(zip(schema.output_names, schema.outputs, strict=True)):
+        problems.append(f"outputs {outputs}")
+    return problems
+
+
+def test_every_node_the_swap_makes_of_the_template_corpus_is_valid_on_this_host(object_info):
+    """Each of the 355 VRAM Fit nodes the swap makes of ComfyUI's own templates (the pinned corpus), checked
+    against this host's /object_info: widget values (count, type, range, step: a mapped tile side or
+    frames_per_chunk out of range would fail here), sockets, widget entries, outputs."""
+    schemas = Schemas(object_info)
+    problems, made = [], []
+    for name, graph in vae_corpus().items():
+        swapped = u.swap(graph, mapping=M).graph
+        for g in u._ui_graphs(swapped):
+            for node in g["nodes"]:
+                if node["type"] in M.data["revert"]:
+                    made.append(node)
+                    problems += [f"{name} node {node['id']} {node['type']}: {p}" for p in _node_problems(schemas, node)]
+    assert problems == []
+    assert len(made) == 355
+    bad = copy.deepcopy(next(n for n in made if n["type"] == "VRAMFit_TemporalChunkVideoDecode"))
+    bad["widgets_values"][0] = 8192  # frames_per_chunk over its maximum: the check sees it
+    assert _node_problems(schemas, bad) == ["frames_per_chunk: value 8192 is above the maximum 4096"]

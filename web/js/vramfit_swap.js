@@ -48,11 +48,12 @@ function clamp(value, s) {
   return value - ((value - base) % step);
 }
 
-function mapValue(rule, value, toPack, targetSpec) {
+// `kind`: {kind: "video"|"image", temporal: the VAE's temporal compression, why} (kindOf below)
+function mapValue(rule, value, toPack, targetSpec, kind) {
   const [srcAuto, dstAuto] = toPack ? ["core_auto", "pack_auto"] : ["pack_auto", "core_auto"];
   if (srcAuto in rule && value === rule[srcAuto]) return rule[dstAuto];
   if (!Number.isInteger(value)) return value;
-  const divide = rule.divide ?? 1;
+  const divide = rule.divide === "temporal_compression" ? kind.temporal : (rule.divide ?? 1);
   let scaled = toPack ? Math.floor(value / divide) : value * divide;
   if (toPack && value > 0) scaled = Math.max(scaled, 1);
   return clamp(scaled, targetSpec);
@@ -67,7 +68,7 @@ function convertOnce(m, x, kind, useStash = true) {
   if (stash) entry = toPack ? entryOf(m, x.type, stash.type) : entryOf(m, stash.type, x.type);
   if (!entry) {
     stash = null;
-    entry = toPack ? pick(m, x.type, kind) : entryOf(m, m.revert[x.type], x.type);
+    entry = toPack ? pick(m, x.type, kind.kind) : entryOf(m, m.revert[x.type], x.type);
   }
   const yType = toPack ? entry.pack : entry.core;
   const y = defaults(m, yType);
@@ -76,10 +77,10 @@ function convertOnce(m, x, kind, useStash = true) {
     const [xn, yn] = toPack ? [rule.core, rule.pack] : [rule.pack, rule.core];
     if (!(xn in x.widgets)) continue;
     if (stash && yn in (stash.widgets ?? {})) {
-      const back = mapValue(rule, stash.widgets[yn], !toPack, widgetSpec(m, x.type, xn));
+      const back = mapValue(rule, stash.widgets[yn], !toPack, widgetSpec(m, x.type, xn), kind);
       if (same(back, x.widgets[xn])) continue;
     }
-    y[yn] = mapValue(rule, x.widgets[xn], toPack, widgetSpec(m, yType, yn));
+    y[yn] = mapValue(rule, x.widgets[xn], toPack, widgetSpec(m, yType, yn), kind);
   }
   return { type: yType, widgets: y, entry };
 }
@@ -113,31 +114,121 @@ function graphsOf(root) {
   return [root, ...subs];
 }
 const nodesOf = (graph) => graph.nodes ?? graph._nodes ?? [];
-const linkOf = (graph, id) => (graph.links?.get ? graph.links.get(id) : graph.links?.[id]) ?? null;
-function allLinks(graph) {
-  const links = graph.links;
-  if (!links) return [];
-  return links instanceof Map ? [...links.values()] : Object.values(links);
+
+// ------------------------------------------------------------------ video hints (as scripts/use_vramfit.py)
+
+// The links of the serialized workflow as one graph, through subgraph boundaries (scripts/use_vramfit.py
+// ui_flow): keys JSON [graph id (null: the root graph), node id as a string (frontends 1.4x give live nodes
+// string ids, their serialization numbers)], or [graph id, "in"|"out", slot] for a
+// subgraph's input and output slots; a link into a subgraph node goes to the subgraph's input slot, on to the
+// nodes inside its definition, one out of it comes from the definition's output slot.
+const keyOf = (...parts) => JSON.stringify(parts);
+
+function linkEnds(graph) {
+  return (graph.links ?? []).filter(Boolean).map((l) =>
+    Array.isArray(l) ? [l[1], l[2], l[3], l[4]] : [l.origin_id, l.origin_slot, l.target_id, l.target_slot]);
 }
 
-function reaches(start, edges, types, wanted) {
-  const seen = new Set([start]);
-  const todo = [start];
+function subgraphSlot(node, side, slot, names) {
+  const entries = node[side] ?? [];
+  const name = Number.isInteger(slot) && slot >= 0 && slot < entries.length ? entries[slot]?.name : undefined;
+  const k = name === undefined ? -1 : names.indexOf(name);
+  return k >= 0 ? k : slot;
+}
+
+function flowOf(workflow) {
+  const flow = { types: new Map(), values: new Map(), ups: new Map(), downs: new Map() };
+  const subs = new Map((workflow.definitions?.subgraphs ?? []).map((s) => [s.id, s]));
+  const names = (list) => (list ?? []).map((e) => e?.name);
+  const link = (src, dst, name) => {
+    if (!flow.ups.has(dst)) flow.ups.set(dst, []);
+    if (!flow.downs.has(src)) flow.downs.set(src, new Set());
+    flow.ups.get(dst).push([name, src]);
+    flow.downs.get(src).add(dst);
+  };
+  for (const [gid, graph] of [[null, workflow], ...subs.entries()]) {
+    const nodes = new Map((graph.nodes ?? []).map((n) => [String(n.id), n]));
+    for (const [id, n] of nodes) {
+      flow.types.set(keyOf(gid, id), n.type);
+      flow.values.set(keyOf(gid, id), Array.isArray(n.widgets_values) ? n.widgets_values : []);
+    }
+    for (const [origin, oSlot, target, tSlot] of linkEnds(graph)) {
+      let src = keyOf(gid, String(origin));
+      let dst = keyOf(gid, String(target));
+      let name = null;
+      const from = nodes.get(String(origin));
+      const to = nodes.get(String(target));
+      if (String(origin) === "-10") src = keyOf(gid, "in", oSlot);
+      else if (from && subs.has(from.type)) {
+        src = keyOf(from.type, "out", subgraphSlot(from, "outputs", oSlot, names(subs.get(from.type).outputs)));
+      }
+      if (String(target) === "-20") dst = keyOf(gid, "out", tSlot);
+      else if (to && subs.has(to.type)) {
+        dst = keyOf(to.type, "in", subgraphSlot(to, "inputs", tSlot, names(subs.get(to.type).inputs)));
+      } else {
+        const entries = to?.inputs ?? [];
+        name = Number.isInteger(tSlot) && tSlot >= 0 && tSlot < entries.length ? entries[tSlot]?.name ?? null : null;
+      }
+      link(src, dst, name);
+    }
+  }
+  return flow;
+}
+
+function closure(flow, starts, down = false) {
+  const seen = new Set(starts);
+  const todo = [...starts];
   while (todo.length) {
-    for (const next of edges.get(todo.pop()) ?? []) {
+    const key = todo.pop();
+    const nexts = down ? [...(flow.downs.get(key) ?? [])] : (flow.ups.get(key) ?? []).map(([, o]) => o);
+    for (const next of nexts) {
       if (seen.has(next)) continue;
-      if (wanted.has(types.get(next))) return true;
       seen.add(next);
       todo.push(next);
     }
   }
-  return false;
+  return seen;
 }
 
-function kindOf(m, node, types, ups, downs) {
-  if (reaches(node.id, ups, types, new Set(m.video.upstream))) return "video";
-  const decode = spec(m, node.type).inputs[0]?.[1] === "LATENT";
-  return decode && reaches(node.id, downs, types, new Set(m.video.downstream)) ? "video" : "image";
+// {kind, temporal, why} of core node `type` at `key` (scripts/use_vramfit.py kind_of): its VAE's file, a node
+// making video latents or frames upstream, or (a decode whose VAE file is not seen) a video node downstream.
+function kindOf(m, flow, key, type) {
+  const video = m.video;
+  const upstream = new Set(video.upstream);
+  const downstream = new Set(video.downstream);
+  const loaders = new Set(video.vae_loaders ?? []);
+  const families = video.families ?? {};
+  const vaeFrom = (flow.ups.get(key) ?? []).filter(([name]) => name === "vae").map(([, o]) => o);
+  const files = new Set();
+  for (const k of closure(flow, vaeFrom)) {
+    if (!loaders.has(flow.types.get(k))) continue;
+    for (const v of flow.values.get(k) ?? []) if (typeof v === "string") files.add(v);
+  }
+  const sortedFiles = [...files].sort();
+  let seen = null;
+  for (const rule of video.vae_files ?? []) {
+    const file = sortedFiles.find((f) => new RegExp(rule.match, "i").test(f));
+    if (file !== undefined) {
+      seen = [file, rule.family];
+      break;
+    }
+  }
+  const above = new Set();
+  for (const k of closure(flow, [key])) {
+    if (k !== key && upstream.has(flow.types.get(k))) above.add(flow.types.get(k));
+  }
+  const aboveSorted = [...above].sort();
+  const family = seen ? seen[1]
+    : Object.keys(families).find((f) => (families[f].upstream ?? []).some((t) => above.has(t))) ?? null;
+  const temporal = families[family]?.temporal_compression ?? video.temporal_compression ?? 4;
+  if (seen) return { kind: "video", temporal, why: `video: VAE ${seen[0]}` };
+  if (aboveSorted.length) return { kind: "video", temporal, why: `video: from ${aboveSorted[0]}` };
+  const decode = spec(m, type).inputs[0]?.[1] === "LATENT";
+  if (decode && !files.size) {
+    const below = [...closure(flow, [key], true)].map((k) => flow.types.get(k)).filter((t) => downstream.has(t));
+    if (below.length) return { kind: "video", temporal, why: `video: into ${below.sort()[0]}` };
+  }
+  return { kind: "image", temporal, why: "" };
 }
 
 const classTitle = (type) => LiteGraph.registered_node_types[type]?.title ?? type;
@@ -171,6 +262,7 @@ function replace(m, graph, old, x, y) {
   const sockets = spec(m, old.type).inputs.length;
   const inLinks = (old.inputs ?? []).slice(0, sockets).map((i) => i.link ?? null);
   const outLinks = (old.outputs ?? []).map((o) => o.links ?? null);
+  const outSlots = (old.outputs ?? []).map((o) => ("slot_index" in o ? [o.slot_index] : null)); // a loaded file's
   const keep = {
     id: old.id, pos: [...old.pos], size: [...old.size], color: old.color, bgcolor: old.bgcolor,
     mode: old.mode, shape: old.shape, flags: { ...(old.flags ?? {}) }, properties: { ...(old.properties ?? {}) },
@@ -188,8 +280,14 @@ function replace(m, graph, old, x, y) {
   if (y.title != null) node.title = y.title;
   graph.add(node);
   if (node.id !== keep.id) throw new Error(`VRAM Fit: could not keep node id ${keep.id}`);
+  // and after: frontends 1.4x keep widget values by node id and widget name, so a widget the old node had too
+  // (tile_size) came back with the old node's value on add
+  for (const w of node.widgets ?? []) if (w.name in y.widgets && !same(w.value, y.widgets[w.name])) w.value = y.widgets[w.name];
   for (let k = 0; k < inLinks.length && k < (node.inputs?.length ?? 0); k++) node.inputs[k].link = inLinks[k];
   if (node.outputs?.length && outLinks[0]) node.outputs[0].links = outLinks[0];
+  for (let k = 0; k < outSlots.length && k < (node.outputs?.length ?? 0); k++) {
+    if (outSlots[k]) node.outputs[k].slot_index = outSlots[k][0]; // null stays null (scripts/use_vramfit.py too)
+  }
   node.pos = keep.pos;
   const fits = node.computeSize?.() ?? keep.size;
   const grown = [Math.max(keep.size[0], fits[0]), Math.max(keep.size[1], fits[1])];
@@ -198,15 +296,24 @@ function replace(m, graph, old, x, y) {
   for (const key of ["color", "bgcolor", "shape"]) if (keep[key] !== undefined) node[key] = keep[key];
   node.mode = keep.mode;
   node.flags = keep.flags;
-  const props = { ...node.properties };
+  let props = { ...node.properties };
   for (const [k, v] of Object.entries(keep.properties)) {
     if (k !== m.stash && !ORIGIN_PROPERTIES.includes(k)) props[k] = v;
   }
   if (props["Node name for S&R"] === x.type) props["Node name for S&R"] = y.type;
-  if (x.stash?.type === y.type) Object.assign(props, x.stash.properties ?? {});
+  if (returning) {
+    Object.assign(props, x.stash.properties ?? {});
+    const order = (x.stash.order ?? []).filter((k) => k in props); // where the registry fields were
+    props = { ...Object.fromEntries(order.map((k) => [k, props[k]])), ...props };
+  }
   let stash = y.stash;
   const origin = Object.fromEntries(ORIGIN_PROPERTIES.filter((k) => k in keep.properties).map((k) => [k, keep.properties[k]]));
-  if (Object.keys(origin).length) stash = { ...(stash ?? { type: x.type, widgets: { ...x.widgets }, title: x.title }), properties: origin };
+  if (Object.keys(origin).length) {
+    stash = { ...(stash ?? { type: x.type, widgets: { ...x.widgets }, title: x.title }), properties: origin };
+    const order = Object.keys(keep.properties).filter((k) => k !== m.stash);
+    const last = [...order.filter((k) => !(k in origin)), ...Object.keys(origin)];
+    if (!same(order, last)) stash.order = order;
+  }
   // the size it had (a run may grow a pack node by its report): swapping back gives the node that size again
   if (!returning) stash = { ...(stash ?? { type: x.type, widgets: { ...x.widgets }, title: x.title }), size: keep.size };
   delete props[m.stash];
@@ -221,40 +328,41 @@ function replace(m, graph, old, x, y) {
   return node;
 }
 
-// Swaps the matching nodes of the open graph (those `only` accepts); returns {swaps, skipped}.
+// Swaps the matching nodes of the open graph (those `only` accepts); returns {swaps, skipped, left}: left, the
+// VAE nodes with no VRAM Fit counterpart (mapping's "unmapped": audio, 3-D), {type: {count, why}}.
 export async function swapGraph(revert = false, only = null) {
   const m = await loadMapping();
   const wanted = sources(m, revert);
+  const unmapped = m.unmapped ?? {};
   const swaps = [];
   const skipped = [];
+  const left = {};
+  const flow = flowOf(app.graph.serialize()); // of the graph as it is now: every node's kind from the same graph
   for (const graph of graphsOf(app.graph)) {
-    const types = new Map(nodesOf(graph).map((n) => [n.id, n.type]));
-    const ups = new Map();
-    const downs = new Map();
-    for (const l of allLinks(graph)) {
-      if (!ups.has(l.target_id)) ups.set(l.target_id, new Set());
-      if (!downs.has(l.origin_id)) downs.set(l.origin_id, new Set());
-      ups.get(l.target_id).add(l.origin_id);
-      downs.get(l.origin_id).add(l.target_id);
-    }
+    const gid = graph === app.graph ? null : graph.id;
     for (const old of [...nodesOf(graph)]) {
-      if (!wanted.has(old.type) || (only && !only(old))) continue;
+      if (only && !only(old)) continue;
+      if (!revert && Object.hasOwn(unmapped, old.type)) {
+        left[old.type] = { count: (left[old.type]?.count ?? 0) + 1, why: unmapped[old.type] };
+      }
+      if (!wanted.has(old.type)) continue;
       const why = blocker(m, old, revert);
       if (why) {
         skipped.push({ id: old.id, type: old.type, why });
         continue;
       }
       const x = readState(m, old);
-      const { y, kept } = convert(m, x, kindOf(m, old, types, ups, downs));
+      const kind = kindOf(m, flow, keyOf(gid, String(old.id)), old.type);
+      const { y, kept } = convert(m, x, kind);
       replace(m, graph, old, x, y);
-      swaps.push({ id: old.id, from: x.type, to: y.type, kept });
+      swaps.push({ id: old.id, from: x.type, to: y.type, kept, why: revert ? "" : kind.why });
     }
     graph.updateExecutionOrder?.();
   }
   app.graph.setDirtyCanvas?.(true, true);
   app.canvas?.setDirty?.(true, true);
   app.extensionManager?.workflow?.activeWorkflow?.changeTracker?.checkState?.();
-  return { swaps, skipped };
+  return { swaps, skipped, left };
 }
 
 function summary(result, revert) {
@@ -273,6 +381,9 @@ function summary(result, revert) {
     );
   }
   for (const s of skipped) lines.push(`Left #${s.id} ${s.type}: ${s.why}.`);
+  for (const [type, { count, why }] of Object.entries(result.left ?? {})) {
+    lines.push(`Left ${count} ${type} node(s) as they are (no VRAM Fit counterpart): ${why}.`);
+  }
   return lines.join("\n");
 }
 
