@@ -1,6 +1,8 @@
-"""Video decode of SeedVR2's VAE (ComfyUI 0.33's ``handles_tiling`` model ``comfy.ldm.seedvr.vae``): exact tiles and
-the host's time slices (:mod:`..executors.seedvr2`), after the same offload and budget steps as every decode, with
-its first-use self-check against the host's own ``decode`` (its tiling off, as VAE Decode runs it) and its report.
+"""Video decode of SeedVR2's VAE (ComfyUI 0.33's ``handles_tiling`` model ``comfy.ldm.seedvr.vae``, and its rewritten
+upstream file): exact tiles and the host's time slices (:mod:`..executors.seedvr2`), after the same offload and budget
+steps as every decode, with its first-use self-check against the host's own ``decode`` (its tiling off, as VAE Decode
+runs it) and its report (a ``hints`` row where the model gives its own memory hints; the plan row says how each was
+used, :mod:`..plan.seedvr2`).
 Entered from ``decode/video.decode_video`` when :func:`..vae.seedvr2_layout.seedvr2_of` recognises the model.
 Nothing here imports ComfyUI."""
 
@@ -36,7 +38,8 @@ EXACT_TEXT = "exact (equal to VAE Decode: the host's decode with its own tiling 
 
 def _key(job: VideoJob) -> str:
     lay = seedvr2_layout(job.vae.first_stage_model)
-    return f"seedvr2/{model_key(job)}/{EXECUTOR_VERSION}/check2/slices{lay.slice_min}-{int(lay.use_slicing)}"
+    return (f"seedvr2/{model_key(job)}/{EXECUTOR_VERSION}/check2/slices{lay.slice_min}-{int(lay.use_slicing)}/"
+            f"{lay.variant}")
 
 
 def check_seedvr2(job: VideoJob, store: CheckStore, prepare: Callable[[], None] | None = None,
@@ -84,10 +87,14 @@ def _tiles(st: dict) -> str:
 
 
 def _notes(job: VideoJob) -> list[tuple[str, str]]:
-    if not job.frames_per_chunk:
-        return []
-    return [("note", f"frames_per_chunk {job.frames_per_chunk} not used: SeedVR2's own time slices are part of its "
-                     "result")]
+    rows = []
+    if job.frames_per_chunk:
+        rows.append(("note", f"frames_per_chunk {job.frames_per_chunk} not used: SeedVR2's own time slices are part "
+                             "of its result"))
+    names = seedvr2_layout(job.vae.first_stage_model).hints.names()
+    if names:
+        rows.append(("hints", f"the model's own: {', '.join(names)}; the plan row says how the planner used each"))
+    return rows
 
 
 SEEDVR2 = OwnExecutor(

@@ -13,13 +13,18 @@ Per batch item and per host time slice (``slicing_decode``'s, with its ``MemoryS
   region of that convolution's carried last input frames (the carried-context idea of :mod:`.carry`); the
   convolution's new last frames (what the host would keep in its ``memory_cache``) are written back, core by core,
   into a whole-frame carry for the next slice;
+* from the last temporal upsampler on (:attr:`..vae.seedvr2_layout.SeedVR2Layout.tail`: per-frame norms, causal
+  convolutions) the segments run a frame at a time, the upsampler input frame by input frame and the rest output frame
+  by output frame, the causal frames carried between them as between slices (a slice decoded alone starts its carry
+  there): the rewritten host decoder's frame-chunked tail, so only one frame's full-resolution activations wait;
 * the output convolution's tile cores go straight into the output.
 
 Every operation is the host's (its convolution modules with their own padding and caching code, its upsamplers,
 its activation), except the GroupNorm, applied with shared statistics; the host's wrapper runs its own ``decode``
-around the walk (``latent / scale + shift``, the crop to even sides: the walk replaces ``slicing_decode`` for the
-call). Equal to the host's ``decode`` with its tiling off up to float rounding, proven per structure by the
-first-use self-check (``decode/seedvr2.check_seedvr2``). Progress per tile, Cancel before every tile, an
+around the walk (``latent / scale + shift``, 0.33.0's crop to even sides: the walk replaces ``slicing_decode`` for
+the call). Both variants of the description (0.33.0's module calls, the rewritten file's blocks' ``run`` and its
+``CausalMemoryCache`` for the prefix) run the same walk. Equal to the host's ``decode`` with its tiling off up to
+float rounding, proven per structure by the first-use self-check (``decode/seedvr2.check_seedvr2``). Progress per tile, Cancel before every tile, an
 out-of-memory error in a tile: release, halve the tile and go on (finished tiles kept). Nothing here imports
 ComfyUI."""
 
@@ -40,9 +45,9 @@ from .kl_exact import _default_norm_params, _StatAcc
 
 log = logging.getLogger("vramfit.memory.executors.seedvr2")
 
-__all__ = ["EXECUTOR_VERSION", "MIN_TILE", "decode_seedvr2", "units"]
+__all__ = ["EXECUTOR_VERSION", "MIN_TILE", "decode_seedvr2", "seg_sizes", "units"]
 
-EXECUTOR_VERSION = "1"
+EXECUTOR_VERSION = "2"
 MIN_TILE = 8
 """Smallest tile side (px) an out-of-memory error shrinks to."""
 
@@ -50,7 +55,7 @@ ProgressFn = Callable[[int, int], None]
 NormParamsFn = Callable[[Any, torch.Tensor], "tuple[torch.Tensor | None, torch.Tensor | None]"]
 
 
-def _hw(lay: SeedVR2Layout, h: int, w: int) -> list[tuple[int, int]]:
+def seg_sizes(lay: SeedVR2Layout, h: int, w: int) -> list[tuple[int, int]]:
     """Output size of every segment for a latent of ``h x w``."""
     out = []
     for s in lay.segments:
@@ -86,9 +91,16 @@ def _like(nbytes: int, shape: tuple, stride: tuple, offset: int, dtype: torch.dt
 
 
 def units(lay: SeedVR2Layout, t: int, h: int, w: int, tile: tuple[int, int] | None) -> int:
-    """Progress units of one batch item: per slice, the prefix and every segment's tiles."""
-    per = 1 + sum(1 if tile is None else tile_count(sh, sw, tile) for sh, sw in _hw(lay, h, w))
-    return per * len(lay.slices(t))
+    """Progress units of one batch item: per slice, the prefix and every segment's tiles (the tail's per frame)."""
+    n = [1 if tile is None else tile_count(sh, sw, tile) for sh, sw in seg_sizes(lay, h, w)]
+    total = 0
+    for s0, s1, name in lay.slices(t):
+        first = name != "ACTIVE"
+        total += 1 + sum(n[: lay.tail])
+        if lay.tail < len(n):
+            for f in range(lay.tail_in(s1 - s0, first)):
+                total += n[lay.tail] + (1 if first and f == 0 else 2) * sum(n[lay.tail + 1 :])
+    return total
 
 
 class _Run:
@@ -154,10 +166,10 @@ class _Run:
             cache[seg.conv] = mem[:, :, :, s * y0 : s * y1, s * x0 : s * x1].to(self.dev)
         m = seg.module
         if seg.kind == "up":
-            t = m(t, memory_state=state, memory_cache=cache)
+            t = self.lay.up(seg, t, state, cache)
         else:
             t = self._norm(seg.norm, stats, t)
-            t = m.conv_act(t) if seg.kind == "out" else m.nonlinearity(t)
+            t = seg.act(t)
             t = seg.conv(t, memory_state=state, memory_cache=cache)
         oy, ox = r.y0 - s * y0, r.x0 - s * x0
         core = t[:, :, :, oy : oy + r.h, ox : ox + r.w]
@@ -165,7 +177,7 @@ class _Run:
             xc = x[:, :, :, r.y0 : r.y1, r.x0 : r.x1].to(self.dev, self.dtype)
             if m.conv_shortcut is not None:
                 xc = m.conv_shortcut(xc, memory_state=state, memory_cache={})
-            core = (xc + core) / m.output_scale_factor
+            core = xc + core if seg.residual_scale == 1.0 else (xc + core) / seg.residual_scale
         new = cache.get(seg.conv)
         if new is not None:
             new = new[:, :, :, oy : oy + r.h, ox : ox + r.w]
@@ -269,7 +281,7 @@ class _Run:
         return next(i for i in range(k + 1, len(self.lay.segments)) if self.lay.segments[i].norm is not None)
 
     # -- one slice -------------------------------------------------------------------------------
-    def slice(self, zs: torch.Tensor, state: Any, active: bool, prefix_cache: dict, carry: dict,
+    def slice(self, zs: torch.Tensor, state: Any, active: bool, prefix_cache: Any, carry: dict,
               out: torch.Tensor) -> int:
         """Decode one time slice ``zs`` (1, C, t, h, w) into ``out`` (from its first frame on); returns the frames
         written."""
@@ -277,7 +289,7 @@ class _Run:
         self.driver.check_stop()
         z = zs.to(self.dev, self.dtype)
         h = dec.conv_in(z, memory_state=state, memory_cache=prefix_cache)
-        h = dec.mid_block(h, None, memory_state=state, memory_cache=prefix_cache)
+        h = self.lay.mid(dec, h, state, prefix_cache)
         up_dtype = next(iter(dec.up_blocks.parameters())).dtype
         h = h.to(up_dtype)
         del z
@@ -287,11 +299,36 @@ class _Run:
         del h
         stats = acc.finalize()
         self._step()
+        lay = self.lay
+        main, stats, written = self._run(lay.segments[: lay.tail], main, stats, state, active, carry, out)
+        if lay.tail == len(lay.segments):
+            return written
+        # the tail a frame at a time, the first frame in the slice's state (a slice decoded alone starts its carry
+        # here, as the host's frame-chunked tail does), every later one carried
+        up, rest = lay.segments[lay.tail], lay.segments[lay.tail + 1 :]
+        first = lay.state("INITIALIZING") if state == lay.state("DISABLED") else state
+        active_state = lay.state("ACTIVE")
+        n_in = int(main.shape[2])
+        for f in range(min(n_in, 2) if self.sizing else n_in):  # sizing: later frames repeat the second's shapes
+            st, act = (first, active) if f == 0 else (active_state, True)
+            ups, ustats = self.segment(up, st, act, main[:, :, f : f + 1], None, None, carry, None)
+            n_out = int(ups.shape[2])
+            for g in range(min(n_out, 2) if self.sizing else n_out):
+                sg, ag = (st, act) if g == 0 else (active_state, True)
+                gstats = (ustats[0][g : g + 1], ustats[1][g : g + 1])
+                written += self._run(rest, ups[:, :, g : g + 1], gstats, sg, ag, carry, out[:, :, written:])[2]
+            del ups
+        return written
+
+    def _run(self, segs: Any, main: torch.Tensor, stats: Any, state: Any, active: bool, carry: dict,
+             out: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
+        """The segments ``segs`` on the whole-frame activation ``main`` (its per-frame ``stats``): ``(output,
+        its statistics, frames written to out)``."""
         block_in = main
         hmid = None
         hstats = None
         written = 0
-        for seg in self.lay.segments:
+        for seg in segs:
             if seg.kind == "res1":
                 block_in = main
                 hmid, hstats = self.segment(seg, state, active, main, None, stats, carry, None)
@@ -304,7 +341,7 @@ class _Run:
                 frames = int(main.shape[2])
                 self.segment(seg, state, active, main, None, stats, carry, out[:, :, :frames])
                 written = frames
-        return written
+        return main, stats, written
 
 
 def decode_seedvr2(
@@ -348,15 +385,19 @@ def decode_seedvr2(
                fault_hook, min_tile, sizing)
     slices = lay.slices(t)
 
-    def walk(latent: torch.Tensor) -> torch.Tensor:
+    def walk(latent: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:  # the host's output_buffer: not given
         for item in range(b):
-            prefix_cache: dict = {}
+            prefix_cache = lay.cache_type()
             carry: dict = {}
             f0 = 0
-            for s0, s1, name in slices:
-                state = lay.state(name)
-                f0 += run.slice(latent[item : item + 1, :, s0:s1], state, name == "ACTIVE", prefix_cache, carry,
-                                out[item : item + 1, :, f0:])
+            try:
+                for s0, s1, name in slices:
+                    state = lay.state(name)
+                    f0 += run.slice(latent[item : item + 1, :, s0:s1], state, name == "ACTIVE", prefix_cache, carry,
+                                    out[item : item + 1, :, f0:])
+            finally:
+                if callable(getattr(prefix_cache, "free", None)):
+                    prefix_cache.free()
             del prefix_cache, carry
         return out
 

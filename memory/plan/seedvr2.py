@@ -6,24 +6,35 @@ resolution; on an accelerator, whole frames and 512-px tiles with the store on t
 store (whole-frame activations and carried frames) in host memory, which leaves less on the device than any
 device-store tile (and sizing many small tiles of a 4K frame on fake tensors takes minutes). The first that fits the
 budget is the plan; none fits: the smallest, flagged over budget. Entered from ``decode/seedvr2`` (``decode/video.decode_video``
-dispatches there when :func:`..vae.seedvr2_layout.seedvr2_of` recognises the model). Nothing here imports ComfyUI."""
+dispatches there when :func:`..vae.seedvr2_layout.seedvr2_of` recognises the model).
+
+The rewritten upstream model gives hints of its own (:class:`..vae.seedvr2_layout.Hints`), and the plan row says how
+each was used: its decode estimate (``comfy_memory_used_decode``), when the model marks it reliable
+(``comfy_decode_estimate_is_reliable``) and no tile size is asked for, picks the host's own decode where that
+estimate fits the budget (VAE Decode's own result, no walk needed); its preferred tile for the budget
+(``preferred_decode_tile``, latent px) joins the tile candidates. Where the host would int8-pack carried frames
+(its ``CausalMemoryCache`` on a CUDA device: a rounding tiles do not reproduce), the host's own decode with that
+reason. Nothing here imports ComfyUI."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 
 import torch
 
 from ..budget import host_refused_text
 from ..executors import seedvr2 as sx
-from ..vae.seedvr2_layout import seedvr2_layout
-from .types import Plan
+from ..report import fmt_bytes
+from ..vae.seedvr2_layout import SeedVR2Layout, seedvr2_layout
+from .types import Chunking, Plan
 from .video import PeakStore, VideoJob, meta_sizes, model_key, out_bytes
 
 log = logging.getLogger("vramfit.memory.plan.seedvr2")
 
-__all__ = ["SIZED_FRAMES", "TILES", "SeedVR2Config", "candidates", "plan_seedvr2", "seedvr2_host_bytes", "seedvr2_peak"]
+__all__ = ["SIZED_FRAMES", "TILES", "SeedVR2Config", "candidates", "packed_tails", "plan_seedvr2", "preferred_tile",
+           "seedvr2_host_bytes", "seedvr2_peak"]
 
 TILES = (None, 512, 256, 128, 64, 32)
 """Tile sides (px at every activation's own resolution; None: whole frames) in the order the plan tries them."""
@@ -50,12 +61,28 @@ class SeedVR2Config:
                 f"store on {self.store}")
 
 
-def candidates(job: VideoJob) -> list[SeedVR2Config]:
+def preferred_tile(job: VideoJob, budget: int | None) -> int | None:
+    """The model's own preferred tile side for ``budget`` free bytes, in px (``preferred_decode_tile`` gives latent
+    px), or None (no hint, no budget, or the hint failed)."""
+    hint = seedvr2_layout(job.vae.first_stage_model).hints.tile
+    if hint is None or budget is None:
+        return None
+    try:
+        return int(hint(int(budget), job.dtype)) * 8
+    except Exception as e:  # noqa: BLE001 - a hint, never a reason to fail
+        log.warning("SeedVR2 preferred_decode_tile failed (%s: %s)", type(e).__name__, e)
+        return None
+
+
+def candidates(job: VideoJob, pref: int | None = None) -> list[SeedVR2Config]:
+    """The plan's candidates in the order tried; ``pref``: the model's preferred tile side in px
+    (:func:`preferred_tile`), which joins the tile sides."""
     lay = seedvr2_layout(job.vae.first_stage_model)
     _, _, t, h, w = (int(v) for v in job.z.shape)
     r = 8
-    tiles = [(job.tile_size, job.tile_size)] if job.tile_size > 0 else [
-        None if s is None else (s, s) for s in TILES]
+    pref = pref if job.tile_size <= 0 else None
+    sides = sorted({*(s for s in TILES if s is not None), *([pref] if pref else [])}, reverse=True)
+    tiles = [(job.tile_size, job.tile_size)] if job.tile_size > 0 else [None, *((s, s) for s in sides)]
     if job.device.type == "cpu":
         pairs = [(tile, "device") for tile in tiles]
     else:  # the store in host memory holds less on the device than any device-store tile: small tiles host-side only
@@ -111,15 +138,77 @@ def _sizes(job: VideoJob, cfg: SeedVR2Config, peaks: PeakStore) -> tuple[int, in
     return peak, ram
 
 
+def packed_tails(job: VideoJob, lay: SeedVR2Layout) -> str | None:
+    """Why the walk cannot reproduce this decode on this device, or None: the host's cache object int8-packs a
+    carried tail (its ``_packable``, asked of fake tensors of every causal convolution's whole-frame two-frame tail,
+    channels-last where its fast path would make them so). Only tensors on an accelerator are packed."""
+    packable = getattr(lay.cache_type, "_packable", None)
+    if packable is None or job.device.type == "cpu":
+        return None
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _, _, _, h, w = (int(v) for v in job.z.shape)
+    dec = job.vae.first_stage_model.decoder
+    shapes = {(int(c.in_channels), h, w) for c in [dec.conv_in, *dec.mid_block.modules()]
+              if hasattr(c, "temporal_padding") and c.kernel_size[0] > c.stride[0]}
+    # every segment's causal convolution runs at its output's resolution (an upsampler's after its pixel shuffle)
+    sizes = sx.seg_sizes(lay, h, w)
+    shapes |= {(int(seg.conv.in_channels), sh, sw) for seg, (sh, sw) in zip(lay.segments, sizes, strict=True)}
+    eligible = getattr(sys.modules.get(type(dec.conv_in).__module__), "_ck_eligible", None)
+    try:
+        cache = lay.cache_type()
+        with FakeTensorMode():
+            for c, sh, sw in sorted(shapes, key=lambda s: s[0] * s[1] * s[2], reverse=True):
+                tail = torch.empty((1, c, 2, sh, sw), dtype=job.dtype, device=job.device)
+                if eligible is None or eligible(tail):
+                    tail = tail.contiguous(memory_format=torch.channels_last_3d)
+                if packable(cache, tail):
+                    return (f"the host int8-packs carried frames of this size (its CausalMemoryCache: a {c}-channel "
+                            f"{sw}x{sh} tail, {fmt_bytes(tail.numel() * tail.element_size())}), a rounding tiles do "
+                            "not reproduce")
+    except Exception as e:  # noqa: BLE001 - not knowing is not proof: the host's own result
+        return f"whether the host int8-packs carried frames could not be told ({type(e).__name__}: {e})"
+    return None
+
+
+def _estimate(job: VideoJob, lay: SeedVR2Layout) -> int | None:
+    """The model's own estimate of its decode (``comfy_memory_used_decode``) when it marks it reliable, else None."""
+    if not (lay.hints.reliable and lay.hints.estimate is not None):
+        return None
+    try:
+        return int(lay.hints.estimate(tuple(int(v) for v in job.z.shape), job.dtype))
+    except Exception as e:  # noqa: BLE001 - a hint, never a reason to fail
+        log.warning("SeedVR2 comfy_memory_used_decode failed (%s: %s)", type(e).__name__, e)
+        return None
+
+
+def _host(job: VideoJob, planned: int, budget: int, description: str, reason: str) -> Plan:
+    t = int(job.z.shape[2])
+    return Plan("host", Chunking(max(1, t - 1)), description, planned, reason=reason,
+                over_budget=bool(planned) and planned > budget)
+
+
 def plan_seedvr2(job: VideoJob, budget: int, peaks: PeakStore, reason: str, exact: bool) -> Plan:
-    """The first candidate (:func:`candidates`) whose peak plus the node's output buffer fits ``budget``, else the
-    last one sized, over budget. ``reason``/``exact``: the self-check's verdict."""
+    """The host's own decode where the model's reliable estimate fits ``budget`` (or where the walk cannot reproduce
+    it, :func:`packed_tails`); else the first candidate (:func:`candidates`) whose peak plus the node's output buffer
+    fits ``budget``, else the last one sized, over budget. ``reason``/``exact``: the self-check's verdict."""
     model = job.vae.first_stage_model
     lay = seedvr2_layout(model)
     b, _, t, h, w = (int(v) for v in job.z.shape)
     buf = out_bytes(job, lay.frames(t), h * 8, w * 8)
+    est = _estimate(job, lay)
+    host_text = "the host's own decode (first_stage_model.decode, as VAE Decode), one batch item at a time"
+    packed = packed_tails(job, lay)
+    if packed is not None:
+        planned = est + buf if est is not None else 0
+        return _host(job, planned, budget, host_text + _hint_text(lay, est, budget, None, None), packed)
+    if est is not None and job.tile_size <= 0 and est + buf <= budget:
+        why = (f"its own estimate of its decode, {fmt_bytes(est)} (comfy_memory_used_decode, reliable by "
+               "comfy_decode_estimate_is_reliable), fits the budget")
+        return _host(job, est + buf, budget, host_text + _hint_text(lay, est, budget, None, None), why)
     chosen, planned, refused = None, 0, 0
-    cands = candidates(job)
+    pref = preferred_tile(job, budget) if job.tile_size <= 0 else None  # asked once: the model's call may free pins
+    cands = candidates(job, pref)
     for cfg in cands:
         try:
             peak = seedvr2_peak(job, cfg, peaks)
@@ -140,5 +229,37 @@ def plan_seedvr2(job: VideoJob, budget: int, peaks: PeakStore, reason: str, exac
     assert chosen is not None, "no SeedVR2 candidate (a store on the device is always one)"
     units = sx.units(lay, t, h, w, chosen.tile)
     note = host_refused_text(refused, job.host_room) if refused and chosen.store != "host" else ""
-    return Plan("seedvr2", chosen, chosen.describe() + note, planned, exact=exact, reason=reason,
+    hints = _hint_text(lay, est, budget, pref, chosen, max(h, w) * 8, job.tile_size)
+    return Plan("seedvr2", chosen, chosen.describe() + note + hints, planned, exact=exact, reason=reason,
                 over_budget=bool(planned) and planned > budget, units=units)
+
+
+def _hint_text(lay: SeedVR2Layout, est: int | None, budget: int, pref: int | None, chosen: SeedVR2Config | None,
+               frame: int = 0, tile_size: int = 0) -> str:
+    """How the plan used the model's own hints ("" for a model without them, as 0.33.0's)."""
+    if not lay.hints.names():
+        return ""
+    parts = []
+    if lay.hints.estimate is not None and not lay.hints.reliable:
+        parts.append("its decode estimate (comfy_memory_used_decode) not used: the model does not mark it reliable")
+    elif est is None and lay.hints.estimate is not None:
+        parts.append("its decode estimate (comfy_memory_used_decode) failed: not used")
+    elif est is not None and chosen is None:
+        parts.append(f"its decode estimate {fmt_bytes(est)} (comfy_memory_used_decode, reliable)")
+    elif est is not None:
+        why = "a tile size was asked for" if tile_size > 0 else "over the budget"
+        parts.append(f"its decode estimate {fmt_bytes(est)} (comfy_memory_used_decode, reliable): {why}, so the walk")
+    if lay.hints.tile is not None and chosen is None:
+        parts.append("its preferred tile (preferred_decode_tile) not needed: no tiles")
+    elif lay.hints.tile is not None:
+        if tile_size > 0:
+            parts.append("its preferred tile (preferred_decode_tile) not asked: a tile size was given")
+        elif pref is None:
+            parts.append("its preferred tile (preferred_decode_tile) not known")
+        elif pref >= frame:
+            parts.append(f"its preferred tile at this budget, {pref} px (preferred_decode_tile), covers the frame: "
+                         "not a candidate")
+        else:
+            took = "taken" if chosen.tile == (pref, pref) else "a candidate, not taken"
+            parts.append(f"its preferred tile at this budget, {pref} px (preferred_decode_tile): {took}")
+    return "; the model's hints: " + "; ".join(parts) if parts else ""
