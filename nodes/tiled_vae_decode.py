@@ -20,10 +20,10 @@ from comfy_api.v0_0_2 import io
 
 from ..memory.decode.env import DecodeEnv
 from ..memory.decode.guard import HostResult
-from ..memory.decode.image import REPORT_NODE, DecodeResult, ImageJob, decode_image, make_job
+from ..memory.decode.image import REPORT_NODE, DecodeResult, ImageJob, decode_image
 from ..memory.decode.video import VideoDecodeResult, VideoJob, decode_video
-from ..memory.vae.one_frame import one_frame_vae
 from . import _comfy, _decode_node, video_decode
+from ._route import job_for
 
 log = logging.getLogger("vramfit.nodes.tiled_vae_decode")
 
@@ -54,32 +54,10 @@ def _widgets(tile_size: int, halo: int) -> None:
 
 
 def _checked(vae: Any, samples: Any, tile_size: int, halo: int) -> tuple[ImageJob | VideoJob, str]:
-    """``(job, note)``: an image job, or a video job where the VAE is a video VAE (a 4-D latent of single frames,
-    or a 5-D one: a video latent of several frames goes to the video engine, as Temporal-Chunk Video Decode
-    decodes it, so that every latent VAE Decode takes decodes here too); ``note`` says how the latent was
-    reshaped or routed ("" when it was not)."""
+    """``(job, note)``: the engine the VAE needs (:func:`._route.job_for`: a video latent goes to the video engine,
+    as Temporal-Chunk Video Decode decodes it, so that every latent VAE Decode takes decodes here too)."""
     _widgets(tile_size, halo)
-    z, label, note = _comfy.latent_tensor(REPORT_NODE, vae, samples, "first stream")
-    if hasattr(vae, "throw_exception_if_invalid"):
-        vae.throw_exception_if_invalid()
-    one = one_frame_vae(vae) if z.ndim == 5 and z.shape[2] == 1 else None
-    if one is not None:  # a 3-D image VAE (Hunyuan Image 2.1's refiner): its one-frame latents are images
-        route = ("one-frame latents of a 3-D image VAE: decoded as images, the 3-D decoder's tiles holding all of "
-                 "its frames")
-        note = f"{note}; {route}" if note else route
-        return make_job(one, z[:, :, 0], core=_comfy.has_core_decode(vae), out_device=_comfy.intermediate_device(),
-                        tile_size=tile_size, halo=halo), note
-    if z.ndim == 5:  # a video VAE's latent: the video engine (exact chunks), as the video node does
-        if z.shape[2] > 1:
-            route = (f"{label} is a video latent of {z.shape[2]} frames: the video engine decodes it, as Temporal-"
-                     "Chunk Video Decode (VRAM Fit) does (same frames as VAE Decode, flattened into one batch)")
-        else:
-            route = "the video engine decodes them, as Temporal-Chunk Video Decode (VRAM Fit) does"
-            route = f"single frames of a video VAE: {route}" if not note else route
-        note = f"{note}; {route}" if note else route
-        return video_decode.make_job(vae, z, _comfy.intermediate_device(), tile_size=tile_size), note
-    return make_job(vae, z, core=_comfy.has_core_decode(vae), out_device=_comfy.intermediate_device(),
-                    tile_size=tile_size, halo=halo), note
+    return job_for(REPORT_NODE, vae, samples, "first stream", tile_size=tile_size, halo=halo)
 
 
 def _validate(vae: Any, samples: Any, tile_size: int, halo: int) -> ImageJob | VideoJob:

@@ -19,9 +19,9 @@ from comfy_api.v0_0_2 import io
 from ..memory.decode import image as image_engine
 from ..memory.decode.env import DecodeEnv
 from ..memory.decode.guard import HostResult
-from ..memory.decode.video import REPORT_NODE, VideoDecodeResult, VideoJob, decode_video, make_job
-from ..memory.vae.one_frame import one_frame_vae
+from ..memory.decode.video import REPORT_NODE, VideoDecodeResult, VideoJob, decode_video
 from . import _comfy, _decode_node
+from ._route import job_for
 
 log = logging.getLogger("vramfit.nodes.video_decode")
 
@@ -52,30 +52,11 @@ def _widgets(frames_per_chunk: int, tile_size: int) -> None:
 
 def _checked(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int
              ) -> tuple[VideoJob | image_engine.ImageJob, str]:
-    """``(job, note)``: a 4-D latent on a video VAE is its batch of single frames; ``note`` says so. One-frame
-    latents of a 3-D image VAE (Hunyuan Image 2.1's refiner, ``memory/vae/one_frame.py``) and the latents of an
-    image VAE are images: an image job (Tiled VAE Decode's engine: exact tiles under a budget), so that every latent
-    VAE Decode takes decodes here too."""
+    """``(job, note)``: the engine the VAE needs (:func:`._route.job_for`: an image VAE's latents and the one-frame
+    latents of a 3-D image VAE go to Tiled VAE Decode's engine, so that every latent VAE Decode takes decodes here
+    too)."""
     _widgets(frames_per_chunk, tile_size)
-    z, label, note = _comfy.latent_tensor(REPORT_NODE, vae, samples, "video stream")
-    if hasattr(vae, "throw_exception_if_invalid"):
-        vae.throw_exception_if_invalid()
-    if z.ndim == 4:  # an image VAE (latent_tensor laid the latent out as it decodes): Tiled VAE Decode's engine
-        route = f"{label} on an image VAE: decoded as images by Tiled VAE Decode's engine, as VAE Decode does"
-        note = f"{note}; {route}" if note else route
-        return image_engine.make_job(vae, z, core=_comfy.has_core_decode(vae), out_device=_comfy.intermediate_device(),
-                                     tile_size=tile_size), note
-    one = one_frame_vae(vae) if z.shape[2] == 1 else None
-    if one is not None:
-        route = ("one-frame latents of a 3-D image VAE: decoded as images (Tiled VAE Decode's engine), the 3-D "
-                 "decoder's tiles holding all of its frames")
-        if frames_per_chunk > 1:
-            route += f"; frames_per_chunk {frames_per_chunk} does not apply (one latent frame)"
-        note = f"{note}; {route}" if note else route
-        return image_engine.make_job(one, z[:, :, 0], core=_comfy.has_core_decode(vae),
-                                     out_device=_comfy.intermediate_device(), tile_size=tile_size), note
-    return make_job(vae, z, _comfy.intermediate_device(), frames_per_chunk=frames_per_chunk,
-                    tile_size=tile_size), note
+    return job_for(REPORT_NODE, vae, samples, "video stream", tile_size=tile_size, frames_per_chunk=frames_per_chunk)
 
 
 def _validate(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int) -> VideoJob | image_engine.ImageJob:

@@ -120,10 +120,11 @@ def host_variant(vae: Any, known: str | None) -> str:
         return ""
     model = vae.first_stage_model
     if model not in _VARIANTS:
-        from ..vae.wan_layout import cache_protocol
+        from ..vae.wan_layout import cache_protocol, wan_layout
 
+        channels = wan_layout(model).latent_channels  # the decoder's own (identify matched it to the family's)
         with torch.inference_mode(), MetaSizer([model], torch.float32) as sizer:  # as ComfyUI runs nodes
-            out = model.decode(torch.empty((1, fam.latent_channels, *VARIANT_LATENT)))
+            out = model.decode(torch.empty((1, channels, *VARIANT_LATENT)))
             del out
         _VARIANTS[model] = f"{cache_protocol(model).name}-{sizer.peak_bytes // 1024}k"
     return _VARIANTS[model]

@@ -486,7 +486,7 @@ def decode_image(
     budget = prep.budget
     avail = int(budget.available)
     job = dataclasses.replace(job, host_room=host_room_for(env, job.device, job.out_device, int(job.z.shape[0]) *
-                                                           job.out_hw[0] * job.out_hw[1] * 3 * 4))
+                                                           job.out_hw[0] * job.out_hw[1] * job.out_channels * 4))
     env.at("cost")
     models = image_models(job, env, full, avail, first)
     env.at("plan")

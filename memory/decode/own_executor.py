@@ -30,7 +30,7 @@ from ..report import (
 from .env import DecodeEnv, host_room_for, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
 from .self_check import Verdict
-from .video_out import VideoDecodeResult, host_decode, post_process
+from .video_out import VideoDecodeResult, buffer_bytes, host_decode, output_buffer, post_process
 
 log = logging.getLogger("vramfit.memory.decode.own_executor")
 
@@ -50,7 +50,7 @@ class OwnExecutor:
     geometry: Callable[[VideoJob], tuple[int, int, int]]
     """``(frames, height, width)`` of one batch item's output."""
     run: Callable[[VideoJob, Plan, torch.Tensor, Any, DecodeEnv, dict], None]
-    """The executor into the output view ``(B, 3, frames, H, W)`` (``bar``: the progress bar, ``stats`` filled)."""
+    """The executor into the output view ``(B, C, frames, H, W)`` (``bar``: the progress bar, ``stats`` filled)."""
     over_text: str
     """Why a plan is over the budget (the predicted row)."""
     time_text: Callable[[dict], str]
@@ -76,7 +76,7 @@ def decode_own(job: VideoJob, env: DecodeEnv, ex: OwnExecutor, *, budget_mb: flo
     env.at("check")
     verdict = ex.check(job, env, lambda: load_weights(vae, env, 0), first)
     job = dataclasses.replace(job, verdict=verdict,
-                              host_room=host_room_for(env, job.device, job.out_device, b * frames * oh * ow * 3 * 4))
+                              host_room=host_room_for(env, job.device, job.out_device, buffer_bytes(job, frames, oh, ow)))
     env.at("plan")
     r = max(1.0, env.observed.ratio(key))
     p = ex.plan(job, int(budget.available / r), env.peaks, verdict.describe(), verdict.ok)
@@ -89,8 +89,7 @@ def decode_own(job: VideoJob, env: DecodeEnv, ex: OwnExecutor, *, budget_mb: flo
     env.at("weights")
     load_weights(vae, env, p.planned)
 
-    buf = torch.empty((b * frames, oh, ow, 3), dtype=torch.float32, device=job.out_device)
-    view = buf.view(b, frames, oh, ow, 3).permute(0, 4, 1, 2, 3)
+    buf, view = output_buffer(job, frames, oh, ow)
     bar = env.progress_bar(max(1, p.units * b)) if env.progress_bar is not None else None
     stats: dict = {}
     t1 = time.perf_counter()

@@ -29,6 +29,7 @@ from ..plan.video import (
     blend_ratios,
     carry_halo,
     chunk_frames,
+    host_fn,
     model_key,
     output_geometry,
     plan_host_decode,
@@ -50,7 +51,7 @@ from .env import DecodeEnv, host_room_for, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
 from .floor import floor_choice, host_oom_error, seeded
 from .self_check import FIDELITY_FLOOR_DB, CheckStore, Verdict, checked, code_fingerprint
-from .video_out import VideoDecodeResult, host_decode, post_process
+from .video_out import VideoDecodeResult, buffer_bytes, host_decode, output_buffer, post_process
 
 log = logging.getLogger("vramfit.memory.decode.video")
 
@@ -61,9 +62,10 @@ ProgressFn = Callable[[int, int], None]
 
 
 def make_job(vae: Any, z: torch.Tensor, out_device: torch.device | str, *, frames_per_chunk: int = 0,
-             tile_size: int = 0) -> VideoJob:
+             tile_size: int = 0, one_frame: bool = False) -> VideoJob:
     """A validated video latent ``z`` (5-D), its VAE (duck-typed ``comfy.sd.VAE``) and the user's settings:
-    ``frames_per_chunk`` (latent frames) and ``tile_size`` (output px; Wan only), 0 = auto."""
+    ``frames_per_chunk`` (latent frames) and ``tile_size`` (output px; Wan only), 0 = auto. ``one_frame``: ``z``
+    holds an image VAE's 2-D latents as one-frame clips (:attr:`VideoJob.one_frame`)."""
     model = vae.first_stage_model
     wan = is_wan_vae(model)
     carry = None if wan else carry_layout(model)
@@ -80,6 +82,7 @@ def make_job(vae: Any, z: torch.Tensor, out_device: torch.device | str, *, frame
         fingerprint=code_fingerprint(model),
         frames_per_chunk=int(frames_per_chunk),
         tile_size=int(tile_size),
+        one_frame=bool(one_frame),
     )
 
 
@@ -100,22 +103,27 @@ def check_chunked(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
     store, per-tile caches; the split before the head keeps the tiles' extra work small) and k = 2 on whole
     frames (chunks of several frames, the one-tile path). Keyed by the decoder's code fingerprint, the
     detected cache protocol, the executor's version, dtype and device type. ``prepare()`` runs first when the
-    check runs (the node loads the weights)."""
+    check runs (the node loads the weights). A one-frame job (:attr:`VideoJob.one_frame`: an image VAE's latents)
+    is checked against the host's 4-D decode on a 1 x 3 (halo + 1) latent in three tiles, the middle one reading no
+    image edge, at the default split and before the head."""
     model = job.vae.first_stage_model
     lay = job.layout
     last = len(lay.splits) - 1
-    key = f"wan-chunked/{model_key(job)}"
-    z = torch.randn((1, lay.latent_channels, *CHECK_LATENT), generator=torch.Generator().manual_seed(0))
+    key = f"wan-{'one-frame' if job.one_frame else 'chunked'}/{model_key(job)}"
+    core = lay.split_info().halo + 1  # a one-frame check's tile: the middle of three reads no image edge
+    shape = (1, 1, 3 * core) if job.one_frame else CHECK_LATENT
+    z = torch.randn((1, lay.latent_channels, *shape), generator=torch.Generator().manual_seed(0))
     z = z.to(job.device, job.dtype)
 
     def run(k: int, tile: tuple[int, int] | None, **kw: Any) -> Callable[[], torch.Tensor]:
         return lambda: decode_wan_chunked(model, z, k, tile, compute_device=job.device, dtype=job.dtype, **kw)
 
-    configs = [
-        (f"k = 1, 1x2 tiles at split {last}, in-place caches", run(1, (1, 1), split=last, rollback=False)),
-        ("k = 2, whole frames", run(2, None)),
-    ]
-    return checked(key, store, model, lambda: model.decode(z), configs, job.dtype, prepare, first_use)
+    if job.one_frame:  # three tiles at the default split and before the head
+        configs = [(f"3 tiles at split {sp}", run(1, (1, core), split=sp)) for sp in (lay.default_split, last)]
+    else:
+        configs = [(f"k = 1, 1x2 tiles at split {last}, in-place caches", run(1, (1, 1), split=last, rollback=False)),
+                   ("k = 2, whole frames", run(2, None))]
+    return checked(key, store, model, lambda: host_fn(job)(z), configs, job.dtype, prepare, first_use)
 
 
 def check_carried(job: VideoJob, store: CheckStore, prepare: Callable[[], None] | None = None,
@@ -137,7 +145,7 @@ def check_carried(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
     def run(k: int, tile: tuple[int, int] | None = None) -> Callable[[], torch.Tensor]:
         def go() -> torch.Tensor:
             r = int(blend_ratios(job.vae)[2])
-            out = torch.empty((1, 3, chunk_frames(job, t), h * r, w * r), dtype=torch.float32)
+            out = torch.empty((1, job.out_channels, chunk_frames(job, t), h * r, w * r), dtype=torch.float32)
             halo = carry_halo(model, job.carry, c, job.dtype, job.device) if tile is not None else 0
             return decode_carried(model, job.carry, z, k, out=out, dtype=job.dtype, compute_device=job.device,
                                   tile=tile, halo=halo)
@@ -228,7 +236,7 @@ def decode_video(
     t_start: float | None = None,
     allow_approximate: bool = False,
 ) -> VideoDecodeResult:
-    """Decode ``job`` within the budget; returns frames ``(B*T, H, W, 3)`` on [0, 1] (as VAEDecode) and the
+    """Decode ``job`` within the budget; returns frames ``(B*T, H, W, C)`` on [0, 1] (as VAEDecode) and the
     report. ``budget_mb``: 0 = free memory
     (``env.budget``); ``unload_others``: offload upstream models first (``env.offload``, VAEs with a
     patcher). ``t_start``: ``time.perf_counter()`` when planning started. ``allow_approximate``: an overlap-blend
@@ -258,7 +266,7 @@ def decode_video(
     stats: dict = {}
     frames, r = output_geometry(job)
     job = dataclasses.replace(job, host_room=host_room_for(env, job.device, job.out_device,
-                                                           b * frames * h * r * w * r * 3 * 4))
+                                                           buffer_bytes(job, frames, h * r, w * r)))
     env.at("check")
     if job.wan:
         verdict = check_chunked(job, env.checks, lambda: load_weights(vae, env, 0), first)
@@ -280,8 +288,7 @@ def decode_video(
     env.at("weights")
     load_weights(vae, env, p.planned)
 
-    buf = torch.empty((b * frames, oh, ow, 3), dtype=torch.float32, device=job.out_device)
-    view = buf.view(b, frames, oh, ow, 3).permute(0, 4, 1, 2, 3)  # (B, 3, T, H, W) view
+    buf, view = output_buffer(job, frames, oh, ow)  # (B * T, H, W, C) and its (B, C, T, H, W) view
     bar = env.progress_bar(1) if env.progress_bar is not None else None
     hook = env.fault_hook
     t1 = time.perf_counter()
@@ -329,6 +336,9 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
     r.add("vae", f"{job.family} ({str(job.dtype).removeprefix('torch.')}); latent {tuple(job.z.shape)}")
     if plan.path == "host":
         r.add("path", f"exact: the host's own decode, as VAE Decode ({plan.reason})")
+    elif job.one_frame and plan.exact:
+        r.add("path", "exact: the mid block on the whole image, the up path in tiles with a halo of its reach (same "
+                      "image as VAE Decode)")
     elif job.wan and plan.exact:
         r.add("path", "exact: causal caches carried across chunks (same frames as VAE Decode)")
     elif job.wan:
@@ -337,11 +347,13 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
         r.add("path", f"exact: {plan.reason}")
     else:
         r.add("path", f"APPROXIMATE: {plan.reason}")
-    if not job.wan and getattr(job, "carry", None) is None:
-        model = job.vae.first_stage_model
+    model = getattr(getattr(job, "vae", None), "first_stage_model", None)
+    if model is not None and not job.wan and getattr(job, "carry", None) is None:
         r.add("structure", f"not described for exact chunks: {type(model).__module__}.{type(model).__qualname__} (the "
                            "host's own decode when it fits, else overlapping chunks measured against it)")
-    if job.wan:
+    if job.one_frame:
+        r.add("check", plan.reason if plan.path != "host" else "chunked executor not used")
+    elif job.wan:
         proto = cache_protocol(job.vae.first_stage_model)
         how = "carried by the host's blocks" if not proto.restores else "restored by the executor"
         r.add("check", f"cache protocol {proto.name} (history {how}); "
@@ -352,7 +364,10 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
     r.add("offload", offload_text)
     r.add("plan", plan.description)
     c = plan.config
-    if plan.path == "wan":
+    if plan.path == "wan" and int(job.z.shape[2]) == 1:
+        store = "" if c.store is None else f"; the whole-frame part stored on the {c.store}"
+        r.add("cache", f"none (one frame: no causal cache is read){store}")
+    elif plan.path == "wan":
         scope = "whole frame" if c.tile is None else "one tile at a time (tile-major)"
         if c.rollback:
             cache = f"{job.device}, {scope}, committed + next (an OOM resumes from the last chunk)"
@@ -378,7 +393,7 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
         r.add("predicted", "not predicted (meta sizing of the decoder failed; see the log)")
     r.add("measured", measured_text(measured, method))
     flag_measured_overrun(r, measured, method, int(budget.available), log)
-    r.add("time", f"{fmt_seconds(seconds)} ({stats.get('chunks', '?')} chunks)")
+    r.add("time", f"{fmt_seconds(seconds)} ({stats.get('chunks', '?')} {'tiles' if job.one_frame else 'chunks'})")
     if first is not None and first.done:
         r.add("first use", first.describe())
     retries = int(stats.get("shrinks") or 0) + int(stats.get("restarts") or 0)
@@ -391,6 +406,8 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
         n = stats.get("chunks", "?")
         tiled = plan.path in ("wan", "carry") and plan.config.tile is not None
         shape = f"{n} tile-chunks" if tiled else f"{n} chunks"
+        if job.one_frame:
+            shape = f"{n} tiles" if tiled else "whole image"
     b = int(job.z.shape[0])
     r.summary = summary_line(
         "exact" if plan.path in ("host", "carry") or (job.wan and plan.exact) else "approximate",

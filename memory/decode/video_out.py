@@ -10,12 +10,12 @@ from typing import Any
 import torch
 
 from ..plan.types import Plan
-from ..plan.video import VideoJob
+from ..plan.video_job import VideoJob, host_fn
 from ..report import Report
 from ..vae.wan_layout import cache_protocol
 from .env import DecodeEnv
 
-__all__ = ["VideoDecodeResult", "host_decode", "post_process"]
+__all__ = ["VideoDecodeResult", "buffer_bytes", "host_decode", "output_buffer", "post_process"]
 
 ProgressFn = Callable[[int, int], None]
 
@@ -33,17 +33,33 @@ class VideoDecodeResult:
     plan_seconds: float
 
 
+def buffer_bytes(job: VideoJob, frames: int, h: int, w: int) -> int:
+    """Bytes of the float32 output buffer of :func:`output_buffer` (the decoded channels: RGBA for Qwen-Image
+    2.1's VAE)."""
+    return int(job.z.shape[0]) * frames * h * w * job.out_channels * 4
+
+
+def output_buffer(job: VideoJob, frames: int, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(buffer, view)``: the node's float32 output ``(B * frames, h, w, C)`` on the output device, ``C`` the
+    decoded channels (:attr:`..plan.video_job.VideoJob.out_channels`), and its ``(B, C, frames, h, w)`` view that
+    the executors write."""
+    b, c = int(job.z.shape[0]), job.out_channels
+    buf = torch.empty((b * frames, h, w, c), dtype=torch.float32, device=job.out_device)
+    return buf, buf.view(b, frames, h, w, c).permute(0, 4, 1, 2, 3)
+
+
 def host_decode(job: VideoJob, view: torch.Tensor, bar: ProgressFn | None, env: DecodeEnv, stats: dict) -> None:
     """The host's own ``first_stage_model.decode`` per batch item (as ``VAE.decode`` feeds it: the VAE's
-    dtype and device), written into the output view."""
+    dtype and device; :func:`..plan.video_job.host_fn`), written into the output view."""
     model = job.vae.first_stage_model
+    decode = host_fn(job)
     b = int(job.z.shape[0])
     for i in range(b):
         if env.should_stop is not None:
             env.should_stop()
         if bar is not None:
             bar(i, b)
-        out = model.decode(job.z[i : i + 1].to(job.dtype).to(job.device))
+        out = decode(job.z[i : i + 1].to(job.dtype).to(job.device))
         view[i : i + 1].copy_(out)
         del out
     if bar is not None:

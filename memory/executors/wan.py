@@ -29,13 +29,13 @@ from .blend import stop_driver
 
 log = logging.getLogger("vramfit.memory.executors.wan")
 
-EXECUTOR_VERSION = "v3"
+EXECUTOR_VERSION = "v4"
 """Version of the chunked executor's allocation pattern, part of every persisted video peak's key: bump it
 when a change alters what the executor holds at its peak (the persisted peaks are then re-sized). v2: the
 "per_call" caches are compacted under ``torch.inference_mode`` too (v1 peaks sized there held whole
 activations). v3: after a temporal upsample the rest of the decoder runs on ``CACHE_T``-frame slices, as
 the host's ``Decoder3d.run_up`` does (v2 ran a chunk's 4 k frames through the full-resolution layers at
-once)."""
+once). v4: a one-frame clip runs without causal caches (nothing reads them), as the host's 4-D decode."""
 
 __all__ = ["EXECUTOR_VERSION", "decode_wan_chunked", "output_pieces", "time_upsamples"]
 
@@ -180,6 +180,11 @@ class _WanRun:
         self.moves: dict[str, list[int]] = {}  # route -> [copies, bytes] (:meth:`_moved`)
         self.up_first = [accepts(layer.forward, "first_chunk") for layer in self.dec.upsamples]
         self.mid_cached = [accepts(layer.forward, "feat_cache") for layer in self.dec.middle]
+        # A one-frame clip: no later frame reads a causal cache, so none is kept (the host's layers run without
+        # their cache list, as its 4-D decode runs them: the first chunk's numbers); the slots are still counted.
+        self.cacheless = self.T == 1
+        self.slots_of = {id(layer): sum(s.name.startswith(f"{part}.{j}.") for s in layout.slots)
+                         for part in ("middle", "upsamples") for j, layer in enumerate(getattr(self.dec, part))}
         self.protocol = cache_protocol(model)
         self.slot_frames = [s.frames for s in layout.slots]
         # Wan 2.1's ``Resample("upsample3d")``: the host's ``Decoder3d.run_up`` runs what follows it on
@@ -224,9 +229,11 @@ class _WanRun:
             self.progress(self.done, self.done + left)
 
     # -- decoder pieces (ComfyUI's modules, ComfyUI's cache protocol) --------------------------
-    @staticmethod
-    def _cached_conv(conv: Any, x: torch.Tensor, cache: list, idx: list[int]) -> torch.Tensor:
-        """``Decoder3d.forward``'s inline caching around ``conv1`` and the head conv."""
+    def _cached_conv(self, conv: Any, x: torch.Tensor, cache: list, idx: list[int]) -> torch.Tensor:
+        """``Decoder3d.forward``'s inline caching around ``conv1`` and the head conv (none for a one-frame clip)."""
+        if self.cacheless:
+            idx[0] += 1
+            return conv(x)
         i = idx[0]
         cache_x = x[:, :, -CACHE_T:, :, :].clone()
         prev = cache[i]
@@ -275,6 +282,9 @@ class _WanRun:
                first: bool | None = None) -> torch.Tensor:
         """One host layer with ComfyUI's cache protocol (``first``: Wan 2.2's ``first_chunk``), then
         :meth:`_settle` of the slots it used."""
+        if self.cacheless:  # the host layer without its cache (a one-frame clip), its slots counted
+            idx[0] += self.slots_of[id(layer)]
+            return layer(x) if first is None else layer(x, first_chunk=first)
         a = idx[0]
         x = layer(x, cache, idx) if first is None else layer(x, cache, idx, first)
         self._settle(cache, a, idx[0], hist)
@@ -645,8 +655,9 @@ def decode_wan_chunked(
     sizing: bool = False,
     phase_hook: Callable[[str], None] | None = None,
 ) -> torch.Tensor:
-    """Decode a Wan 2.1/2.2 latent exactly, tile by tile, each tile over time in chunks; returns what
-    ``model.decode(z)`` returns: ``(B, 3, 1 + 4 (T - 1), H, W)`` in [-1, 1] (``out_dtype``).
+    """Decode a Wan 2.1/2.2 latent exactly (or a variant of the layout: Qwen-Image 2.1's VAE, one-frame clips),
+    tile by tile, each tile over time in chunks; returns what ``model.decode(z)`` returns: ``(B, C, 1 + 4 (T - 1),
+    H, W)`` in [-1, 1] (``out_dtype``; ``C`` the layout's ``out_channels``: 3, Qwen-Image 2.1's 4).
 
     ``model``: the ``first_stage_model`` (``comfy.ldm.wan.vae.WanVAE`` or ``vae2_2.WanVAE``), already on
     ``compute_device``. ``z``: ``(B, C, T, h, w)`` latent (anywhere; chunks are moved to

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -30,8 +31,8 @@ from .types import Plan
 
 log = logging.getLogger("vramfit.memory.plan.image")
 
-__all__ = ["ExactPlanner", "ImageJob", "ImageModels", "fallback", "full_cost_model", "ideal_bytes", "image_models",
-           "make_job", "plan", "plan_exact", "plan_generic", "plan_untiled", "reach", "spatial_ratio", "splits_batch"]
+__all__ = ["ExactPlanner", "ImageJob", "ImageModels", "decoded_geometry", "fallback", "full_cost_model", "ideal_bytes",
+           "image_models", "make_job", "plan", "plan_exact", "plan_generic", "plan_untiled", "reach", "spatial_ratio", "splits_batch"]
 
 ATTENTION_MIN = 16 * 2**20
 """Smallest score-slice budget of the mid block's split attention."""
@@ -73,6 +74,8 @@ class ImageJob:
     pass is then exact (:func:`plan`)."""
     host_room: int | None = None
     """Bytes a store in host memory may take (:func:`..budget.host_room`, set after the offload; None: unbounded)."""
+    out_channels: int = 3
+    """Channels of the decoded image (:func:`decoded_geometry`: 4 for Qwen-Image 2.1's RGBA VAE)."""
 
 
 def spatial_ratio(vae: Any, channels: int) -> int:
@@ -94,6 +97,48 @@ def spatial_ratio(vae: Any, channels: int) -> int:
     return ratio
 
 
+_DECODED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def decoded_geometry(vae: Any, channels: int) -> tuple[int, int]:
+    """``(spatial ratio, channels)`` of what the decoder gives (VAE Decode returns it as it comes): a meta-sized
+    decode of an 8x8 latent, once per model object; the VAE's own ``upscale_ratio`` (:func:`spatial_ratio`) and
+    ``output_channels`` (3) when the decoder cannot run on fake tensors. A decoder that disagrees with what its VAE
+    declares (the newest ``sd.py``'s Qwen-Image 2.1 TAESD over an older ``taesd.py``: 16x RGBA declared, 8x RGB
+    decoded) is logged; its own output decides."""
+    model = vae.first_stage_model
+    key = (int(channels), str(getattr(vae, "vae_dtype", torch.float32)))
+    try:
+        per = _DECODED.setdefault(model, {})
+    except TypeError:
+        per = {}
+    if key not in per:
+        per[key] = _measured_geometry(vae, channels)
+    return per[key]
+
+
+def _measured_geometry(vae: Any, channels: int) -> tuple[int, int]:
+    model = vae.first_stage_model
+    declared = (spatial_ratio(vae, channels), int(getattr(vae, "output_channels", 3) or 3))
+    dtype = getattr(vae, "vae_dtype", torch.float32)
+    try:
+        with torch.inference_mode(), MetaSizer([model], dtype, getattr(vae, "device", "cpu")):
+            out = model.decode(torch.empty((1, channels, 8, 8), dtype=dtype, device=vae.device))
+            found = (int(out.shape[-1]) // 8, int(out.shape[1]))
+            del out
+    except Exception as e:  # noqa: BLE001 - an op without a fake kernel: the VAE's own attributes
+        log.debug("meta decode of %s failed (%s: %s); its declared geometry is used", model_name(vae),
+                  type(e).__name__, e)
+        return declared
+    if found[0] < 1:
+        return declared
+    if found != declared:
+        log.warning("%s decodes %d channels at %dx, its VAE declares %d channels at %dx: the decoder's own output is "
+                    "what VAE Decode returns, so it is used", model_name(vae), found[1], found[0], declared[1],
+                    declared[0])
+    return found
+
+
 def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device | str, tile_size: int = 0,
              halo: int = -1) -> ImageJob:
     """The job of decoding the 4-D latent ``z`` (inputs already validated). ``core``: ``vae`` keeps
@@ -106,7 +151,7 @@ def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device 
     model = vae.first_stage_model
     split_reason = "the exact walker applies" if reason is None else split_layout(model).reason
     whole_batch = reason is None and kl_layout(model).video
-    ratio = spatial_ratio(vae, channels)
+    ratio, out_channels = decoded_geometry(vae, channels)
     family = identify(vae) or model_name(vae)
     dtype = getattr(vae, "vae_dtype", torch.float32)
     device = torch.device(vae.device)
@@ -127,6 +172,7 @@ def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device 
         halo=int(halo),
         split_reason=split_reason,
         whole_batch=whole_batch,
+        out_channels=out_channels,
     )
 
 
@@ -165,7 +211,7 @@ def reach(job: ImageJob) -> tuple[ReachReport, bool]:
 def buffer_bytes(job: ImageJob) -> int:
     """The output buffer (B, H, W, C) float32 counts when it lives on the decode device's type."""
     b = int(job.z.shape[0])
-    return b * job.out_hw[0] * job.out_hw[1] * 3 * 4 if job.out_device.type == job.device.type else 0
+    return b * job.out_hw[0] * job.out_hw[1] * job.out_channels * 4 if job.out_device.type == job.device.type else 0
 
 
 def ideal_bytes(job: ImageJob, full: CostModel) -> int:
@@ -178,10 +224,10 @@ def ideal_bytes(job: ImageJob, full: CostModel) -> int:
 
 
 def item_image_bytes(job: ImageJob) -> int:
-    """One decoded image (1, 3, H, W) plus ``process_output``'s temporaries (float32)."""
+    """One decoded image (1, C, H, W) plus ``process_output``'s temporaries (float32)."""
     if job.out_device.type != job.device.type:
         return 0
-    n = job.out_hw[0] * job.out_hw[1] * 3
+    n = job.out_hw[0] * job.out_hw[1] * job.out_channels
     return n * (torch.empty((), dtype=job.dtype).element_size() + 12)
 
 

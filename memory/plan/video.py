@@ -14,28 +14,40 @@ from typing import Any
 import torch
 
 from ..budget import host_refused_text
-from ..cost.phases import dtype_name
 from ..executors import wan as vc
 from ..executors.blend import frame_fn
 from ..executors.carry import decode_carried
 from ..measure.reach import default_halo
 from ..measure.sizing import MetaSizer
 from ..report import fmt_bytes
-from ..store import Store
 from ..tiles import chunk_ranges, overlap_chunks, spans
 from ..vae.carry_layout import CarryLayout
 from ..vae.wan_layout import WanLayout, cache_protocol
 from .grid import ImpossibleBudgetError, scaled
 from .split import tail_reach
 from .types import Chunking, Plan
+from .video_job import (
+    REPORT_NODE,
+    PeakStore,
+    VideoJob,
+    blend_fn,
+    blend_ratios,
+    chunk_frames,
+    executor_digest,
+    host_fn,
+    meta_peak,
+    meta_sizes,
+    model_key,
+    out_bytes,
+)
 
 log = logging.getLogger("vramfit.memory.plan.video")
 
-__all__ = ["BLEND_MAX_K", "MAX_AUTO_K", "REPORT_NODE", "PeakStore", "VideoJob", "blend_fn",
-           "blend_ratios", "candidates", "decode_peak", "lower_bound", "model_key", "peak_key", "plan", "plan_blend",
-           "plan_host_decode", "plan_wan", "size_candidate", "traffic"]
+__all__ = ["BLEND_MAX_K", "MAX_AUTO_K", "REPORT_NODE", "PeakStore", "VideoJob", "blend_fn", "blend_ratios",
+           "candidates", "chunk_frames", "decode_peak", "executor_digest", "host_fn", "lower_bound", "meta_peak", "meta_sizes",
+           "model_key", "out_bytes", "peak_key", "plan", "plan_blend", "plan_host_decode", "plan_wan",
+           "size_candidate", "traffic"]
 
-REPORT_NODE = "Temporal-Chunk Video Decode"
 MAX_AUTO_K = 8
 """Largest chunk the auto plan considers (latent frames)."""
 CALL_OVERHEAD = {"cuda": 0.3, "cpu": 0.0}
@@ -48,71 +60,6 @@ IMPOSSIBLE_SIZINGS = 4
 """Candidates sized (beyond those the plan sized) for the message when no plan fits."""
 BLEND_MAX_K = 4
 """Largest chunk the auto plan of the overlap-blend path (other video VAEs) considers (latent frames)."""
-
-
-class PeakStore(Store[int]):
-    """Meta-sized peaks by key (:func:`peak_key`): in memory, and in a JSON file when ``path`` is given (the
-    node passes one under ComfyUI's user folder). A plan keeps what it sizes and writes the file once."""
-
-    section = "peaks"
-    schema = 1
-    what = "video peak"
-
-    def decode(self, value: Any) -> int:
-        return int(value)
-
-
-def meta_peak(job: VideoJob, run: Callable[[], Any]) -> int:
-    """Peak bytes of ``run()`` on fake tensors with the job's model, dtype and device, under
-    ``torch.inference_mode`` as ComfyUI runs nodes (what ``run`` returns is dropped at once)."""
-    return meta_sizes(job, run)[0]
-
-
-def meta_sizes(job: VideoJob, run: Callable[[], Any], track_host: bool = False) -> tuple[int, int]:
-    """:func:`meta_peak` and, with ``track_host``, the peak bytes ``run()`` keeps in host memory (0 otherwise)."""
-    with torch.inference_mode(), MetaSizer([job.vae.first_stage_model], job.dtype, job.device,
-                                           track_host=track_host) as sizer:
-        run()
-    return int(sizer.peak_bytes), int(sizer.host_peak_bytes)
-
-
-def executor_digest() -> str:
-    """The chunked executor's version (``executors.wan.EXECUTOR_VERSION``), part of every persisted peak's key."""
-    return vc.EXECUTOR_VERSION
-
-
-# --------------------------------------------------------------------------------------------------
-# The job
-
-
-@dataclasses.dataclass(frozen=True)
-class VideoJob:
-    vae: Any
-    z: torch.Tensor
-    layout: WanLayout | None
-    """The Wan decoder's layout (walked once, by ``make_job``); None: another video VAE (overlap-blend)."""
-    family: str
-    dtype: torch.dtype
-    device: torch.device
-    out_device: torch.device
-    fingerprint: str
-    """The decoder's code fingerprint (:func:`.self_check.code_fingerprint`), part of every peak's key."""
-    frames_per_chunk: int = 0
-    """The user's latent frames per chunk (0: auto)."""
-    tile_size: int = 0
-    """The user's tile side in output px (0: auto; Wan only)."""
-    verdict: Any = None
-    """The chunked executor's self-check on this host (a :class:`.self_check.Verdict`; None: not checked)."""
-    carry: CarryLayout | None = None
-    """A causal decoder without a host cache (:mod:`..vae.carry_layout`): exact carried-context chunks."""
-    carry_why: str = ""
-    """Why there are no carried-context chunks (``carry`` None; "" for Wan), for the report."""
-    host_room: int | None = None
-    """Bytes a store in host memory may take (:func:`..budget.host_room`, set after the offload; None: unbounded)."""
-
-    @property
-    def wan(self) -> bool:
-        return self.layout is not None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -129,34 +76,16 @@ def describe(c: Chunking, halo: int) -> str:
     return f"k = {c.k} latent frames/chunk (frame 0 alone), {tiles}"
 
 
-def out_bytes(job: VideoJob, frames: int, h: int, w: int) -> int:
-    """The float32 output buffer, when it lives on the compute device's type."""
-    if job.out_device.type != job.device.type:
-        return 0
-    return int(job.z.shape[0]) * frames * h * w * 3 * 4
-
-
 def clip_out_bytes(job: VideoJob) -> tuple[int, int]:
     """``(buffer, post)``: the node's output buffer for the whole clip (:func:`out_bytes`, non-Wan geometry) and the
     floor of its post-processing (``process_output`` per output frame: two float32 temporaries)."""
     b, _, _, h, w = (int(v) for v in job.z.shape)
     frames, r = output_geometry(job)
-    return out_bytes(job, frames, h * r, w * r), 2 * b * 3 * h * w * r * r * 4
+    return out_bytes(job, frames, h * r, w * r), 2 * b * job.out_channels * h * w * r * r * 4
 
 
 def _t_meta(t: int, k: int) -> int:
     return min(t, 1 + 2 * k)
-
-
-def model_key(job: VideoJob, fingerprint: str | None = None) -> str:
-    """What a sized peak depends on besides the decode's own inputs: the model class, its code fingerprint
-    (``fingerprint``, default :attr:`VideoJob.fingerprint`), the host's cache protocol, the executor's
-    version, dtype and device type."""
-    model = job.vae.first_stage_model
-    cls = type(model)
-    proto = cache_protocol(model).name if job.wan else "-"
-    return (f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__qualname__}/{fingerprint or job.fingerprint}/{proto}"
-            f"/video-{executor_digest()}/{dtype_name(job.dtype)}/{job.device.type}")
 
 
 def peak_key(job: VideoJob, cd: Chunking, fingerprint: str | None = None) -> str:
@@ -178,7 +107,7 @@ def size_candidate(job: VideoJob, cd: Chunking, phases: dict | None = None) -> i
     lay = job.layout
     b, c, t, h, w = (int(v) for v in job.z.shape)
     t_meta = _t_meta(t, cd.k)
-    out_b = b * 3 * lay.out_frames(t_meta) * h * w * lay.spatial_ratio**2 * 4
+    out_b = b * lay.out_channels * lay.out_frames(t_meta) * h * w * lay.spatial_ratio**2 * 4
     with torch.inference_mode(), MetaSizer([model], job.dtype, job.device) as sizer:  # as ComfyUI runs nodes
         zf = torch.empty((b, c, t_meta, h, w), dtype=job.dtype, device=job.device)
 
@@ -204,13 +133,13 @@ def _store_growth(job: VideoJob, lay: WanLayout, cd: Chunking) -> int:
 def lower_bound(job: VideoJob, lay: WanLayout, cd: Chunking) -> int:
     """A lower bound of :func:`decode_peak` without sizing: the latent (as sized), a device store of every
     frame and one tile's committed caches (the largest tile's extended region; whole frames: every cache),
-    ``min(2, T)`` frames per cached conv (temporal upsample states left out), all alive together at the end
-    of each tile's last chunk."""
+    ``min(2, T)`` frames per cached conv (temporal upsample states left out; none for a one-frame clip, which
+    runs without caches), all alive together at the end of each tile's last chunk."""
     b, c, t, h, w = (int(v) for v in job.z.shape)
     item = torch.empty((), dtype=job.dtype).element_size()
     t_meta = _t_meta(t, cd.k)
     first = 0 if cd.tile is None else lay.split_info(cd.split).first_slot
-    frames = min(2, t_meta)
+    frames = min(2, t_meta) if t > 1 else 0
     cache = _ext_area(lay, h, w, cd) * sum(s.channels * frames * s.scale**2 for s in lay.slots
                                            if s.index >= first and s.kind == "conv")
     store = 0 if cd.store != "device" else lay.store_bytes(h, w, t, b, item, cd.split)
@@ -285,7 +214,7 @@ def traffic(job: VideoJob, cd: Chunking) -> dict:
     b, c, t, h, w = (int(v) for v in job.z.shape)
     chunks = chunk_ranges(t, cd.k)
     zi = job.z.element_size()
-    out = b * 3 * lay.out_frames(t) * h * w * lay.spatial_ratio**2 * 4
+    out = b * lay.out_channels * lay.out_frames(t) * h * w * lay.spatial_ratio**2 * 4
     latent = (len(chunks), b * c * t * h * w * zi)
     dec = job.vae.first_stage_model.decoder
     pieces = sum(vc.output_pieces(dec, lay.chunk_out_frames(s1 - s0, s0 == 0)) for s0, s1 in chunks)
@@ -332,11 +261,14 @@ def area_factor(h: int, w: int, tile: tuple[int, int] | None, halo: int) -> floa
     return ys * xs / (h * w)
 
 
-def _split_options(lay: WanLayout) -> list[int]:
+def _split_options(lay: WanLayout, one_frame: bool = False) -> list[int]:
     """Split points for tiles: the default (scale 2, small halo) and the last one at latent scale (a store
-    of 1/8 the size, larger halo); none whose tiled part holds a global op."""
+    of 1/8 the size, larger halo); none whose tiled part holds a global op. A one-frame clip (its store is one
+    frame): every split below the head's scale (a later split's halo is smaller, its whole-frame part larger)."""
     at_latent = max(s.split for s in lay.splits if s.scale == 1)
     opts = [lay.default_split] + ([at_latent] if at_latent != lay.default_split else [])
+    if one_frame:
+        opts = [s.split for s in lay.splits if s.scale < lay.decoder_ratio]
     return [s for s in opts if not (lay.tiled_global_ops and s == 0)]
 
 
@@ -353,13 +285,13 @@ def candidates(job: VideoJob, k_user: int, tile_user: tuple[int, int] | None, ti
     hosts = (False, True) if job.device.type != "cpu" else (False,)
     cands = []
     for tile, grid in _grids(h, w, tile_user) if tiled else [(None, (1, 1))]:
-        for split in [lay.default_split] if tile is None else _split_options(lay):
+        for split in [lay.default_split] if tile is None else _split_options(lay, t == 1):
             area = area_factor(h, w, tile, lay.split_info(split).halo)
             for host in (False,) if tile is None else [x for x in hosts if not x or host_store_fits(job, split)]:
                 for k in ks:
                     c = 0.0 if tile is None else c_tiles
                     speed = area * (1 + c / k) * (1 + 1e-3 * k)
-                    for rollback in (True, False):
+                    for rollback in (True,) if t == 1 else (True, False):  # one frame: no cache to keep
                         store = None if tile is None else ("host" if host else "device")
                         cands.append((speed, rollback, not host, k, Chunking(k, tile, grid, split, rollback, store)))
     cands.sort(key=lambda e: e[:4])
@@ -413,7 +345,7 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
     _, _, t, h, w = (int(v) for v in job.z.shape)
     out_b = out_bytes(job, lay.out_frames(t), h * lay.spatial_ratio, w * lay.spatial_ratio)
     # process_output per output frame: two float32 temporaries of one frame
-    post = 2 * int(job.z.shape[0]) * 3 * h * w * lay.spatial_ratio**2 * 4
+    post = 2 * int(job.z.shape[0]) * lay.out_channels * h * w * lay.spatial_ratio**2 * 4
     sized: list[int] = []
     bounded = 0
 
@@ -487,9 +419,9 @@ def host_decode_peak(job: VideoJob, peaks: PeakStore) -> int:
     """Meta-sized peak bytes of the host's own decode of one batch item at the full clip length, its own
     output included (persisted in ``peaks``); the node's output buffer comes on top."""
     _, c, t, h, w = (int(v) for v in job.z.shape)
-    model = job.vae.first_stage_model
-    return peaks.get_or_make(f"{model_key(job)}/1x{c}x{t}x{h}x{w}/host-decode", lambda: meta_peak(
-        job, lambda: model.decode(torch.empty((1, c, t, h, w), dtype=job.dtype, device=job.device))))
+    four_d = "/4d" if job.one_frame else ""
+    return peaks.get_or_make(f"{model_key(job)}/1x{c}x{t}x{h}x{w}/host-decode{four_d}", lambda: meta_peak(
+        job, lambda: host_fn(job)(torch.empty((1, c, t, h, w), dtype=job.dtype, device=job.device))))
 
 
 def plan_host_decode(job: VideoJob, budget: int, peaks: PeakStore, reason: str) -> Plan | None:
@@ -508,28 +440,6 @@ def plan_host_decode(job: VideoJob, budget: int, peaks: PeakStore, reason: str) 
 # Planning (other video VAEs: overlap-blend)
 
 
-def blend_ratios(vae: Any) -> tuple[Callable[[int], Any] | int | float, Callable[[int], Any] | int | None, int]:
-    """``(frames, index_formula, spatial)`` of ``vae.upscale_ratio`` for :func:`.blend.decode_overlap_blend`:
-    a ComfyUI video VAE's ``(frames of l latent frames, h, w)`` tuple, or an int (spatial only: one output
-    frame per latent frame). Raises ValueError naming the value when it is neither."""
-    up = getattr(vae, "upscale_ratio", None)
-    if isinstance(up, (tuple, list)) and len(up) >= 2:
-        frames, spatial = up[0], up[1]
-        idx = getattr(vae, "upscale_index_formula", None)
-        index = idx[0] if isinstance(idx, (tuple, list)) and idx else None
-    else:
-        frames, spatial, index = 1, up, None
-    def number(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-
-    ok_frames = callable(frames) or number(frames)
-    ok_spatial = number(spatial) and spatial >= 1 and float(spatial).is_integer()
-    if not (ok_frames and ok_spatial):
-        raise ValueError(f"{REPORT_NODE}: cannot use the VAE's upscale_ratio {up!r} ({type(vae).__name__}): "
-                         "expected (frames of a latent chunk, h ratio, w ratio) or an int spatial ratio")
-    return frames, index, int(spatial)
-
-
 def output_geometry(job: VideoJob) -> tuple[int, int]:
     """``(output frames, spatial ratio)`` of ``job``'s decode: the Wan layout's, else the frames of the host's
     own decode (:func:`chunk_frames`: CogVideoX's gives ``4 T`` for an even ``T``, its ``upscale_ratio``
@@ -543,16 +453,6 @@ def output_geometry(job: VideoJob) -> tuple[int, int]:
 def output_frames(job: VideoJob, t: int) -> int:
     """Frames of ``t`` latent frames by a non-Wan VAE's frame formula (``upscale_ratio``)."""
     return frame_fn(blend_ratios(job.vae)[0])(t)
-
-
-def blend_fn(job: VideoJob) -> Callable[[torch.Tensor], torch.Tensor]:
-    """One chunk's decode as ``VAE.decode`` feeds it (the VAE's dtype and device), float32 frames."""
-    model = job.vae.first_stage_model
-
-    def fn(a: torch.Tensor) -> torch.Tensor:
-        return model.decode(a.to(job.dtype).to(job.device)).float()
-
-    return fn
 
 
 def blend_chunk_peak(job: VideoJob, k: int, peaks: PeakStore) -> int:
@@ -608,7 +508,7 @@ def carry_chunk_peak(job: VideoJob, k: int, peaks: PeakStore, tile: tuple[int, i
         model = job.vae.first_stage_model
         with torch.inference_mode(), MetaSizer([model], job.dtype, job.device) as sizer:
             z = torch.empty((1, c, sized, h, w), dtype=job.dtype, device=job.device)
-            out = torch.empty((1, 3, n, h * r, w * r), dtype=torch.float32, device=job.device)
+            out = torch.empty((1, job.out_channels, n, h * r, w * r), dtype=torch.float32, device=job.device)
             decode_carried(model, job.carry, z, kk, out=out, dtype=job.dtype, compute_device=job.device,
                            tile=tile, halo=halo, rollback=rollback, sizing=True)
             out_b = out.numel() * out.element_size()
@@ -745,21 +645,6 @@ def plan_carry(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
         return None
     finally:
         peaks.flush()
-
-
-_CHUNK_FRAMES: dict[tuple[str, int, int, int], int] = {}
-
-
-def chunk_frames(job: VideoJob, length: int) -> int:
-    """Frames the host's decode gives for ``length`` latent frames (meta-sized once per decoder and size)."""
-    _, c, _, h, w = (int(v) for v in job.z.shape)
-    key = (model_key(job), int(length), h, w)
-    if key not in _CHUNK_FRAMES:
-        with torch.inference_mode(), MetaSizer([job.vae.first_stage_model], job.dtype, job.device):
-            out = blend_fn(job)(torch.empty((1, c, int(length), h, w), dtype=job.dtype, device=job.device))
-            _CHUNK_FRAMES[key] = int(out.shape[2])
-            del out
-    return _CHUNK_FRAMES[key]
 
 
 def off_formula(job: VideoJob, k: int) -> str | None:

@@ -163,7 +163,10 @@ def _wan_prefix(model: Any, x: torch.Tensor) -> torch.Tensor:
 
 def _wan_suffix(model: Any, feats: torch.Tensor, device: Any) -> torch.Tensor:
     """Latent frame 0, then :data:`SUFFIX_FRAMES` at a time, through the host's ``encoder.forward`` (caches
-    carried) with the prefix swapped out, then ``model.conv1``'s mean."""
+    carried) with the prefix swapped out, then ``model.conv1``'s mean. An image encoder's 4-D features (Qwen-Image
+    2.1's VAE: a Wan 2.2 layout with time kernel 1) are one frame."""
+    if feats.ndim == 4:
+        return _wan_suffix(model, feats.unsqueeze(2), device).squeeze(2)
     enc = model.encoder
     n_cache = sum(1 for _ in enc.modules()) + 1  # more slots than any encoder uses
     cache: list[Any] = [None] * n_cache

@@ -1,9 +1,10 @@
 """VAE families the pack knows, and how to recognise them on a ComfyUI ``VAE`` object.
 
 A family fixes the geometry (spatial/temporal ratio, planner halo) and the feature phases its cost
-models use (chosen by measurement, see docs/MEMORY.md). Recognition only reads plain attributes of
-the object ComfyUI passes (``vae.first_stage_model``, ``vae.upscale_ratio``, ``vae.latent_dim``,
-``vae.latent_channels``): nothing here imports ComfyUI.
+models use (chosen by measurement, see docs/MEMORY.md). Recognition reads plain attributes of the object
+ComfyUI passes (``vae.first_stage_model``, ``vae.upscale_ratio``, ``vae.latent_dim``, ``vae.latent_channels``) and
+the structure of its modules (a Wan decoder's layout, :func:`wan_family`), never a module name: nothing here imports
+ComfyUI.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 from typing import Any
 
 from ..geometry import VaeGeometry
+from .wan_layout import is_wan_vae, wan_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,17 +146,12 @@ def identify(vae: Any) -> str | None:
     model = getattr(vae, "first_stage_model", None)
     if model is None:
         return None
-    cls = type(model)
-    name, module = cls.__name__, cls.__module__
+    name = type(model).__name__
     spatial, temporal = _ratios(vae)
     latent_dim = int(getattr(vae, "latent_dim", 2))
     channels = int(getattr(vae, "latent_channels", 0))
-    if name == "WanVAE":
-        if module.endswith("wan.vae2_2"):
-            return "wan22"
-        if module.endswith("wan.vae"):
-            return "wan21"
-        return None
+    if is_wan_vae(model):
+        return wan_family(model)
     if name in ("AutoencoderKL", "AutoencodingEngine"):
         decoder = getattr(model, "decoder", None)
         decoder_name = type(decoder).__name__ if decoder is not None else ""
@@ -176,6 +173,24 @@ def identify(vae: Any) -> str | None:
         ):
             return "hunyuan_video"
     return None
+
+
+WAN_FAMILIES = {"wan21": ("2.1", 16, 3, 1, 3), "wan22": ("2.2", 48, 3, 2, 3)}
+"""``{family: (layout version, latent channels, image channels, patch, temporal kernel)}`` of the Wan decoders the
+shipped cost models were measured on."""
+
+
+def wan_family(model: Any) -> str | None:
+    """``"wan21"`` / ``"wan22"`` when a Wan-layout ``first_stage_model``'s structure (:func:`.wan_layout.wan_layout`:
+    layout, latent and image channels, patch, temporal kernel) is that family's, else None: a variant of the layout
+    (Qwen-Image 2.1's VAE: 64 channels, temporal kernel 1, patch 1, RGBA) is its own structure, calibrated at first
+    use. Never read from a module or class name."""
+    try:
+        lay = wan_layout(model)
+    except ValueError:
+        return None
+    found = (lay.version, lay.latent_channels, lay.out_channels, lay.patch, lay.temporal_kernel)
+    return next((name for name, want in WAN_FAMILIES.items() if found == want), None)
 
 
 def model_name(vae: Any) -> str:

@@ -7,6 +7,10 @@ Hunyuan Image 2.1's refiner VAE (ComfyUI: ``comfy.ldm.hunyuan_video.vae_refiner`
 ``first_stage_model.decode`` takes and returns 4-D tensors (the time axis added and removed around the host's own
 ``decode``: the same numbers), while :func:`..vae.kl_layout.kl_layout` finds the 3-D decoder inside and the walker
 runs it in spatial tiles of all frames (:mod:`..executors.kl_exact`). Everything else is the host's VAE object.
+
+The other way round, :func:`one_frame_clip`: an image VAE (2-D latents) whose decoder is a Wan-layout causal decoder
+(Qwen-Image 2.1's VAE: ``vae2_2.WanVAE`` with temporal kernel 1, ComfyUI's ``latent_dim`` 2) decodes each latent as a
+one-frame clip through the chunked Wan executor (its mid attention once on the whole frame, the up path in tiles).
 Duck-typed: no ComfyUI import.
 """
 
@@ -18,8 +22,9 @@ from typing import Any
 import torch
 
 from .kl_layout import find_decoder, whole_clip_3d
+from .wan_layout import is_wan_vae
 
-__all__ = ["OneFrameModel", "OneFrameVae", "one_frame_vae"]
+__all__ = ["OneFrameModel", "OneFrameVae", "one_frame_clip", "one_frame_vae"]
 
 
 class OneFrameModel(torch.nn.Module):
@@ -73,3 +78,10 @@ def one_frame_vae(vae: Any) -> OneFrameVae | None:
     if wrapped is None:
         wrapped = _MODELS[model] = OneFrameModel(model)
     return OneFrameVae(vae, wrapped, ratio)
+
+
+def one_frame_clip(vae: Any) -> bool:
+    """``vae`` is an image VAE (``latent_dim`` 2) whose decoder is a Wan-layout causal decoder
+    (:func:`.wan_layout.is_wan_vae`, told from its modules): its 4-D latents decode as one-frame clips."""
+    model = getattr(vae, "first_stage_model", None)
+    return model is not None and int(getattr(vae, "latent_dim", 2)) == 2 and is_wan_vae(model)

@@ -97,14 +97,16 @@ class WanLayout:
     """Structure of a Wan ``first_stage_model`` (2.1 or 2.2) as the chunked executor uses it."""
 
     version: str
-    """``"2.1"`` (3-channel head) or ``"2.2"`` (12-channel head + 2x2 unpatchify, ``first_chunk`` flag)."""
+    """``"2.1"`` (``Resample`` up path) or ``"2.2"`` (``Up_ResidualBlock`` up path with the ``first_chunk`` flag: Wan
+    2.2, Qwen-Image 2.1)."""
     latent_channels: int
     temporal_ratio: int
     decoder_ratio: int
-    """Spatial scale of the decoder's head output (8)."""
+    """Spatial scale of the decoder's head output (8; 16 for Qwen-Image 2.1's five levels)."""
     patch: int
-    """Unpatchify factor after the head (1 for 2.1, 2 for 2.2)."""
+    """Unpatchify factor after the head (1 for 2.1, 2 for 2.2, the model's ``patch_size`` where it has one)."""
     out_channels: int
+    """Channels of the decoded image (3; 4 for Qwen-Image 2.1's RGBA)."""
     slots: tuple[CacheSlot, ...]
     splits: tuple[SplitInfo, ...]
     """``splits[i]``: cutting before ``upsamples[i]`` (``i = 0 .. len(upsamples)``)."""
@@ -113,10 +115,19 @@ class WanLayout:
     """Global modules (attention) after each split point would make tiling inexact; empty for Wan."""
     n_cache: int
     """Length of ComfyUI's cache list (``count_conv3d(decoder)``)."""
+    temporal_kernel: int = 3
+    """Time taps of the decoder's causal convolutions (3; 1 for Qwen-Image 2.1's, whose frames never mix)."""
 
     @property
     def spatial_ratio(self) -> int:
         return self.decoder_ratio * self.patch
+
+    @property
+    def variant(self) -> str:
+        """The structure in words, as detected from the modules (never from a module or class name)."""
+        return (f"Wan {self.version} layout: {self.latent_channels} latent channels, temporal kernel "
+                f"{self.temporal_kernel}, patch {self.patch}, {self.out_channels} image channels, "
+                f"{self.spatial_ratio}x")
 
     def split_info(self, split: int | None = None) -> SplitInfo:
         return self.splits[self.default_split if split is None else int(split)]
@@ -371,9 +382,8 @@ def _walk_decoder(model: Any) -> WanLayout:
             head_c = int(sub.out_channels)
     if head_c is None:
         raise ValueError("decoder.head has no convolution")
-    if head_c % 3 != 0 or math.isqrt(head_c // 3) ** 2 != head_c // 3:
-        raise ValueError(f"head output channels {head_c} are not 3 * p^2")
-    patch = math.isqrt(head_c // 3)
+    wan22 = any(accepts(layer.forward, "first_chunk") for layer in dec.upsamples)
+    patch = _patch(model, head_c, wan22)
     total_reach = [sum(v for _, v in contrib[i:]) for i in range(len(contrib) + 1)]
     splits = []
     tiled_glob: tuple[str, ...] = ()
@@ -385,13 +395,8 @@ def _walk_decoder(model: Any) -> WanLayout:
     # full-resolution activation per output frame for Wan 2.1 and 2.2 (channels x area x frames), and
     # the tiled part's reach (halo) drops from 12.25 to 2.75 (2.1) / 5.75 (2.2) latent px.
     default = max(j for j, s, *_ in cut_state if s <= 2)
-    version = (
-        "2.2"
-        if patch > 1 or any(accepts(layer.forward, "first_chunk") for layer in dec.upsamples)
-        else "2.1"
-    )
     return WanLayout(
-        version=version,
+        version="2.2" if wan22 or patch > 1 else "2.1",
         latent_channels=int(model.conv2.in_channels),
         temporal_ratio=tf,
         decoder_ratio=scale,
@@ -402,4 +407,16 @@ def _walk_decoder(model: Any) -> WanLayout:
         default_split=default,
         tiled_global_ops=tiled_glob,
         n_cache=sum(1 for m in dec.modules() if _is_conv3d(m)),
+        temporal_kernel=int(dec.conv1.kernel_size[0]),
     )
+
+
+def _patch(model: Any, head_c: int, wan22: bool) -> int:
+    """The unpatchify factor after the head: the model's ``patch_size`` (newer ``vae2_2``: 2 for Wan 2.2, 1 for
+    Qwen-Image 2.1), else what the host's code fixes (0.33's ``vae2_2`` unpatchifies by 2, ``vae.py`` not at
+    all). Raises ``ValueError`` when the head's channels do not split into ``p^2`` patches."""
+    found = getattr(model, "patch_size", None)
+    patch = found if isinstance(found, int) and found >= 1 else (2 if wan22 else 1)
+    if head_c % (patch * patch):
+        raise ValueError(f"head output channels {head_c} are not a multiple of patch {patch} squared")
+    return patch

@@ -174,14 +174,36 @@ def _fake_vae(
     )
 
 
-def test_identify_families() -> None:
+def _wan_vae(layouts: dict, module: str, upscale_ratio, latent_dim: int, structure: tuple) -> types.SimpleNamespace:
+    """A ``WanVAE`` whose decoder layout is ``structure`` (version, latent channels, image channels, patch, temporal
+    kernel), kept in ``layouts`` (what the patched ``families.wan_layout`` returns)."""
+    vae = _fake_vae("WanVAE", module, upscale_ratio, latent_dim, structure[1])
+    version, channels, out, patch, kernel = structure
+    layouts[id(vae.first_stage_model)] = types.SimpleNamespace(
+        version=version, latent_channels=channels, out_channels=out, patch=patch, temporal_kernel=kernel)
+    return vae
+
+
+def test_identify_families(monkeypatch) -> None:
+    from vramfit.memory.vae import families
+
     def video(s):
         return (lambda a: max(0, a * 4 - 3), s, s)
 
+    layouts: dict = {}
+    monkeypatch.setattr(families, "is_wan_vae", lambda m: id(m) in layouts)
+    monkeypatch.setattr(families, "wan_layout", lambda m: layouts[id(m)])
+
     assert identify(_fake_vae("AutoencoderKL", "comfy.ldm.models.autoencoder", 8, 2, 4)) == "kl"
     assert identify(_fake_vae("AutoencodingEngine", "comfy.ldm.models.autoencoder", 8, 2, 16)) == "kl"
-    assert identify(_fake_vae("WanVAE", "comfy.ldm.wan.vae", video(8), 3, 16)) == "wan21"
-    assert identify(_fake_vae("WanVAE", "comfy.ldm.wan.vae2_2", video(16), 3, 48)) == "wan22"
+    wan21 = _wan_vae(layouts, "comfy.ldm.wan.vae", video(8), 3, ("2.1", 16, 3, 1, 3))
+    assert identify(wan21) == "wan21"
+    assert identify(_wan_vae(layouts, "comfy.ldm.wan.vae2_2", video(16), 3, ("2.2", 48, 3, 2, 3))) == "wan22"
+    # Wan families are told by their decoder's structure, never by a module name: Qwen-Image 2.1's VAE is vae2_2's
+    # WanVAE with 64 channels, temporal kernel 1, patch 1 and RGBA (an image VAE); a WanVAE without the structure is
+    # no family either.
+    assert identify(_wan_vae(layouts, "comfy.ldm.wan.vae2_2", 16, 2, ("2.2", 64, 4, 1, 1))) is None
+    assert identify(_fake_vae("WanVAE", "comfy.ldm.wan.vae2_2", video(16), 3, 48)) is None
     assert (
         identify(_fake_vae("AutoencoderKL", "comfy.ldm.models.autoencoder", video(8), 3, 16))
         == "hunyuan_video"
@@ -192,9 +214,7 @@ def test_identify_families() -> None:
     assert identify(unknown) is None
     geo = vae_geometry(_fake_vae("Mochi", "x.y", (lambda a: a * 6 - 5, 8, 8), 3, 12))
     assert (geo.family, geo.spatial_ratio, geo.temporal_ratio) == ("x.y.Mochi", 8, 6)
-    assert (
-        vae_geometry(_fake_vae("WanVAE", "comfy.ldm.wan.vae", video(8), 3, 16)) == FAMILIES["wan21"].geometry
-    )
+    assert vae_geometry(wan21) == FAMILIES["wan21"].geometry
 
 
 def test_vae_geometry_out_frames() -> None:

@@ -120,6 +120,7 @@ class _Job:
     """The fields ``video._report`` reads of a job (no Wan layout: the overlap-blend path)."""
 
     wan = False
+    one_frame = False
     family = "tiny video"
     dtype = torch.float32
     device = torch.device("cpu")
