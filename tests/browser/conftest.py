@@ -9,6 +9,7 @@ the newest frontend (``scripts/setup_browser.sh frontend``) for the tests that p
   (``frontend`` in :data:`FRONTENDS`, ``renderer`` in :data:`RENDERERS`). A server starts when the frontend
   changes, the app reloads when the renderer changes: order such tests by frontend, then renderer.
 * Screenshots go to ``outputs/browser/<ComfyUI version>/`` (``VRAMFIT_BROWSER_OUT`` overrides the folder).
+* The variants (Vue nodes, the newest frontend) run where CI runs the tier (:func:`variants`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,21 @@ FRONTENDS = ("pinned", "newest")
 ``scripts/setup_browser.sh`` installs into the cache (served with ``--front-end-root``)."""
 RENDERERS = {"classic": False, "vue": True}
 """The node renderers: ``Comfy.VueNodes.Enabled`` of each."""
+
+
+def variants() -> bool:
+    """Whether the tier runs its variants (Vue nodes, the newest frontend) beside the host's own frontend on the
+    classic canvas: where CI runs it (``VRAMFIT_REQUIRE_BROWSER``), or with ``VRAMFIT_BROWSER_VARIANTS=1``; a user's
+    default test run keeps the one that ships with their ComfyUI (README's 15-minute budget)."""
+    flag = os.environ.get("VRAMFIT_BROWSER_VARIANTS", "").strip()
+    return flag not in ("", "0") if flag else bool(os.environ.get(REQUIRE_ENV))
+
+
+def variant(frontend: str, renderer: str) -> None:
+    """Skip a run on a frontend or renderer other than the host's own classic canvas unless :func:`variants`."""
+    if (frontend, renderer) != ("pinned", "classic") and not variants():
+        pytest.skip(f"browser variant {frontend}/{renderer}: runs where CI runs the tier (VRAMFIT_REQUIRE_BROWSER) "
+                    "or with VRAMFIT_BROWSER_VARIANTS=1")
 
 
 def unavailable(reason: str) -> None:
@@ -216,7 +232,9 @@ def page(app_page):
 @pytest.fixture
 def ui_page(driver, ui_session, frontend, renderer):
     """The app of ``frontend`` (``pinned``/``newest``) with ``renderer`` (``classic``/``vue``), both
-    parametrized by the test, with no dialog or toast left open by an earlier test."""
+    parametrized by the test, with no dialog or toast left open by an earlier test (a variant other than the host's
+    own classic canvas only where :func:`variants`)."""
+    variant(frontend, renderer)
     page = ui_session.page_for(driver, frontend, renderer)
     page.close_overlays()
     return page

@@ -18,6 +18,7 @@ import copy
 import pytest
 
 from scripts import use_vramfit
+from tests.browser.conftest import variant
 from tests.unit.test_use_vramfit import _subgraph_workflow
 
 pytestmark = pytest.mark.server
@@ -134,6 +135,7 @@ def _reports(page, ids) -> list[dict] | None:
 def renderer(request, page):
     """The node renderer for one test: the classic canvas, or Vue nodes (``Comfy.VueNodes.Enabled``); the
     session's setting is put back after it."""
+    variant("pinned", "vue" if request.param else "classic")
     before = page.js(_SETTING_JS, VUE_SETTING, None)
     page.js(_SETTING_JS, VUE_SETTING, request.param)
     yield "vue" if request.param else "classic"

@@ -7,7 +7,10 @@ use is covered without editing this file:
 * imports of ComfyUI's modules (``comfy``, ``comfy_api``, ``comfy_execution``, ``folder_paths``, ``nodes``,
   ``server``) and the attribute chains used on the names they bind (``mm.get_free_memory``,
   ``io.Int.Input``), plus the same chains on parameters named ``mm`` (``memory/`` takes
-  ``comfy.model_management`` as ``mm`` and imports nothing from ComfyUI);
+  ``comfy.model_management`` as ``mm`` and imports nothing from ComfyUI), in every ``.py`` of the pack
+  (``memory/``'s subpackages included: they import nothing from ComfyUI and take no ``mm``, so they add no
+  symbol here; the host's model code they rely on by structure, reached through the model objects ComfyUI hands
+  them, ``sys.modules[type(x).__module__]`` included, is pinned per family in ``test_family_symbols.py``);
 * each call of such a symbol with its shape (number of positional arguments, keyword names), checked with
   ``inspect.signature(...).bind``.
 
@@ -146,7 +149,9 @@ class _Collector(ast.NodeVisitor):
 
 
 def pack_files() -> list[pathlib.Path]:
-    return [ROOT / "__init__.py", *sorted((ROOT / "nodes").glob("*.py")), *sorted((ROOT / "memory").glob("*.py"))]
+    """Every ``.py`` of the pack: ``__init__.py`` and ``nodes/`` and ``memory/`` recursively (the engine's
+    subpackages ``memory/vae``, ``memory/plan``, ``memory/decode``, ... included)."""
+    return [ROOT / "__init__.py", *sorted((ROOT / "nodes").rglob("*.py")), *sorted((ROOT / "memory").rglob("*.py"))]
 
 
 def collect_uses(path: pathlib.Path) -> list[Use]:
@@ -198,10 +203,15 @@ def test_the_list_covers_the_pack() -> None:
     assert any(u.symbol == "comfy.model_management.free_memory" and u.where.startswith("memory/offload.py:")
                for u in USES)  # fmt: skip
     assert any(symbol == "comfy_api.v0_0_2.io.Schema" and call[1] for symbol, call, _ in CALLS)
+    # every .py of the engine is read, its subpackages included
+    files = set(pack_files())
+    assert {ROOT / "memory" / "vae" / "families.py", ROOT / "memory" / "plan" / "host_grid.py",
+            ROOT / "memory" / "decode" / "env.py", ROOT / "memory" / "offload.py"} <= files  # fmt: skip
+    assert files == {ROOT / "__init__.py", *(ROOT / "nodes").rglob("*.py"), *(ROOT / "memory").rglob("*.py")}
 
 
 def test_memory_imports_nothing_from_the_host() -> None:
-    for path in sorted((ROOT / "memory").glob("*.py")):
+    for path in sorted((ROOT / "memory").rglob("*.py")):
         tree = ast.parse(path.read_text())
         imported = [n.lineno for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
                     and any(_is_host(m) for m in _imported_modules(n))]  # fmt: skip
