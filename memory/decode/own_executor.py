@@ -125,8 +125,10 @@ def _report(job: VideoJob, ex: OwnExecutor, plan: Plan, budget: Any, offload_tex
     if plan.planned:
         avail = budget.available
         pct = plan.planned / avail if avail else math.inf
-        over = f" - OVER BUDGET ({ex.over_text})" if plan.over_budget else ""
-        r.add("predicted", f"peak {fmt_bytes(plan.planned)} ({pct:.0%} of budget, meta sizing){over}; "
+        why = "the host's own decode" if plan.path == "host" else ex.over_text
+        over = f" - OVER BUDGET ({why})" if plan.over_budget else ""
+        sized = plan.stats.get("sized", "meta sizing")
+        r.add("predicted", f"peak {fmt_bytes(plan.planned)} ({pct:.0%} of budget, {sized}){over}; "
                            f"planned in {fmt_seconds(plan_seconds)} (offload and self-check included)")
     else:
         r.add("predicted", "not predicted")

@@ -183,9 +183,11 @@ def _estimate(job: VideoJob, lay: SeedVR2Layout) -> int | None:
 
 
 def _host(job: VideoJob, planned: int, budget: int, description: str, reason: str) -> Plan:
+    """The host's own decode, its peak the model's own estimate plus the output (``stats["sized"]`` says so)."""
     t = int(job.z.shape[2])
     return Plan("host", Chunking(max(1, t - 1)), description, planned, reason=reason,
-                over_budget=bool(planned) and planned > budget)
+                over_budget=bool(planned) and planned > budget,
+                stats={"sized": "the model's own estimate, comfy_memory_used_decode, + the output"})
 
 
 def plan_seedvr2(job: VideoJob, budget: int, peaks: PeakStore, reason: str, exact: bool) -> Plan:
