@@ -4,7 +4,8 @@ byte for byte, with their commits in ``tests/upstream/MANIFEST.json``) loaded ov
 No newer whole tree can be had here, and the newest ``comfy/sd.py`` does not import over 0.33.0 (it needs newer
 text encoders, ``comfy.storage`` and a ``ModelPatcher`` taking ``fast_disk``). So the VAE modules are loaded under
 their own names (``comfy.ldm.wan.vae2_2``, ...) in place of 0.33.0's for the duration of :func:`newest`, and each VAE
-is built as the newest ``sd.py`` builds it (``scripts/upstream_vaes.py``). Where a newest module calls a ComfyUI
+is built as the newest ``sd.py`` builds it (``scripts/upstream_wan.py``, ``upstream_seedvr2.py``,
+``upstream_minimax.py``). Where a newest module calls a ComfyUI
 helper 0.33.0 lacks, :data:`STAND_INS` gives it the value a CPU host has (every such helper serves a CUDA-only fast
 path: a kitchen kernel, int8 attention, pinned-memory eviction); a missing helper the leg does not know fails by
 name. Test harness only; the pack never imports this.
@@ -16,6 +17,7 @@ import contextlib
 import importlib
 import importlib.util
 import json
+import logging
 import pathlib
 import sys
 import types
@@ -131,3 +133,15 @@ def newest(modules: tuple[str, ...] = VAE_MODULES) -> Iterator[dict[str, types.M
                 setattr(importlib.import_module(parent), leaf, old)
         for mod, attr in added:
             delattr(mod, attr)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """ComfyUI's "No VAE weights detected" warning (root logger) while a builder calls ``VAE(sd={})``: expected."""
+    logger = logging.getLogger()
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -32,13 +32,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from scripts.upstream import newest
+from scripts.upstream import newest, quiet
 
 __all__ = ["NARROW", "QUANT_LINEARS", "extended_ops", "minimax_state_dict", "minimax_vae", "newest_minimax",
            "vae_from_state_dict"]
@@ -170,18 +169,6 @@ def minimax_state_dict(seed: int = 0, quantized: bool = False) -> dict[str, torc
     return _quantize(sd) if quantized else sd
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """``VAE(sd={})`` warns "No VAE weights detected": expected here, not shown."""
-    logger = logging.getLogger()
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def _branch(vae: Any, sd: dict[str, torch.Tensor], dtype: torch.dtype | None) -> None:
     """sd.py lines 1029-1063 (``decoder.transformer_blocks.0.scale1`` and ``encoder.down.5.block.0.conv1.weight``):
     ``vae``'s model and attributes as the branch sets them (narrow: :data:`NARROW`)."""
@@ -235,7 +222,7 @@ def vae_from_state_dict(sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.
     import comfy.model_patcher
     import comfy.sd
 
-    with _quiet():
+    with quiet():
         vae = comfy.sd.VAE(sd={})  # every default attribute of VAE.__init__; no model
     _branch(vae, dict(sd), None)
     vae.first_stage_model = vae.first_stage_model.eval()

@@ -27,15 +27,13 @@ What each builder mirrors (``comfy/sd.py`` at Comfy-Org ``033046cc``, ``vae2_2.p
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from scripts.fixtures import _init_custom, _torch_reset
+from scripts.upstream import quiet
 
 __all__ = ["qwen21_state_dict", "qwen21_taesd", "qwen21_vae", "taesd_state_dict", "vae_from_state_dict",
            "wan22_state_dict", "wan22_vae"]
@@ -98,18 +96,6 @@ def taesd_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     return _initialised(taesd.TAESD(latent_channels=64), seed)
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """``VAE(sd={})`` warns "No VAE weights detected" (ComfyUI logs on the root logger): expected here, not shown."""
-    logger = logging.getLogger()
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def _branch(vae: Any, sd: dict[str, torch.Tensor]) -> None:
     """The newest sd.py's branches for these files (lines 553-563, 837-862), setting ``vae``'s model and
     attributes as they do. Raises ``ValueError`` for any other file."""
@@ -167,7 +153,7 @@ def vae_from_state_dict(sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.
     import comfy.model_patcher
     import comfy.sd
 
-    with _quiet():
+    with quiet():
         vae = comfy.sd.VAE(sd={})  # every default attribute of VAE.__init__; no model
     _branch(vae, sd)
     vae.first_stage_model = vae.first_stage_model.eval()
