@@ -16,7 +16,6 @@ Duck-typed: no ComfyUI import.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -59,14 +58,17 @@ class OneFrameVae:
         return getattr(self.__dict__["vae"], name)
 
 
-_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WRAPPED = "_vramfit_one_frame"
+"""The attribute of the host's VAE object holding its :class:`OneFrameModel`: the wrapper lives and dies with the
+VAE (a cache keyed by the model would keep the model alive through the wrapper's ``inner``: a leaked VAE, and
+ComfyUI's full garbage collection on every later model load)."""
 
 
 def one_frame_vae(vae: Any) -> OneFrameVae | None:
     """``vae`` as a 2-D image VAE when its decoder is the 3-D decoder the walker runs
     (:func:`..vae.kl_layout.whole_clip_3d`) and its spatial ratio is known (ComfyUI's ``upscale_ratio`` tuple
-    ``(time, h, w)``); else None. One :class:`OneFrameModel` per host model (its layout and checks are cached by
-    object)."""
+    ``(time, h, w)``); else None. One :class:`OneFrameModel` per host VAE and model (its layout and checks are
+    cached by object)."""
     model = getattr(vae, "first_stage_model", None)
     if model is None or int(getattr(vae, "latent_dim", 2)) != 3 or not whole_clip_3d(find_decoder(model)):
         return None
@@ -74,9 +76,13 @@ def one_frame_vae(vae: Any) -> OneFrameVae | None:
     ratio = up[-1] if isinstance(up, (tuple, list)) and len(up) == 3 else None
     if not isinstance(ratio, int) or ratio < 1 or up[-2] != ratio:
         return None
-    wrapped = _MODELS.get(model)
-    if wrapped is None:
-        wrapped = _MODELS[model] = OneFrameModel(model)
+    wrapped = getattr(vae, "__dict__", {}).get(_WRAPPED)
+    if wrapped is None or wrapped.inner is not model:  # a copy of the VAE given another model: a wrapper of its own
+        wrapped = OneFrameModel(model)
+        try:
+            vae.__dict__[_WRAPPED] = wrapped
+        except AttributeError:  # no instance dict: a wrapper per call (its checks then per call too)
+            pass
     return OneFrameVae(vae, wrapped, ratio)
 
 

@@ -32,10 +32,12 @@ FRONTEND_ONLY_TYPES = {"MarkdownNote", "Note", "Reroute", "PrimitiveNode"}
 """Node types the frontend defines itself (never in /object_info)."""
 DEMO = CPU_TEMPLATES[0]
 """The tiled demo: every kind of pack node (encode, decode, inpaint encode, offload, VRAM Monitor's plot)."""
-RUNS = [(name, "pinned", "classic") for name in CPU_TEMPLATES] + [
+RUNS = [(DEMO, "pinned", "classic")] + [
+    pytest.param(name, "pinned", "classic", marks=pytest.mark.slow) for name in CPU_TEMPLATES if name != DEMO] + [
     (DEMO, frontend, renderer) for frontend, renderer in (("pinned", "vue"), ("newest", "classic"), ("newest", "vue"))
 ]
-"""(template, frontend, renderer) of the run test, in the order that starts one server per frontend."""
+"""(template, frontend, renderer) of the run test, in the order that starts one server per frontend; a user's default
+run runs the demo (every kind of pack node) on the host's own canvas, the other CPU templates are the slow tier."""
 MIN_BOX_PX = 55
 """The report box keeps at least about 4 rows of text (web/js/vramfit.js: 15 px rows) on the node."""
 
@@ -103,7 +105,8 @@ def test_pack_extension_is_served(ui_server):
         assert b"registerExtension" in resp.read()
 
 
-@pytest.mark.parametrize("name", TEMPLATES)
+@pytest.mark.parametrize("name", [n if n in CPU_TEMPLATES else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in TEMPLATES])
 def test_template_loads_from_the_template_browser(page, ui_server, shots_dir, name):
     """Workflow menu → Browse Templates → ComfyUI-VRAM-Fit → the template: the canvas holds the JSON's
     nodes and links, every pack node is known to the frontend, and no missing-node warning names a pack

@@ -97,6 +97,7 @@ def _never_wrongly_exact(r, ref) -> float:
     return diff
 
 
+@pytest.mark.slow
 def test_the_hosts_svd_decoder_mixes_its_batch(svd_vae, case):
     """The premise: the host decodes SVD's batch as one video, so splitting it changes every frame."""
     z, _ = case
@@ -173,6 +174,7 @@ def test_tiles_of_40_px_are_exact(mod, svd_vae, case, caplog):
     assert _never_wrongly_exact(r, ref) <= 1e-4
 
 
+@pytest.mark.slow
 def test_a_split_untiled_pass_is_still_labelled(mod, svd_vae, case):
     """With the walker's path gone (its self-check failed: simulated by the job's exact_reason), a budget for one
     or two frames per pass: split into passes the batch measures under 30 dB (issue 36 item 3), so the host's whole

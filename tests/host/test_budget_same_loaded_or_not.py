@@ -117,6 +117,7 @@ def test_image_budget_same_whether_weights_were_loaded(comfy, fixture_vaes, imag
     assert loaded[1] == 36 * MiB
 
 
+@pytest.mark.slow
 def test_video_budget_same_whether_weights_were_loaded(comfy, fixture_vaes, video, wan21):
     vae, z, _ = wan21  # loaded by the reference VAEDecode
     top = sys.modules[video.__name__.rsplit('.nodes.', 1)[0] + '.memory.plan.video'].plan_wan(video._validate(vae, {"samples": z}, 0, 0), 4096 * MiB, 0, None, video.comfy_env().peaks)

@@ -209,6 +209,7 @@ def test_a_non_finite_vae_is_no_verdict_and_does_not_downgrade_good_ones(comfy, 
     assert _diff(r.images, ref) <= 1e-4
 
 
+@pytest.mark.slow
 def test_a_cached_failure_is_per_file_and_rechecked_with_the_env_switch(comfy, fixture_vaes, fresh_checks,
                                                                        monkeypatch):
     """A real failure stored for file A does not condemn file B of the same structure; A's report says how to

@@ -33,6 +33,7 @@ def dcae(host_config, fixture_vaes):
     return load_dcae(str(host_config.models_dir / "vae" / fixture_vaes["dcae_sana"]), torch.float32)
 
 
+@pytest.mark.slow
 def test_flux_vae_tiles_are_exact(comfy, tiled, flux_vae):
     assert type(flux_vae.first_stage_model).__name__ == "AutoencodingEngine"
     assert flux_vae.latent_channels == 16
@@ -55,6 +56,7 @@ def test_dcae_loads_as_extramodels_does(dcae):
     assert out.std().item() > 0.02
 
 
+@pytest.mark.slow
 def test_dcae_tiles_are_exact_whatever_the_halo(tiled, dcae):
     z = structured_latent((1, 32, 8, 8), seed=2)
     ref = dcae.decode(z)

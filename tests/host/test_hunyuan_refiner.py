@@ -16,7 +16,9 @@ classes and key names, a quarter of the channels).
 
 from __future__ import annotations
 
+import gc
 import sys
+import weakref
 
 import pytest
 import torch
@@ -128,6 +130,7 @@ def test_the_refiners_layout(comfy):
     assert lay.segments[-1].kind == "out" and lay.segments[-1].frames == 1
 
 
+@pytest.mark.slow
 def test_tiles_of_the_users_size_are_exact(tiled, refiner, case):
     z, ref = case
     r = tiled.decode(refiner, {"samples": z}, tile_size=32)
@@ -168,3 +171,22 @@ def test_the_video_node_decodes_its_one_frame_latents_as_images(video, refiner, 
     assert r.report.summary.startswith("exact") and "OVER BUDGET" not in text, text
     assert "frames_per_chunk 4 does not apply" in text and "blend" not in text, text
     assert (r.images - ref).abs().max().item() <= TOL, text
+
+
+def test_a_dropped_vae_is_freed(comfy, fixture_vaes, tiled, video):
+    """The one-frame wrapper lives with the host's VAE object: a graph that drops the VAE frees its model (a cache
+    keyed by the model kept it alive through the wrapper, and left ComfyUI a dead entry that made it collect all
+    garbage on every later model load: 0.4 s a load late in the test run)."""
+    import comfy.model_management as mm
+
+    vae = fixture_vaes.load(comfy, narrow(KIND))
+    z = structured_latent((1, 32, 1, 6, 8), seed=3)
+    for node in (tiled, video):
+        node.decode(vae, {"samples": z})
+    assert "_vramfit_one_frame" in vae.__dict__  # the path under test ran
+    others = [lm for lm in mm.current_loaded_models if lm.model is not vae.patcher]
+    mm.free_memory(1e30, vae.patcher.load_device, keep_loaded=others)
+    model = weakref.ref(vae.first_stage_model)
+    del vae
+    gc.collect()
+    assert model() is None and not [lm for lm in mm.current_loaded_models if lm.is_dead()]

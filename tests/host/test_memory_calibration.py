@@ -62,7 +62,7 @@ def _real_peak(vae, g: Geometry) -> int:
     return t.peak_bytes
 
 
-@pytest.fixture(scope="module", params=sorted(HELD_OUT))
+@pytest.fixture(scope="module", params=[k if k == "kl_f8" else pytest.param(k, marks=pytest.mark.slow) for k in sorted(HELD_OUT)])
 def held_out(request, comfy, fixture_vaes):
     """(kind, VAE, held-out geometry, its real tracked peak), one VAE in memory at a time."""
     kind = request.param

@@ -108,6 +108,7 @@ def test_schema(node, comfy):
 # ------------------------------------------------------------------------------------------ exact
 
 
+@pytest.mark.slow
 def test_exact_tiles_match_vae_decode_odd_size_batch2(mod, pack, kl_vae, odd_case):
     """Forced tiles (64 px at every level: 3 x 4 tiles at full resolution) on 168 x 232, batch 2."""
     z, ref = odd_case
@@ -153,6 +154,7 @@ def test_untiled_when_it_fits_is_core_decode(mod, kl_vae, small_case):
     assert torch.equal(r.images, ref)
 
 
+@pytest.mark.slow
 def test_budget_sweep_tracked_within_budget_and_prediction(mod, kl_vae, small_case):
     """Decreasing budgets move the plan from untiled to exact tiles, smaller tiles and recomputation;
     every run stays within its budget and its prediction is within +-15 % of the tracked peak."""
@@ -221,6 +223,7 @@ def test_oom_inside_tile_resumes_identically(mod, kl_vae, small_case, clean_smal
     assert "oom" in dict(r.report.rows)
 
 
+@pytest.mark.slow
 def test_oom_outside_tile_replans_and_retries(mod, kl_vae, small_case, clean_small, hook):
     """An OOM before item 1's pass (as in the mid block or a store allocation): re-planned with
     recomputation, item 1 retried; item 0 (finished) is kept as is."""
@@ -356,6 +359,7 @@ def taesd_vae():
     return comfy.sd.VAE(sd=_random_taesd_state_dict())
 
 
+@pytest.mark.slow
 def test_generic_path_auto_halo_reproduces_vae_decode(comfy, mod, taesd_vae):
     z = structured_latent((1, 4, 40, 44), seed=9)  # 320 x 352 px
     (ref,) = comfy.VAEDecode().decode(taesd_vae, {"samples": z})

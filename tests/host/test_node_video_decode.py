@@ -106,7 +106,7 @@ def test_schema_ids_and_tooltips(node):
 
 @pytest.mark.parametrize(
     "k,tile_px",
-    [(1, 0), (2, 0), (3, 0), (1, 24), (2, 24), (3, 24)],
+    [(1, 0), (3, 0), (2, 24), *(pytest.param(k, t, marks=pytest.mark.slow) for k, t in ((2, 0), (1, 24), (3, 24)))],
 )
 def test_wan21_matches_core_vaedecode(mod, wan21, runs, k, tile_px):
     vae, z, ref = wan21
@@ -176,6 +176,7 @@ def test_auto_plan_report_rows(auto_run, wan21):
 # ------------------------------------------------------------------------------------------ budget
 
 
+@pytest.mark.slow
 def test_budget_sweep_tracked_within_budget_and_prediction(mod, wan21):
     """Budgets from the unconstrained plan's prediction downwards: every run stays within its budget,
     the meta-sized prediction is within +-15 % of the tracked peak, and tighter budgets change the plan
@@ -324,6 +325,7 @@ def test_an_image_latent_on_an_image_vae_decodes_as_vae_decode_does(comfy, fixtu
     assert "on an image VAE: decoded as images by Tiled VAE Decode's engine" in dict(r.report.rows)["input"], text
 
 
+@pytest.mark.slow
 def test_hunyuan_is_approximate_with_core_shape(comfy, fixture_vaes, mod, node):
     """HunyuanVideo's 3-D KL decoder has no exact chunks: its overlap-blend measures under 30 dB on the first-use
     check (18.9 dB on 0.3.75, 19.4 dB on 0.33.0, k = 3, on this fixture), so without ``allow_approximate`` the host's own decode runs (exact,

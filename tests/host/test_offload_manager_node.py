@@ -147,6 +147,7 @@ def test_graph_unloads_the_second_model_and_frees_what_the_tracker_measured(
     ), report.summary
 
 
+@pytest.mark.slow
 def test_running_the_prompt_twice_runs_the_node_twice(executor, fixture_vaes) -> None:
     graph = two_vae_graph(fixture_vaes, 24)
     first_id, first, _ = run_graph(executor, graph)

@@ -77,6 +77,7 @@ def test_exact_tiles_equal_vae_encode(comfy, fixture_vaes, kind):
     assert diff <= 1e-4
 
 
+@pytest.mark.slow
 def test_tiles_without_shared_statistics_differ(comfy, fixture_vaes):
     """The same walk, each tile normalised with its own statistics (what a naive tiled encode does, and core's
     ``VAEEncodeTiled`` per tile): the latent is off by far more than float noise."""

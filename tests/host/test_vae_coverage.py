@@ -98,6 +98,7 @@ def test_dcae_split_tiles_are_exact(tiled, dcae, dcae_case):
     assert diff <= TOL, (diff, text)
 
 
+@pytest.mark.slow
 def test_dcae_split_under_a_budget_plans_tiles(tiled, dcae, dcae_case):
     """No tile set: the budget alone (below the untiled decode) makes the planner take exact split tiles."""
     z, ref = dcae_case
@@ -108,6 +109,7 @@ def test_dcae_split_under_a_budget_plans_tiles(tiled, dcae, dcae_case):
     assert (r.images - ref).abs().max().item() <= TOL, text
 
 
+@pytest.mark.slow
 def test_dcae_split_resumes_after_oom_in_a_tile(tiled, dcae, dcae_case, hook):
     z, ref = dcae_case
     fired: list[int] = []

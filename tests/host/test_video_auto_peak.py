@@ -58,7 +58,7 @@ def mod(comfy, monkeypatch):
     return m
 
 
-@pytest.mark.parametrize("version", ["2.1", "2.2"])
+@pytest.mark.parametrize("version", ["2.1", pytest.param("2.2", marks=pytest.mark.slow)])
 def test_auto_plan_holds_at_most_the_host_decode(mod, version):
     tracker = _pack(mod, ".memory.measure.tracker")
     model = tiny_wan(version)
@@ -110,7 +110,7 @@ def test_auto_plan_at_real_proportions_is_capped_by_the_host_decode(mod, version
 # Calls and copies (issue 35, item 2): the executor's counts equal what the plan predicts
 
 
-@pytest.mark.parametrize("version", ["2.1", "2.2"])
+@pytest.mark.parametrize("version", ["2.1", pytest.param("2.2", marks=pytest.mark.slow)])
 def test_calls_and_copies_equal_the_plans_prediction(mod, version):
     """``decode_wan_chunked``'s own counters (``stats["calls"]``, ``stats["moves"]``) against
     :func:`memory.plan.video.traffic` for whole frames and tile-major plans (store on the device, and in a

@@ -229,6 +229,7 @@ def test_cache_modes_in_place_and_host_store(case21):
     assert stats["store"] == "host" and stats["rollback"] is True
 
 
+@pytest.mark.slow
 def test_tile_major_peak_scales_with_the_tile(host_config):
     """Only one tile's caches are alive at a time: on a 16x16 latent, 4x4 tiles (halo 3) peak well below
     the whole-frame decode (live tensor bytes; measured 12.2 vs 34.0 MiB: 0.36x), at the same output."""
@@ -451,6 +452,7 @@ def test_lower_bound_is_below_every_sized_peak(case21):
         assert 0 < low <= peak, (cd, low, peak)
 
 
+@pytest.mark.slow
 def test_scaled_bound_is_below_every_sized_peak(tiny):
     """The planner skips a candidate by :func:`scaled_bound` from one sized before (k and the extended tile
     scaled down; phase 1, which no tile changes): on both Wan versions the bound is at most the candidate's

@@ -104,7 +104,7 @@ def mochi(comfy, fixture_vaes):
 class TestMochi:
     """Mochi's carried chunks (its VAE loaded for this class only)."""
 
-    @pytest.mark.parametrize("k", [1, 2])
+    @pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.slow)])
     def test_mochi_carried_chunks_are_exact(self, mochi, video, k):
         vae, z, ref = mochi
         r = video.decode(vae, {"samples": z}, frames_per_chunk=k)
@@ -116,6 +116,7 @@ class TestMochi:
         assert r.images.shape == ref.shape, (tuple(r.images.shape), tuple(ref.shape))
         assert (r.images - ref).abs().max().item() <= 1e-4, text
 
+    @pytest.mark.slow
     def test_mochi_sizing_run_equals_the_whole_run(self, mochi):
         vae, z, ref = mochi
         model = vae.first_stage_model
@@ -123,6 +124,7 @@ class TestMochi:
         assert_sizing_run_is_exact(model, layout, (1, 12, 9, 4, 4), (1, 3, 49, 32, 32),
                                    [(2, None, 0, True), (2, None, 0, False)])
 
+    @pytest.mark.slow
     def test_mochi_carried_chunks_resume_after_oom(self, mochi, video):
         vae, z, ref = mochi
         r, fired = _oom_in_second_chunk(video, vae, z, 2)
@@ -140,7 +142,7 @@ def hv15(comfy, fixture_vaes):
 class TestHunyuanVideo15:
     """HunyuanVideo 1.5's prefix and carried chunks and tiles (its VAE loaded for this class only)."""
 
-    @pytest.mark.parametrize("k", [2, 3])
+    @pytest.mark.parametrize("k", [pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
     def test_hunyuan_video15_carried_chunks_are_exact(self, hv15, video, k):
         vae, z, ref = hv15
         r = video.decode(vae, {"samples": z}, frames_per_chunk=k)
@@ -163,6 +165,7 @@ class TestHunyuanVideo15:
         assert "tile-chunks" in r.report.summary and r.report.summary.startswith("exact"), text
         assert (r.images - ref).abs().max().item() <= 1e-4, text
 
+    @pytest.mark.slow
     def test_hunyuan_video15_in_place_holds_less_and_is_exact(self, hv15, video):
         """Context spent in place, as the host spends its carry lists: the same frames in less memory than with the
         rollback copy (live tensor bytes), and the planner predicts the difference."""
@@ -290,7 +293,7 @@ def assert_sizing_run_is_exact(model, layout, z_shape, out_shape, cases):
         assert peaks[0] == peaks[1] > 0, (k, tile, rollback, peaks)
 
 
-@pytest.mark.parametrize("family", ["hunyuan_video15", "ltx_video"])
+@pytest.mark.parametrize("family", [pytest.param("hunyuan_video15", marks=pytest.mark.slow), "ltx_video"])
 def test_sizing_run_equals_the_whole_run(comfy, family):
     """Many chunks and 3x3 tiles of three shapes (the host's classes at small widths): the shortened sizing run
     the planner uses gives the same meta-sized peak as the whole run."""
@@ -322,7 +325,8 @@ def _host_decode(comfy, vae, z):
         return _seeded(lambda: comfy.VAEDecode().decode(vae, {"samples": z})[0].clone())
 
 
-@pytest.fixture(scope="class", params=[narrow(k) for k in ("ltx_video", "ltx_video_v0", "ltx_video_v1")])
+@pytest.fixture(scope="class", params=[narrow("ltx_video"), pytest.param(narrow("ltx_video_v0"), marks=pytest.mark.slow),
+                                       narrow("ltx_video_v1")])
 def ltx(comfy, fixture_vaes, request):
     """0.9.5+ (timestep-conditioned: the host's decode draws noise into the latent), 0.9.0 (channel LayerNorms, no
     noise) and 0.9.1 (noise into the latent, and fresh fields in its blocks on every call); narrow twins."""

@@ -52,8 +52,8 @@ def _x(version: str, frames: int, h: int, w: int, seed: int = 0) -> torch.Tensor
     return torch.rand((1, 3, frames, h * r, w * r), generator=g) * 2 - 1
 
 
-@pytest.mark.parametrize("version", ["2.1", "2.2"])
-@pytest.mark.parametrize("frames", [13, 14])
+@pytest.mark.parametrize("version, frames", [("2.1", 14), ("2.2", 13), pytest.param("2.1", 13, marks=pytest.mark.slow),
+                                             pytest.param("2.2", 14, marks=pytest.mark.slow)])
 def test_split_equals_the_hosts_encode(tiny, version, frames):
     m, x = tiny[version], _x(version, frames, 4, 28)
     calls = []
@@ -147,6 +147,7 @@ def test_node_tiles_equal_vae_encode(mod, wan21):
     assert auto.plan.path == "untiled" and torch.equal(auto.latent, ref)
 
 
+@pytest.mark.slow
 def test_a_budget_below_the_untiled_peak_takes_tiles(comfy, mod, wan21):
     """A budget between the untiled encode's sized peak and that of tiles of 32 px: exact tiles, within it."""
     from vramfit.memory.plan import encode as pe

@@ -37,7 +37,7 @@ def _halo(m, split, ratio):
     return se.split_halo(m, split, ratio, 3, torch.float32, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("family", ["ltx_video", "hunyuan_video15"])
+@pytest.mark.parametrize("family", [pytest.param("ltx_video", marks=pytest.mark.slow), "hunyuan_video15"])
 def test_split_equals_the_hosts_encode(tiny, family):
     m, ratio = tiny[family]
     split, reason = es.encode_split(m)
@@ -135,6 +135,7 @@ def test_node_tiles_equal_vae_encode(comfy, fixture_vaes, family):
     assert out.latent.shape == ref["samples"].shape and diff <= 1e-4
 
 
+@pytest.mark.slow
 def test_a_budget_below_the_untiled_peak_takes_tiles(comfy, fixture_vaes):
     """HunyuanVideo 1.5: a budget between the untiled encode's sized peak and that of tiles of 128 px: exact tiles,
     within it (the measured peak)."""

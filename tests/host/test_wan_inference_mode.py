@@ -69,6 +69,7 @@ def test_cache_protocol_probe_same_in_inference_mode(comfy, mod, version):
     assert found[0].views == (found[0].name == "per_call")  # 0.33's Wan 2.1: views; copies elsewhere
 
 
+@pytest.mark.slow
 def test_wan_budget_sweep_under_inference_mode(comfy, fixture_vaes, mod, peaks):
     pv = _pack(mod, ".memory.plan.video")
     _, z, ref = reference(comfy, fixture_vaes, "wan21", WAN21)

@@ -441,6 +441,7 @@ def test_image_cpu_variant_runs_end_to_end(server, client, shipped_inputs):
     assert "exact" in text and "(2, 4, 16, 16)" in text
 
 
+@pytest.mark.slow
 def test_video_cpu_variant_runs_end_to_end(server, client, shipped_inputs):
     import av
 
@@ -464,6 +465,7 @@ def _run_cli(server, workflow: pathlib.Path) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_demo_cpu_variant_runs_through_the_headless_runner(server, shipped_inputs):
     """ComfyUI's example image, encoded, decoded in tiles under the demo's budget: the exact tiled plan."""
     from PIL import Image

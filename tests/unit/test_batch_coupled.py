@@ -121,6 +121,7 @@ def test_a_coupled_decoder_is_decoded_whole_or_said_approximate():
     assert diff > 1e-3
 
 
+@pytest.mark.slow
 def test_an_independent_decoder_splits_its_batch_exactly():
     model = _model(0, ch_mult=(1, 1, 1, 1))
     vae = TinyVAE(model, 8)
@@ -294,6 +295,7 @@ def test_the_walker_decodes_a_video_decoders_batch_whole():
         assert fired and (out - ref).abs().max().item() <= 1e-4
 
 
+@pytest.mark.slow
 def test_a_video_decoders_batch_is_one_exact_pass_under_a_budget():
     """Below the whole batch's untiled decode: the walker's tiles of the whole batch in one pass, exact (no split
     passes, no batch check), within the budget's plan."""

@@ -58,6 +58,7 @@ def _decode(**kw) -> idm.DecodeResult:
     return idm.decode_image(job, env, **kw)
 
 
+@pytest.mark.slow
 def test_a_decode_over_its_budget_is_flagged_one_within_is_not() -> None:
     """A user tile larger than the budget allows runs over it (tracked live tensors); the auto plan does not."""
     with torch.no_grad():

@@ -43,7 +43,7 @@ def _meta_peak(model, latent, tile, recompute=False) -> int:
     return s.peak_bytes
 
 
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_calibrated_model_predicts_the_executor(kl, calibrated, recompute):
     model = calibrated[recompute]
     assert model.recompute is recompute and model.margin >= dp.MIN_MARGIN

@@ -87,14 +87,14 @@ def test_the_user_may_ask_for_the_far_off_tiles(vae, stores, ref):
 
 
 def test_tiles_that_measure_above_the_floor_run_and_say_their_measure(vae, stores):
-    """The auto halo (the decoder's traced reach, 13 latent px) in tiles of 4: the tiles measure at least 30 dB (the
+    """The auto halo (the decoder's traced reach, 13 latent px) in tiles of 8: the tiles measure at least 30 dB (the
     check's latent, 24x20, is the job's here: each tile's context holds most of it)."""
     checks = sc.CheckStore()
-    r = _decode(vae, stores, checks, budget_mb=1024, tile_size=16)
+    r = _decode(vae, stores, checks, budget_mb=1024, tile_size=32)
     path = dict(r.report.rows)["path"]
     assert r.plan.path == "generic" and _db(path) >= sc.FIDELITY_FLOOR_DB and ">= the 30 dB floor" in path, path
     assert "measuring the approximate tiles' fidelity" in dict(r.report.rows)["first use"]
-    again = _decode(vae, stores, checks, budget_mb=1024, tile_size=16)  # cached per structure, tile and halo: not measured again
+    again = _decode(vae, stores, checks, budget_mb=1024, tile_size=32)  # cached per structure, tile and halo: not measured again
     assert again.plan.path == "generic" and _db(dict(again.report.rows)["path"]) == _db(path)
     assert "measuring" not in dict(again.report.rows).get("first use", "")
 

@@ -95,6 +95,7 @@ def test_image_verdicts_name_path_tiles_peak_budget_and_time(kl_vae) -> None:
     assert approx.report.summary.startswith(f"approximate · {g.rows}x{g.cols} tiles")
 
 
+@pytest.mark.slow
 def test_an_image_decode_over_its_budget_says_so_in_its_verdict(kl_vae) -> None:
     z = _latent((1, 4, 24, 24))
     free = _decode(kl_vae, z, tile_size=16, budget_mb=1024)
