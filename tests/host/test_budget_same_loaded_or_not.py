@@ -74,6 +74,7 @@ def test_image_decode_over_budget_is_flagged(image, kl_vae, caplog):
     assert "over budget" in caplog.text and "Tiled VAE Decode" in caplog.text
 
 
+@pytest.mark.slow
 def test_video_decode_over_budget_is_flagged(video, wan21, caplog):
     vae, z, _ = wan21
     video.MEASURE_CPU_TENSORS = True

@@ -67,6 +67,7 @@ def test_dcae_tiles_are_exact_whatever_the_halo(tiled, dcae):
     assert (r.images - ref).abs().max().item() <= 1e-4, text
 
 
+@pytest.mark.slow
 def test_dcae_prefix_in_tiles_equals_the_hosts_decode(dcae):
     """The prefix in tiles (2 latent px: 2x3 tiles at every level, the linear attention's sums added over them)
     then the suffix in tiles: the host's decode within float noise; the prefix alone within float32 rounding."""

@@ -110,7 +110,7 @@ NODE_CASES = {
 }
 
 
-@pytest.mark.parametrize("family", list(NODE_CASES))
+@pytest.mark.parametrize("family", [f if f == "ltx_video" else pytest.param(f, marks=pytest.mark.slow) for f in NODE_CASES])
 def test_node_tiles_equal_vae_encode(comfy, fixture_vaes, family):
     import sys
 
