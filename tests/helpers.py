@@ -12,6 +12,8 @@
 * :func:`load_vae`: a VAE as ComfyUI's executor loads it (``VAELoader`` under ``torch.inference_mode``:
   ComfyUI runs every node so, and decodes are run the same way by the host tests), so that no plan is
   validated in a mode users never run (issue 22: views of inference tensors have no ``_base``).
+* :func:`unload_and_watch` / :func:`assert_freed`: a VAE unloaded and dropped is freed, and ComfyUI keeps no dead
+  entry for it (a cache holding the model would leak it and make ComfyUI collect all garbage on every later load).
 * :data:`full_size`: the mark of a test on a full-size fixture of a family that the default run covers with its
   narrow twin (``scripts.fixtures.NARROW_KINDS``); it runs only with ``VRAMFIT_FULL_FIXTURES=1`` (``.ci/run``
   sets it): GBs of memory and minutes on a 2-core CPU.
@@ -87,3 +89,29 @@ def load_vae(comfy: Any, name: str) -> Any:
     under inference mode (or ``no_grad``) only, as ComfyUI does; a core ``VAEDecode`` outside both raises."""
     with torch.inference_mode():
         return comfy.VAELoader().load_vae(name)[0]
+
+
+def unload_and_watch(vae: Any) -> Any:
+    """Unload ``vae`` from ComfyUI (every other model kept) and return a weak reference to its model: drop the VAE,
+    then :func:`assert_freed`."""
+    import weakref
+
+    import comfy.model_management as mm
+
+    others = [lm for lm in mm.current_loaded_models if lm.model is not vae.patcher]
+    mm.free_memory(1e30, vae.patcher.load_device, keep_loaded=others)
+    return weakref.ref(vae.first_stage_model)
+
+
+def assert_freed(model: Any, what: str) -> None:
+    """``model`` (from :func:`unload_and_watch`) is gone after a collection and ComfyUI has no dead entry."""
+    import gc
+
+    import comfy.model_management as mm
+
+    gc.collect()
+    if model() is not None:
+        holders = [f"{type(r).__qualname__} held by {[type(o).__qualname__ for o in gc.get_referrers(r)][:4]}"
+                   for r in gc.get_referrers(model())]
+        raise AssertionError(f"{what}: the VAE's model is still alive: {holders}")
+    assert not [lm for lm in mm.current_loaded_models if lm.is_dead()], what

@@ -16,14 +16,13 @@ classes and key names, a quarter of the channels).
 
 from __future__ import annotations
 
-import gc
 import sys
-import weakref
 
 import pytest
 import torch
 
 from scripts.fixtures import build_model, narrow, structured_latent
+from tests.helpers import assert_freed, unload_and_watch
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("inference_mode", "one_thread")]
 
@@ -177,16 +176,11 @@ def test_a_dropped_vae_is_freed(comfy, fixture_vaes, tiled, video):
     """The one-frame wrapper lives with the host's VAE object: a graph that drops the VAE frees its model (a cache
     keyed by the model kept it alive through the wrapper, and left ComfyUI a dead entry that made it collect all
     garbage on every later model load: 0.4 s a load late in the test run)."""
-    import comfy.model_management as mm
-
     vae = fixture_vaes.load(comfy, narrow(KIND))
     z = structured_latent((1, 32, 1, 6, 8), seed=3)
     for node in (tiled, video):
         node.decode(vae, {"samples": z})
     assert "_vramfit_one_frame" in vae.__dict__  # the path under test ran
-    others = [lm for lm in mm.current_loaded_models if lm.model is not vae.patcher]
-    mm.free_memory(1e30, vae.patcher.load_device, keep_loaded=others)
-    model = weakref.ref(vae.first_stage_model)
+    model = unload_and_watch(vae)
     del vae
-    gc.collect()
-    assert model() is None and not [lm for lm in mm.current_loaded_models if lm.is_dead()]
+    assert_freed(model, KIND)

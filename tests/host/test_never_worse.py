@@ -15,14 +15,13 @@ node returns what ComfyUI's own node returns, bit for bit, and its report says w
 
 from __future__ import annotations
 
-import gc
 import sys
-import weakref
 
 import pytest
 import torch
 
 from scripts.fixtures import FIXTURES, available, narrow, structured_latent
+from tests.helpers import assert_freed, unload_and_watch
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("inference_mode")]
 
@@ -296,26 +295,10 @@ def test_no_node_changes_its_inputs(comfy, mods, fixture_vaes, family):
             assert type(e).__name__ == "NodeInputError", f"{family} {name}: {e!r}"
         for before, after, what in zip(given, (z, pixels, mask), ("latent", "pixels", "mask"), strict=True):
             assert torch.equal(before, after), f"{family}: {name} changed its {what}"
-    import comfy.model_management as mm
-
-    others = [lm for lm in mm.current_loaded_models if lm.model is not vae.patcher]
-    mm.free_memory(1e30, vae.patcher.load_device, keep_loaded=others)
-    # No node keeps the VAE alive once the graph drops it (a cache holding the model would leak it, and leave ComfyUI
-    # a dead entry that makes it collect all garbage on every later model load).
-    model = weakref.ref(vae.first_stage_model)
+    # No node keeps the VAE alive once the graph drops it.
+    model = unload_and_watch(vae)
     del vae
-    gc.collect()
-    assert model() is None, f"{family}: the pack keeps the VAE's model alive: {_holders(model())}"
-    assert not [lm for lm in mm.current_loaded_models if lm.is_dead()], family
-
-
-def _holders(obj) -> list[str]:
-    """What holds ``obj`` (two levels of referrers, by type), for the message of a leak."""
-    out = []
-    for r in gc.get_referrers(obj):
-        owners = [type(o).__module__ + "." + type(o).__qualname__ for o in gc.get_referrers(r)][:4]
-        out.append(f"{type(r).__qualname__} held by {owners}")
-    return out
+    assert_freed(model, family)
 
 
 def test_the_pixel_space_latent_stays_untouched(comfy, mods):
