@@ -14,6 +14,8 @@
   validated in a mode users never run (issue 22: views of inference tensors have no ``_base``).
 * :func:`unload_and_watch` / :func:`assert_freed`: a VAE unloaded and dropped is freed, and ComfyUI keeps no dead
   entry for it (a cache holding the model would leak it and make ComfyUI collect all garbage on every later load).
+* :func:`require_0_33` / :func:`pack_engine`: the newest-upstream tests' host check and the pack's engine modules
+  as ComfyUI loads them (under the pack's folder path).
 * :data:`full_size`: the mark of a test on a full-size fixture of a family that the default run covers with its
   narrow twin (``scripts.fixtures.NARROW_KINDS``); it runs only with ``VRAMFIT_FULL_FIXTURES=1`` (``.ci/run``
   sets it): GBs of memory and minutes on a 2-core CPU.
@@ -115,3 +117,19 @@ def assert_freed(model: Any, what: str) -> None:
                    for r in gc.get_referrers(model())]
         raise AssertionError(f"{what}: the VAE's model is still alive: {holders}")
     assert not [lm for lm in mm.current_loaded_models if lm.is_dead()], what
+
+
+def require_0_33() -> None:
+    """Skip unless the host is ComfyUI 0.33.0: the newest upstream files load over its tree (scripts/upstream.py)."""
+    import comfyui_version
+
+    if comfyui_version.__version__ != "0.33.0":
+        pytest.skip(f"the newest upstream files load over a ComfyUI 0.33.0 tree (scripts/upstream.py); this host is "
+                    f"{comfyui_version.__version__}")
+
+
+def pack_engine(node_module: Any, name: str) -> Any:
+    """The pack's module ``memory.<name>`` beside ``node_module`` (ComfyUI loads the pack under its folder path)."""
+    import sys
+
+    return sys.modules[f"{node_module.__name__.rsplit('.nodes.', 1)[0]}.memory.{name}"]

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from scripts.fixtures import structured_latent
+from tests.helpers import pack_engine, require_0_33
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("inference_mode")]
 
@@ -38,11 +39,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module", autouse=True)
 def host_0_33(comfy):
-    import comfyui_version
-
-    if comfyui_version.__version__ != "0.33.0":
-        pytest.skip(f"the newest upstream files load over a ComfyUI 0.33.0 tree (scripts/upstream.py); this host is "
-                    f"{comfyui_version.__version__}")
+    require_0_33()
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +48,7 @@ def mods(comfy):
 
 
 def _engine(mods, name: str):
-    """The pack's module ``memory.<name>`` (ComfyUI loads the pack under its folder path)."""
-    return sys.modules[f"{mods['tiled'].__name__.rsplit('.nodes.', 1)[0]}.memory.{name}"]
+    return pack_engine(mods["tiled"], name)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
