@@ -39,8 +39,8 @@ from scripts.fixtures import _trained_statistics
 from scripts.upstream import FILES, quiet
 from scripts.upstream_wan import _initialised
 
-__all__ = ["BUILDERS", "NEWEST_SD_PY", "TEMPLATE_FILES", "TemplateFile", "branch_headers", "branch_text",
-           "flux2_small_state_dict", "state_dict", "vae_from_state_dict", "wan21_rgba_state_dict"]
+__all__ = ["BUILDERS", "LTX24_CONFIG", "NEWEST_SD_PY", "TEMPLATE_FILES", "TemplateFile", "branch_headers", "branch_text",
+           "flux2_small_state_dict", "ltx24_state_dict", "state_dict", "vae_from_state_dict", "wan21_rgba_state_dict"]
 
 NEWEST_SD_PY = FILES / "comfy" / "sd.py"
 
@@ -223,10 +223,11 @@ def branch_headers(sd_py: pathlib.Path) -> list[str]:
 
 
 def _wan21_config(dim: int, channels: int) -> dict[str, Any]:
-    """sd.py's Wan 2.1 ``ddconfig`` for a file of width ``dim`` with ``channels`` in and out."""
+    """sd.py's Wan 2.1 ``ddconfig`` for a file of width ``dim`` with ``channels`` in and out (RGB: without the
+    channel arguments, which ComfyUI 0.3.75's ``WanVAE`` lacks; the same keys and shapes)."""
+    rgba = {"image_channels": channels, "conv_out_channels": channels} if channels != 3 else {}
     return {"dim": dim, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
-            "temperal_downsample": [False, True, True], "image_channels": channels, "conv_out_channels": channels,
-            "dropout": 0.0}
+            "temperal_downsample": [False, True, True], **rgba, "dropout": 0.0}
 
 
 def wan21_rgba_state_dict(seed: int = 0, dim: int = WAN21_NARROW_DIM, channels: int = 4) -> dict[str, torch.Tensor]:
@@ -264,6 +265,37 @@ def flux2_small_state_dict(seed: int = 0, decoder_ch: int = FLUX2_SMALL_DECODER_
         prefix = next((p for p in moved if k.startswith(p)), None)
         out[moved[prefix] + k[len(prefix):] if prefix else k] = v
     return out
+
+
+LTX24_CONFIG = {
+    "encoder": {"blocks": [["res_x", {"num_layers": 1}]], "base_channels": 8},
+    "decoder": {"in_channels": 128, "head_dim": 16, "stage_channels": [128, 64, 32, 32, 16],
+                "stage_depths": [1, 1, 1, 1, 1], "stage_kernels": [[3, 3, 3]] * 4, "stage5_kernel": [3, 3, 3],
+                "t_emb_dim": 64},
+}
+"""A small LTX 2.4 diffusion VAE (``ltx-2.5-video-vae``'s structure): the host's classes and key names, its
+upsampling strides (8x, 32x), narrow stages and windows."""
+
+
+def ltx24_state_dict(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """State dict and file metadata (its ``config``, as the released files carry it) of a small LTX 2.4 diffusion
+    VAE, ``comfy.ldm.lightricks.vae.na_diffusion_decoder.CausalDiffusionVAE`` (ComfyUI 0.33+; ModuleNotFoundError
+    on an older host), with a trained model's statistics and modulation tables rather than the constructor's."""
+    import importlib
+    import json
+
+    nd = importlib.import_module("comfy.ldm.lightricks.vae.na_diffusion_decoder")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = nd.CausalDiffusionVAE(config=LTX24_CONFIG)
+        with torch.no_grad():
+            for name, t in model.per_channel_statistics.named_buffers():
+                trained = torch.exp(2 * torch.rand_like(t) - 1) if name in ("std-of-means", "mean-of-stds") else None
+                t.copy_(0.5 * torch.randn_like(t) if trained is None else trained)
+            for name, t in model.decoder.named_parameters():
+                if name.endswith("scale_shift_table"):
+                    t.copy_(torch.randn_like(t) / t.shape[-1] ** 0.5)
+    return model.state_dict(), {"config": json.dumps({"vae": LTX24_CONFIG})}
 
 
 def state_dict(name: str, seed: int = 0) -> dict[str, torch.Tensor]:

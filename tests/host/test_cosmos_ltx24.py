@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 import sys
 import weakref
 
@@ -25,6 +24,7 @@ import pytest
 import torch
 
 from scripts.fixtures import narrow, structured_latent
+from scripts.upstream_templates import ltx24_state_dict
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("inference_mode")]
 MiB = 1 << 20
@@ -113,16 +113,6 @@ def test_the_node_has_allow_approximate(video):
     assert flag.default is False and flag.optional and "30 dB" in flag.tooltip
 
 
-LTX24_CONFIG = {
-    "encoder": {"blocks": [["res_x", {"num_layers": 1}]], "base_channels": 8},
-    "decoder": {"in_channels": 128, "head_dim": 16, "stage_channels": [128, 64, 32, 32, 16],
-                "stage_depths": [1, 1, 1, 1, 1], "stage_kernels": [[3, 3, 3]] * 4, "stage5_kernel": [3, 3, 3],
-                "t_emb_dim": 64},
-}
-"""A small LTX 2.4 diffusion VAE: the host's classes and key names, its upsampling strides (8x, 32x), narrow
-stages and windows."""
-
-
 @pytest.fixture(scope="module")
 def ltx24(comfy):
     try:
@@ -132,17 +122,8 @@ def ltx24(comfy):
                     "ComfyUI 0.33+)")
     import comfy.sd as comfy_sd
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = nd.CausalDiffusionVAE(config=LTX24_CONFIG)
-        with torch.no_grad():  # a trained model's statistics and modulation tables, not the constructor's
-            for name, t in model.per_channel_statistics.named_buffers():
-                trained = torch.exp(2 * torch.rand_like(t) - 1) if name in ("std-of-means", "mean-of-stds") else None
-                t.copy_(0.5 * torch.randn_like(t) if trained is None else trained)
-            for name, t in model.decoder.named_parameters():
-                if name.endswith("scale_shift_table"):
-                    t.copy_(torch.randn_like(t) / t.shape[-1] ** 0.5)
-    vae = comfy_sd.VAE(sd=model.state_dict(), metadata={"config": json.dumps({"vae": LTX24_CONFIG})})
+    sd, metadata = ltx24_state_dict()
+    vae = comfy_sd.VAE(sd=sd, metadata=metadata)
     assert type(vae.first_stage_model) is nd.CausalDiffusionVAE
     z = structured_latent((1, 128, 3, 3, 4), seed=4)
     with torch.inference_mode():
