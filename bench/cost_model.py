@@ -79,7 +79,7 @@ def _import_pack() -> Any:
 
 
 def _load_vae(kind: str) -> Any:
-    from scripts.fixtures import make_models
+    from scripts.fixtures.files import make_models
     from scripts.host import HostConfig, import_comfy
 
     cfg = import_comfy(HostConfig.load())
@@ -118,7 +118,7 @@ def bench_family(family: str, real: bool, rss: bool) -> tuple[list[Any], float |
         raise RuntimeError(f"{path.name} is recognised as {identify(vae)!r}, not {known!r}")
     from vramfit.memory.vae.families import model_name
 
-    from scripts.fixtures import FIXTURES
+    from scripts.fixtures.kinds import FIXTURES
 
     spec = FIXTURES[kind]
 

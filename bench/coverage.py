@@ -72,7 +72,7 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _load(nodes: Any, kind: str) -> Any:
-    from scripts.fixtures import load_vae
+    from scripts.fixtures.files import load_vae
     from scripts.host import HostConfig
 
     return load_vae(nodes, kind, HostConfig.load().models_dir / "vae")
@@ -86,7 +86,8 @@ def _measure(tracker_mod: Any, fn: Callable[[], torch.Tensor]) -> dict[str, Any]
 
 
 def bench(nodes: Any, mod: Any, tracker_mod: Any, kind: str, px: int) -> list[dict[str, Any]]:
-    from scripts.fixtures import FIXTURES, structured_latent
+    from scripts.fixtures.kinds import FIXTURES
+    from scripts.fixtures.latents import structured_latent
     from scripts.host import core_decode_tiled
 
     spec = FIXTURES[kind]
@@ -140,7 +141,9 @@ def bench_video(nodes: Any, tracker_mod: Any, kind: str, frames: int, px: int) -
     """A carried-context video VAE: the host's decode, core's tiled decode (defaults; 24-frame temporal chunks)
     and exact chunks of 2 latent frames (LTX-Video: one whole-clip chunk), and, where the family tiles, 2x2
     tiles (``tile_size`` = half the frame)."""
-    from scripts.fixtures import FIXTURES, available, structured_latent
+    from scripts.fixtures.host import available
+    from scripts.fixtures.kinds import FIXTURES
+    from scripts.fixtures.latents import structured_latent
     from scripts.host import core_decode_tiled
 
     if not available(kind):
@@ -193,7 +196,8 @@ def predict_video(nodes: Any, kind: str, frames: int, dtype: torch.dtype) -> lis
     plan under each budget with its cold planning time (a fresh peak store: a shape's first decode)."""
     import dataclasses
 
-    from scripts.fixtures import FIXTURES, available
+    from scripts.fixtures.host import available
+    from scripts.fixtures.kinds import FIXTURES
 
     if not available(kind):
         return [f"| {kind} | - | this host has no {FIXTURES[kind].module} | | | | |"]
@@ -233,10 +237,10 @@ def predict_video(nodes: Any, kind: str, frames: int, dtype: torch.dtype) -> lis
 
 def _random_vae(model: torch.nn.Module, prefix: str = "", **kw: Any) -> Any:
     """``comfy.sd.VAE`` of ``model``'s state dict (keys prefixed), ``model``'s layers given torch's initialisation
-    (``comfy.ops`` layers skip it; :func:`scripts.fixtures._torch_reset`), its own tensors left as built."""
+    (``comfy.ops`` layers skip it; :func:`scripts.fixtures.weights._torch_reset`), its own tensors left as built."""
     import comfy.sd
 
-    from scripts.fixtures import _torch_reset
+    from scripts.fixtures.weights import _torch_reset
 
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(0)
@@ -314,7 +318,7 @@ def _family_vaes(nodes: Any = None) -> dict[str, Callable[[], tuple[Any, tuple[i
 
 def bench_families(nodes: Any, mod: Any, names: list[str]) -> list[str]:
     """One markdown row per family and direction (see ``--families``)."""
-    from scripts.fixtures import structured_latent
+    from scripts.fixtures.latents import structured_latent
 
     video = sys.modules[nodes.NODE_CLASS_MAPPINGS["VRAMFit_TemporalChunkVideoDecode"].__module__]
     enc = sys.modules[nodes.NODE_CLASS_MAPPINGS["VRAMFit_TiledVAEEncode"].__module__]

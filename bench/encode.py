@@ -75,7 +75,7 @@ def _add(rows: list[dict[str, Any]], row: dict[str, Any]) -> None:
 
 
 def _load(nodes: Any, kind: str) -> Any:
-    from scripts.fixtures import load_vae
+    from scripts.fixtures.files import load_vae
     from scripts.host import HostConfig
 
     return load_vae(nodes, kind, HostConfig.load().models_dir / "vae")

@@ -57,7 +57,7 @@ VIDEO_CASES = {
 """The video part's cases, in the order they run (the deadline keeps the rows done): Wan 2.1 first, then every
 carried family at its users' sizes (HunyuanVideo 1.5 720p, LTX-Video 768x512 and 1080p x 121, Mochi 848x480,
 CogVideoX 720x480: ComfyUI 0.33+ only), Wan 2.2 last; ``--models`` picks families (a narrow twin counts as its
-family). The dry run adds one carried family, LTX-Video's narrow twin (``scripts.fixtures.NARROW_KINDS``), to keep
+family). The dry run adds one carried family, LTX-Video's narrow twin (``scripts.fixtures.kinds.NARROW_KINDS``), to keep
 its time near Wan's alone."""
 VIDEO_BUDGETS = (("auto", 0.0), ("40% of core's peak", 0.4), ("20% of core's peak", 0.2))
 """VRAM Fit's rows per video case: ``budget_mb`` 0 (free memory) and fractions of core VAEDecode's peak."""
@@ -241,7 +241,7 @@ class Host:
         }  # fmt: skip
 
     def vae(self, kind: str) -> Any:
-        from scripts.fixtures import load_vae
+        from scripts.fixtures.files import load_vae
 
         # Sana's DC-AE in ComfyUI_ExtraModels' default dtype (bf16) on a GPU
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -274,7 +274,7 @@ class Host:
 def part_image(host: Host, rows: Rows, size: str, sizes: list[int] | None = None) -> None:
     """KL VAE at 2048²-8192² (or ``sizes``): core VAEDecode, core VAEDecodeTiled (512/64), VRAM Fit auto and
     budgeted."""
-    from scripts.fixtures import structured_latent
+    from scripts.fixtures.latents import structured_latent
 
     vae = host.vae("kl_f8")
     # first use: the self-check and any cost-model calibration run here, not inside a measured row
@@ -388,7 +388,9 @@ def part_video(host: Host, rows: Rows, size: str, models: list[str]) -> None:
     """Every video family of :data:`VIDEO_CASES` (``models``): core VAEDecode, core VAEDecodeTiled, VRAM Fit
     auto and at 40 % and 20 % of core's peak (:data:`VIDEO_BUDGETS`), with planning seconds, decoder calls and
     copies; a family the host lacks (CogVideoX before 0.33) is skipped (logged)."""
-    from scripts.fixtures import FIXTURES, available, structured_latent
+    from scripts.fixtures.host import available
+    from scripts.fixtures.kinds import FIXTURES
+    from scripts.fixtures.latents import structured_latent
 
     for kind, shape, label in VIDEO_CASES[size]:
         family = FIXTURES[kind].full or kind
@@ -428,7 +430,7 @@ def part_scenes(host: Host, rows: Rows, size: str) -> None:
     """The field's cases: (a) Sana-class model resident + DC-AE 2048² batch 2 decode, without and with
     Offload Manager; (b) FLUX through the bf16 Loader, Offload Manager and Tiled VAE Decode (whole graph)."""
     from scripts import diffusion_fixtures as dfx
-    from scripts.fixtures import structured_latent
+    from scripts.fixtures.latents import structured_latent
 
     depth, dc_shape, (fd, fs), flux_shape, flux_dtype = SCENE_SIZES[size]
     gen_device = "cuda" if host.device.type == "cuda" else "cpu"

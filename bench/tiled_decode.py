@@ -68,7 +68,7 @@ def _host() -> tuple[Any, Any]:
 
 
 def _load_kl(nodes: Any, kind: str = "kl_f8") -> Any:
-    from scripts.fixtures import make_models
+    from scripts.fixtures.files import make_models
     from scripts.host import HostConfig
 
     path = make_models(HostConfig.load().models_dir / "vae", seed=0, kinds=[kind])[kind]
@@ -126,7 +126,7 @@ def _ours_row(px: int, label: str, m: dict[str, Any], ref: torch.Tensor) -> dict
 
 
 def bench_size(nodes: Any, mod: Any, vae: Any, px: int, default: bool) -> list[dict[str, Any]]:
-    from scripts.fixtures import structured_latent
+    from scripts.fixtures.latents import structured_latent
     from scripts.host import core_decode_tiled
 
     z = structured_latent((1, 4, px // 8, px // 8), seed=5)

@@ -144,7 +144,7 @@ class Bench:
 
 def qwen21(b: Bench, quick: bool) -> None:
     from scripts import upstream_wan
-    from scripts.fixtures import structured_latent
+    from scripts.fixtures.latents import structured_latent
 
     with torch.inference_mode():  # as ComfyUI's executor runs the loader
         vae = upstream_wan.qwen21_vae()
@@ -162,7 +162,7 @@ def qwen21(b: Bench, quick: bool) -> None:
 
 def seedvr2(b: Bench, quick: bool) -> None:
     from scripts import upstream_seedvr2
-    from scripts.fixtures import structured_latent
+    from scripts.fixtures.latents import structured_latent
 
     with torch.inference_mode():
         vae = upstream_seedvr2.build()
@@ -174,7 +174,7 @@ def seedvr2(b: Bench, quick: bool) -> None:
 
 
 def minimax(b: Bench, quick: bool) -> None:
-    from scripts.fixtures import structured_latent
+    from scripts.fixtures.latents import structured_latent
     from scripts.upstream_minimax import minimax_vae
 
     shape = SIZES["minimax"][quick]

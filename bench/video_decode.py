@@ -83,7 +83,7 @@ def _measure(tracker_mod: Any, fn: Callable[[], Any]) -> dict:
 
 def bench_size(nodes: Any, mod: Any, tracker_mod: Any, vae: Any, px: int, frames: int, store_dir: pathlib.Path,
                tiled_max: int = 1 << 30) -> list[dict]:
-    from scripts.fixtures import structured_latent
+    from scripts.fixtures.latents import structured_latent
     from scripts.host import core_decode_tiled
 
     t = (frames - 1) // 4 + 1
@@ -187,7 +187,7 @@ def _plan_of(mod: Any, vae: Any, z: torch.Tensor, budget_mb: int, store_dir: pat
 
 def plan_rows(mod: Any, vae: Any, px: int, frames: int, budget_mb: int, store_dir: pathlib.Path) -> list[dict]:
     """Planning only: the auto plan (free memory) and the plan at ``budget_mb``, cold and warm."""
-    from scripts.fixtures import structured_latent
+    from scripts.fixtures.latents import structured_latent
 
     z = structured_latent((1, 16, (frames - 1) // 4 + 1, px // 8, px // 8), seed=0)
     rows = []
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     torch.set_num_threads(args.threads)
     nodes, mod, tracker_mod = _host()
-    from scripts.fixtures import make_models
+    from scripts.fixtures.files import make_models
     from scripts.host import HostConfig
 
     cfg = HostConfig.load()

@@ -215,7 +215,8 @@ def compare(url: str, input_dir: pathlib.Path, output_dir: pathlib.Path, out: pa
             vae_name: str, settings: Settings) -> dict:
     """Run the comparison on the ComfyUI server at ``url`` (its folders ``input_dir``/``output_dir``);
     writes the side-by-side image and ``vram_report.json`` into ``out`` and returns that report."""
-    from scripts.fixtures import structured_latent, write_latent_file
+    from scripts.fixtures.files import write_latent_file
+    from scripts.fixtures.latents import structured_latent
 
     h, w = settings.latent_hw
     write_latent_file(input_dir / LATENT_NAME, structured_latent((1, 4, h, w), seed=0))
@@ -272,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = HostConfig.load()
     import_comfy(cfg)
-    from scripts.fixtures import FIXTURES, make_models
+    from scripts.fixtures.files import make_models
+    from scripts.fixtures.kinds import FIXTURES
 
     make_models(cfg.models_dir / "vae", seed=0, kinds=["kl_f8"])
     out = args.out.resolve()

@@ -4,8 +4,8 @@ ComfyUI has no DC-AE. The Sana workflows load it with ComfyUI_ExtraModels' ``Ext
 (lawrence-cj/ComfyUI_ExtraModels ``VAE/nodes.py`` and ``VAE/loader.py`` @ 08cff2c6, recorded in
 ``scripts/workflow_declarations.json``), which returns its ``EXVAE``: a ``comfy.sd.VAE`` subclass that skips
 ``VAE.__init__``, moves its weights itself and overrides ``decode``. :func:`load_dcae` builds an object with
-the same contract around diffusers' ``AutoencoderDC`` (the architecture; the fixture file is
-``scripts/fixtures.py``'s ``dcae_sana``):
+the same contract around diffusers' ``AutoencoderDC`` (the architecture, :data:`DCAE_SANA_CONFIG`; the fixture
+file is ``scripts/fixtures``' ``dcae_sana``, :mod:`scripts.fixtures.image`):
 
 * attributes ``latent_dim`` (the latent *channels*, 32, as EXVAE sets it), ``latent_scale`` (32),
   ``device`` / ``offload_device`` (ComfyUI's VAE devices), ``vae_dtype``, ``first_stage_model``, no
@@ -36,6 +36,27 @@ DECODE_BYTES_PER_LATENT_PX = 2562 * 64 * 1.7
 ENCODE_BYTES_PER_PX = 2078 * 1.7
 """EXVAE's own estimate of an encode's memory per image pixel (bytes)."""
 
+# dc-ae-f32c32-sana-1.0 (ComfyUI_ExtraModels VAE/conf.py "dcae-f32c32-sana-1.0-diffusers", as recorded in
+# scripts/workflow_declarations.json), in diffusers' AutoencoderDC argument names.
+DCAE_SANA_CONFIG = {
+    "in_channels": 3,
+    "latent_channels": 32,
+    "attention_head_dim": 32,
+    "encoder_block_types": ["ResBlock"] * 3 + ["EfficientViTBlock"] * 3,
+    "decoder_block_types": ["ResBlock"] * 3 + ["EfficientViTBlock"] * 3,
+    "encoder_block_out_channels": [128, 256, 512, 512, 1024, 1024],
+    "decoder_block_out_channels": [128, 256, 512, 512, 1024, 1024],
+    "encoder_layers_per_block": [2, 2, 2, 3, 3, 3],
+    "decoder_layers_per_block": [3, 3, 3, 3, 3, 3],
+    "encoder_qkv_multiscales": [[], [], [], [5], [5], [5]],
+    "decoder_qkv_multiscales": [[], [], [], [5], [5], [5]],
+    "upsample_block_type": "interpolate",
+    "downsample_block_type": "Conv",
+    "decoder_norm_types": "rms_norm",
+    "decoder_act_fns": "silu",
+    "scaling_factor": 0.41407,
+}
+
 
 def _dcae_class() -> type:
     from diffusers import AutoencoderDC
@@ -57,8 +78,6 @@ def load_dcae(path: str, dtype: torch.dtype = torch.bfloat16) -> Any:
     import comfy.model_management as mm
     import comfy.sd
     import comfy.utils
-
-    from scripts.fixtures import DCAE_SANA_CONFIG
 
     class SanaDCAE(comfy.sd.VAE):
         """ComfyUI_ExtraModels' ``EXVAE`` contract for an ``AutoencoderDC`` (see the module docstring)."""

@@ -113,7 +113,7 @@ def _model_kwargs() -> dict[str, Any]:
 def _init(model: torch.nn.Module, seed: int) -> None:
     """Every layer its torch initialiser (``comfy.ops`` layers skip theirs), the blocks' residual scales in
     [0.5, 1], the register tokens N(0, 0.02^2), the latent statistics the module's own constants."""
-    from scripts.fixtures import _torch_reset
+    from scripts.fixtures.weights import _torch_reset
 
     mv = inspect.getmodule(type(model))
     with torch.random.fork_rng(devices=[]), torch.no_grad():

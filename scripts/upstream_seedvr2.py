@@ -83,7 +83,7 @@ def no_pinned_offload() -> Iterator[None]:
 
 def state_dict(seed: int = 0, div: int = NARROW) -> dict[str, torch.Tensor]:
     """Random weights of the narrow model (float32, CPU), keyed as the module's state dict (a released file's keys)."""
-    from scripts.fixtures import _eager_weights, _materialise
+    from scripts.fixtures.weights import _eager_weights, _materialise
 
     mod = _module()
     with torch.device("meta"), narrow_widths(mod, div), _eager_weights():

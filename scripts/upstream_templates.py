@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from scripts.fixtures import _trained_statistics
+from scripts.fixtures.weights import _trained_statistics
 from scripts.upstream import FILES, quiet
 from scripts.upstream_wan import _initialised
 
@@ -45,7 +45,7 @@ __all__ = ["BUILDERS", "LTX24_CONFIG", "NEWEST_SD_PY", "TEMPLATE_FILES", "Templa
 NEWEST_SD_PY = FILES / "comfy" / "sd.py"
 
 WAN21_NARROW_DIM = 24
-"""Wan 2.1's ``dim`` (96) over 4, as ``scripts.fixtures.NARROW`` narrows the other families."""
+"""Wan 2.1's ``dim`` (96) over 4, as ``scripts.fixtures.kinds.NARROW`` narrows the other families."""
 FLUX2_SMALL_DECODER_CH = 96
 """``decoder_block_out_channels[0]`` of BFL's FLUX.2-small-decoder (96, 192, 384, 384)."""
 
@@ -249,7 +249,7 @@ def _flux2_ddconfig(ch: int) -> dict[str, Any]:
 def flux2_small_state_dict(seed: int = 0, decoder_ch: int = FLUX2_SMALL_DECODER_CH) -> dict[str, torch.Tensor]:
     """Random weights of FLUX.2's VAE with the small decoder (encoder ``ch`` 128, decoder ``decoder_ch``), keyed as
     BFL's file (the quant convs under ``encoder.`` / ``decoder.``, ``bn.*``; the loader moves them back). The
-    BatchNorm has a trained model's statistics (``scripts.fixtures._trained_statistics``)."""
+    BatchNorm has a trained model's statistics (``scripts.fixtures.weights._trained_statistics``)."""
     from comfy.ldm.models.autoencoder import AutoencoderKL
 
     model = AutoencoderKL(ddconfig=_flux2_ddconfig(128), embed_dim=32, decoder_ddconfig=_flux2_ddconfig(decoder_ch))

@@ -21,7 +21,7 @@ What each builder mirrors (``comfy/sd.py`` at Comfy-Org ``033046cc``, ``vae2_2.p
   (tests/upstream/README.md), so the module is 0.33.0's: an 8x RGB decoder under attributes that say 16x RGBA,
   which is what the newest ``sd.py`` builds over that file.
 * :func:`wan22_vae`: sd.py lines 851-862 (Wan 2.2 layout): ``vae2_2.WanVAE(dim=160, z_dim=48, ...)`` with a quarter
-  of the widths (``dim`` 40, ``dec_dim`` 64, as ``scripts.fixtures.narrow_host`` narrows it), video geometry
+  of the widths (``dim`` 40, ``dec_dim`` 64, as ``scripts.fixtures.narrow.narrow_host`` narrows it), video geometry
   (``latent_dim`` 3, 4x time); used here with 4-D latents (the newest ``vae2_2`` decodes one uncached frame).
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from scripts.fixtures import _init_custom, _torch_reset
+from scripts.fixtures.weights import _init_custom, _torch_reset
 from scripts.upstream import quiet
 
 __all__ = ["qwen21_state_dict", "qwen21_taesd", "qwen21_vae", "taesd_state_dict", "vae_from_state_dict",
@@ -41,7 +41,7 @@ __all__ = ["qwen21_state_dict", "qwen21_taesd", "qwen21_vae", "taesd_state_dict"
 QWEN21_DIMS = {"dim": 8, "dec_dim": 8}
 """Narrow widths of the Qwen-Image 2.1 twin (the released file's are larger; the branch reads them from the file)."""
 WAN22_NARROW = {"dim": 40, "dec_dim": 64}
-"""Wan 2.2's widths (160, 256) over 4, as ``scripts.fixtures.narrow_host`` builds its narrow twin."""
+"""Wan 2.2's widths (160, 256) over 4, as ``scripts.fixtures.narrow.narrow_host`` builds its narrow twin."""
 
 
 def _qwen21_config(dim: int, dec_dim: int, image_channels: int = 4) -> dict[str, Any]:
@@ -131,7 +131,7 @@ def _branch(vae: Any, sd: dict[str, torch.Tensor]) -> None:
         return
     if not wan22_layout:
         raise ValueError("a Wan 2.1 file: load it with 0.33.0's VAELoader")
-    # lines 851-862 (the narrow widths from the file, as scripts.fixtures.narrow_host builds Wan 2.2's twin)
+    # lines 851-862 (the narrow widths from the file, as scripts.fixtures.narrow.narrow_host builds Wan 2.2's twin)
     vae.upscale_ratio = (lambda a: max(0, a * 4 - 3), 16, 16)
     vae.upscale_index_formula = (4, 16, 16)
     vae.downscale_ratio = (lambda a: max(0, math.floor((a + 3) / 4)), 16, 16)

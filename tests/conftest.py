@@ -75,11 +75,11 @@ def comfy(host_config):
 @pytest.fixture(scope="session")
 def fixture_vaes(host_config):
     """``{kind: filename}`` of the random-weight fixture VAEs in the host's models/vae folder, each made on
-    first use (:class:`scripts.fixtures.FixtureFolder`: on a small disk only the files in use must fit)."""
+    first use (:class:`scripts.fixtures.files.FixtureFolder`: on a small disk only the files in use must fit)."""
     from scripts.host import import_comfy
 
     import_comfy(host_config)
-    from scripts.fixtures import FixtureFolder
+    from scripts.fixtures.files import FixtureFolder
 
     return FixtureFolder(host_config.models_dir / "vae", seed=0)
 

@@ -17,7 +17,7 @@
 * :func:`require_0_33` / :func:`pack_engine`: the newest-upstream tests' host check and the pack's engine modules
   as ComfyUI loads them (under the pack's folder path).
 * :data:`full_size`: the mark of a test on a full-size fixture of a family that the default run covers with its
-  narrow twin (``scripts.fixtures.NARROW_KINDS``); it runs only with ``VRAMFIT_FULL_FIXTURES=1`` (``.ci/run``
+  narrow twin (``scripts.fixtures.kinds.NARROW_KINDS``); it runs only with ``VRAMFIT_FULL_FIXTURES=1`` (``.ci/run``
   sets it): GBs of memory and minutes on a 2-core CPU.
 """
 

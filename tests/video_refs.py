@@ -26,7 +26,8 @@ def reference(comfy: Any, fixture_vaes: dict, kind: str, shape: tuple[int, ...],
               seed: int | None = None) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """``(vae, z, VAEDecode(z))`` for a fixture VAE ``kind`` (a narrow twin: the seed of its full kind) and a
     structured latent, decoded once."""
-    from scripts.fixtures import FIXTURES, structured_latent
+    from scripts.fixtures.kinds import FIXTURES
+    from scripts.fixtures.latents import structured_latent
 
     seed = SEEDS.get(FIXTURES[kind].full or kind, 0) if seed is None else seed
     key = (kind, tuple(shape), seed)
@@ -45,7 +46,7 @@ def tiny_wan(version: str, seed: int = 0) -> torch.nn.Module:
     the fixture generator does. ComfyUI must be importable (``scripts.host.import_comfy``)."""
     import importlib
 
-    from scripts import fixtures
+    from scripts.fixtures.weights import _materialise
 
     mod = importlib.import_module("comfy.ldm.wan.vae" if version == "2.1" else "comfy.ldm.wan.vae2_2")
     kw = dict(dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[], temperal_downsample=[False, True, True])
@@ -56,19 +57,19 @@ def tiny_wan(version: str, seed: int = 0) -> torch.nn.Module:
             model = mod.WanVAE(dim=8, dec_dim=8, z_dim=4, **kw)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        fixtures._materialise(model, torch.float32)
+        _materialise(model, torch.float32)
     return model.eval()
 
 
 def _tiny(build: Any, seed: int) -> torch.nn.Module:
     """``build()`` on the meta device, materialised as the fixture generator does (seeded)."""
-    from scripts import fixtures
+    from scripts.fixtures.weights import _materialise
 
     with torch.device("meta"):
         model = build()
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        fixtures._materialise(model, torch.float32)
+        _materialise(model, torch.float32)
     return model.eval()
 
 

@@ -43,7 +43,7 @@ def device(comfy) -> torch.device:
 @pytest.fixture(scope="session")
 def suite_kl(comfy, host_config):
     """The random-weight KL VAE (only this fixture: the suite does not build the video VAEs here)."""
-    from scripts.fixtures import make_models
+    from scripts.fixtures.files import make_models
 
     path = make_models(host_config.models_dir / "vae", seed=0, kinds=["kl_f8"])["kl_f8"]
     return comfy.VAELoader().load_vae(path.name)[0]
@@ -55,7 +55,7 @@ def suite_kl_fp32(comfy, host_config, suite_kl):
     import comfy.sd
     import comfy.utils
 
-    from scripts.fixtures import make_models
+    from scripts.fixtures.files import make_models
 
     path = make_models(host_config.models_dir / "vae", seed=0, kinds=["kl_f8"])["kl_f8"]
     return comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(path)), dtype=torch.float32)

@@ -25,7 +25,7 @@ import gc
 import pytest
 import torch
 
-from scripts.fixtures import structured_latent
+from scripts.fixtures.latents import structured_latent
 from tests.cuda.conftest import SMALL
 
 pytestmark = pytest.mark.cuda
@@ -221,7 +221,7 @@ def test_carried_chunks_pass_their_self_check_on_the_device(device, comfy, host_
     on an H100 (2026-11-27) every carried family's check failed there ("Expected all tensors to be on the same
     device"): the executor writes into a host buffer while the host's decode returns on the device, and the
     check compared the two where they were. The verdict is checked, not cached (a fresh store)."""
-    from scripts.fixtures import load_vae
+    from scripts.fixtures.files import load_vae
 
     vae = load_vae(comfy, "hunyuan_video15_narrow", host_config.models_dir / "vae", torch.float32)
     video = pack_memory("decode.video")

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import structured_latent
+from scripts.fixtures.latents import structured_latent
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
 log = logging.getLogger("vramfit.tests.batch_coupled")
@@ -41,7 +41,7 @@ def _svd_model(seed: int = 0, ch: int = 128, ch_mult: tuple[int, ...] = (1, 2, 4
     ``blocks``), random weights (each ``mix_factor`` a random logit)."""
     from comfy.ldm.models.autoencoder import AutoencodingEngine
 
-    from scripts import fixtures
+    from scripts.fixtures.weights import _torch_reset
 
     enc = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": ch,
            "ch_mult": list(ch_mult), "num_res_blocks": blocks, "attn_resolutions": [], "dropout": 0.0}
@@ -57,7 +57,7 @@ def _svd_model(seed: int = 0, ch: int = 128, ch_mult: tuple[int, ...] = (1, 2, 4
             if not [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
                 continue
             module.to_empty(device="cpu", recurse=False)
-            if not fixtures._torch_reset(module):  # VideoResBlock's learned blend: any logit, away from 0/1
+            if not _torch_reset(module):  # VideoResBlock's learned blend: any logit, away from 0/1
                 with torch.no_grad():
                     module.mix_factor.normal_()
     return model.eval()

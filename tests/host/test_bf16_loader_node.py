@@ -94,7 +94,7 @@ def _exact(row: str) -> int:
 
 
 def test_vae_loads_with_bf16_weights_half_the_fp32_bytes_and_decodes(comfy, fixture_vaes) -> None:
-    from scripts.fixtures import structured_latent
+    from scripts.fixtures.latents import structured_latent
 
     name = f"vae/{fixture_vaes['kl_f8']}"
     out = loader(comfy).execute(model=name, weight_dtype="bf16")

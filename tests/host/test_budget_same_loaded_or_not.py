@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from scripts.fixtures import structured_latent
+from scripts.fixtures.latents import structured_latent
 from tests.video_refs import WAN21, reference
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread", "inference_mode")]

@@ -23,7 +23,8 @@ import weakref
 import pytest
 import torch
 
-from scripts.fixtures import narrow, structured_latent
+from scripts.fixtures.latents import structured_latent
+from scripts.fixtures.narrow import narrow
 from scripts.upstream_templates import ltx24_state_dict
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("inference_mode")]

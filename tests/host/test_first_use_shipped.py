@@ -19,7 +19,8 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import FIXTURES, NARROW_KINDS, structured_latent
+from scripts.fixtures.kinds import FIXTURES, NARROW_KINDS
+from scripts.fixtures.latents import structured_latent
 from tests.helpers import full_size
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]

@@ -1,5 +1,5 @@
 """The fixture VAEs load through ComfyUI's real loader as the real architectures, and the latents
-are structured (scripts/fixtures.py)."""
+are structured (scripts/fixtures/)."""
 
 from __future__ import annotations
 
@@ -20,16 +20,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scripts import fixtures
-from scripts.fixtures import (
-    COMFY_KINDS,
-    FIXTURES,
-    KINDS,
-    NARROW_KINDS,
-    make_models,
-    structured_latent,
-    write_latent_file,
-)
+from scripts.fixtures import files as fixture_files
+from scripts.fixtures.cli import comfyui_path
+from scripts.fixtures.files import FixtureFolder, make_models, make_room, write_latent_file
+from scripts.fixtures.host import available
+from scripts.fixtures.kinds import COMFY_KINDS, FIXTURES, KINDS, NARROW_KINDS
+from scripts.fixtures.latents import structured_latent
+from scripts.fixtures.narrow import narrow_divisor
+from scripts.fixtures.weights import FILE_ONLY_KEYS, GENERATOR_VERSION, build_model, build_state_dict
 from tests.helpers import full_size
 
 log = logging.getLogger("vramfit.tests.fixtures")
@@ -52,10 +50,10 @@ class _Records(logging.Handler):
                                         for k in COMFY_KINDS])
 def loaded(request, comfy, fixture_vaes):
     """(spec, VAE, log messages of the load) via ComfyUI's own VAELoader (a narrow twin under
-    ``fixtures.narrow_host``); one kind in memory at a time. The full-size kinds with a narrow twin run with
+    ``scripts.fixtures.narrow.narrow_host``); one kind in memory at a time. The full-size kinds with a narrow twin run with
     ``VRAMFIT_FULL_FIXTURES=1``."""
     spec = FIXTURES[request.param]
-    if not fixtures.available(spec.kind):
+    if not available(spec.kind):
         pytest.skip(f"{spec.kind}: this host has no {spec.module} (added in ComfyUI {spec.min_comfyui})")
     root = logging.getLogger()
     handler = _Records()
@@ -99,7 +97,7 @@ def test_loader_detects_the_real_architecture(loaded, fixture_vaes):
     assert vae.spacial_compression_decode() == spec.spatial_ratio
     expected_t = None if spec.temporal_ratio == 1 else spec.temporal_ratio
     assert vae.temporal_compression_decode() == expected_t
-    extra = set(fixtures.FILE_ONLY_KEYS.get(spec.full or spec.kind, ()))  # a released file's, left over by the loader
+    extra = set(FILE_ONLY_KEYS.get(spec.full or spec.kind, ()))  # a released file's, left over by the loader
     bad = [m for m in messages if "Missing VAE keys" in m
            or ("Leftover VAE keys" in m and not (extra and all(k in m for k in extra)))]
     assert not bad, bad
@@ -116,11 +114,11 @@ def test_loader_detects_the_real_architecture(loaded, fixture_vaes):
     floats = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
     assert {floats.get(d, d) for d in dtypes} - {"I64"} == {spec.dtype}, dtypes  # int64: batch counts
     assert meta["vramfit_fixture_kind"] == spec.kind
-    assert meta["vramfit_fixture_generator"] == fixtures.GENERATOR_VERSION
-    kind, div = spec.full or spec.kind, fixtures.narrow_divisor(spec.kind)  # a narrow twin: its full kind's facts
+    assert meta["vramfit_fixture_generator"] == GENERATOR_VERSION
+    kind, div = spec.full or spec.kind, narrow_divisor(spec.kind)  # a narrow twin: its full kind's facts
     if spec.full is not None:  # a narrow twin: the full kind's classes and key names, 1/div of the widths
-        full = fixtures.build_model(spec.full).state_dict()
-        narrow = fixtures.build_model(spec.kind).state_dict()
+        full = build_model(spec.full).state_dict()
+        narrow = build_model(spec.kind).state_dict()
         assert {spec.model_key(k) for k in keys - extra} == set(full) == set(narrow)
         cat = kind == "mage"  # Mage-VAE concatenates latent-wide and hidden-wide inputs (s_embedder.proj2, x_embedder)
         for k, v in full.items():  # every dimension kept (kernels, latent channels) or narrower (widths)
@@ -271,14 +269,14 @@ def test_optional_kinds_follow_the_host(fixture_vaes, tmp_path, comfy, monkeypat
     import folder_paths
 
     has_cogvideo = importlib.util.find_spec("comfy.ldm.cogvideo") is not None
-    assert fixtures.available("cogvideox") == has_cogvideo
+    assert available("cogvideox") == has_cogvideo
     assert ("cogvideox" in fixture_vaes) == has_cogvideo
     optional = [k for k in KINDS if FIXTURES[k].min_comfyui is not None]
     assert {"cogvideox", "mage", "mage_narrow", "seedvr2", "seedvr2_narrow"} <= set(optional)
     for k in optional:  # each follows its module (SeedVR2: comfy.ldm.seedvr; Mage-VAE: comfy.ldm.mage_flow)
         has = importlib.util.find_spec(FIXTURES[k].module.rsplit(".", 1)[0]) is not None
-        assert fixtures.available(k) == has and (k in fixture_vaes) == has, k
-    assert all(fixtures.available(k) and k in fixture_vaes for k in KINDS if k not in optional)
+        assert available(k) == has and (k in fixture_vaes) == has, k
+    assert all(available(k) and k in fixture_vaes for k in KINDS if k not in optional)
     if not has_cogvideo:
         expected = r"cogvideox \(comfy\.ldm\.cogvideo\.vae, ComfyUI >= 0\.33\.0\)"
         with pytest.raises(RuntimeError, match=expected):
@@ -290,8 +288,8 @@ def test_optional_kinds_follow_the_host(fixture_vaes, tmp_path, comfy, monkeypat
     vae_dir.mkdir()
     host_file = pathlib.Path(folder_paths.get_full_path_or_raise("vae", fixture_vaes["kl_f8"]))
     (vae_dir / host_file.name).write_bytes(host_file.read_bytes())  # current: only its header is read
-    monkeypatch.setattr(fixtures, "KINDS", ("kl_f8", "cogvideox"))
-    monkeypatch.setattr(fixtures, "available", lambda kind: kind != "cogvideox")
+    monkeypatch.setattr(fixture_files, "KINDS", ("kl_f8", "cogvideox"))
+    monkeypatch.setattr(fixture_files, "available", lambda kind: kind != "cogvideox")
     with caplog.at_level(logging.INFO, logger="vramfit.fixtures"):
         assert make_models(vae_dir) == {"kl_f8": vae_dir / host_file.name}
     assert any(m.startswith("cogvideox: skipped") for m in caplog.messages), caplog.messages
@@ -316,17 +314,17 @@ def test_make_room_deletes_the_largest_spare_fixtures_first(tmp_path, monkeypatc
         held = sum(p.stat().st_size for p in tmp_path.iterdir())
         return shutil._ntuple_diskusage(1 << 40, 0, base + held0 - held)
 
-    monkeypatch.setattr(fixtures.shutil, "disk_usage", disk_usage)
-    monkeypatch.setattr(fixtures, "DISK_MARGIN", 1 << 20)
+    monkeypatch.setattr(fixture_files.shutil, "disk_usage", disk_usage)
+    monkeypatch.setattr(fixture_files, "DISK_MARGIN", 1 << 20)
     with caplog.at_level(logging.INFO, logger="vramfit.fixtures"):
-        deleted = fixtures.make_room(tmp_path, 40 << 20, keep=[tmp_path / FIXTURES["wan22"].filename])
+        deleted = make_room(tmp_path, 40 << 20, keep=[tmp_path / FIXTURES["wan22"].filename])
     # 5 MiB free + the 80 MiB file > 41 MiB: only the largest spare file goes (wan22 is kept)
     assert [p.name for p in deleted] == [FIXTURES["hunyuan_video15"].filename]
     assert any("deleted to make room" in m for m in caplog.messages)
-    deleted = fixtures.make_room(tmp_path, 140 << 20)  # 85 MiB free: wan22, then mochi
+    deleted = make_room(tmp_path, 140 << 20)  # 85 MiB free: wan22, then mochi
     assert [p.name for p in deleted] == [FIXTURES[k].filename for k in ("wan22", "mochi")]
     with pytest.raises(OSError, match=r"has 0\.\d GiB free; the next file needs 0\.3 GiB"):
-        fixtures.make_room(tmp_path, 300 << 20)
+        make_room(tmp_path, 300 << 20)
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == sorted([FIXTURES[k].filename for k in ("kl_f8", "wan21")] + ["users_own_vae.safetensors"])
 
@@ -336,9 +334,9 @@ def test_fixture_folder_makes_each_file_when_named(fixture_vaes, comfy):
     """``fixture_vaes`` is a :class:`FixtureFolder`: a fixture deleted to make room comes back when named."""
     import folder_paths
 
-    assert isinstance(fixture_vaes, fixtures.FixtureFolder)
+    assert isinstance(fixture_vaes, FixtureFolder)
     assert "kl_f8" in fixture_vaes and "sd3" not in fixture_vaes and list(fixture_vaes) == [
-        k for k in KINDS if fixtures.available(k)
+        k for k in KINDS if available(k)
     ]
     path = pathlib.Path(folder_paths.get_full_path_or_raise("vae", fixture_vaes[SMALL]))
     before = safetensors.torch.load_file(path)
@@ -355,7 +353,7 @@ def test_video_weights_are_deterministic(fixture_vaes, comfy):
     """A second build of the Wan 2.1 weights (in memory) equals the host file bit for bit."""
     import folder_paths
 
-    sd = fixtures.build_state_dict("wan21", seed=0)
+    sd = build_state_dict("wan21", seed=0)
     host_file = folder_paths.get_full_path_or_raise("vae", fixture_vaes["wan21"])
     with safetensors.safe_open(host_file, framework="pt") as f:
         assert set(f.keys()) == set(sd)
@@ -430,9 +428,9 @@ def test_comfyui_path_from_host_env(tmp_path, monkeypatch):
     )
     monkeypatch.delenv("COMFYUI_PATH", raising=False)
     monkeypatch.setenv("VRAMFIT_CACHE", str(tmp_path))
-    assert fixtures.comfyui_path() == pathlib.Path("/somewhere/ComfyUI")
+    assert comfyui_path() == pathlib.Path("/somewhere/ComfyUI")
     monkeypatch.setenv("COMFYUI_PATH", "/elsewhere")
-    assert fixtures.comfyui_path() == pathlib.Path("/elsewhere")
+    assert comfyui_path() == pathlib.Path("/elsewhere")
 
 
 def test_specs_are_consistent():

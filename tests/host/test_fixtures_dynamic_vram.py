@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scripts import fixtures
+from scripts.fixtures.host import import_comfy_module
+from scripts.fixtures.weights import build_model
 
 
 @pytest.mark.parametrize("kind", ["hunyuan_video15_narrow", "ltx_video_narrow"])
@@ -21,13 +22,13 @@ def test_fixture_built_under_dynamic_vram_has_every_weight(host_config, kind):
         mm = None
     if not hasattr(mm, "aimdo_enabled"):
         pytest.skip("this ComfyUI has no dynamic VRAM (comfy.memory_management.aimdo_enabled)")
-    plain = fixtures.build_model(kind).state_dict()
+    plain = build_model(kind).state_dict()
     before = mm.aimdo_enabled
     mm.aimdo_enabled = True
     try:
         with torch.device("meta"):
-            lazy = fixtures._import_comfy_module("comfy.ops").disable_weight_init.Linear(4, 4)
-        built = fixtures.build_model(kind).state_dict()
+            lazy = import_comfy_module("comfy.ops").disable_weight_init.Linear(4, 4)
+        built = build_model(kind).state_dict()
         assert mm.aimdo_enabled  # restored after the build
     finally:
         mm.aimdo_enabled = before

@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import FIXTURES, structured_latent
+from scripts.fixtures.kinds import FIXTURES
+from scripts.fixtures.latents import structured_latent
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
 

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import structured_latent
+from scripts.fixtures.latents import structured_latent
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
 

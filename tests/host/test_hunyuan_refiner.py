@@ -10,7 +10,7 @@ GroupNorm statistics merged over the tiles' cores of every frame (``memory/vae/k
 (``memory/vae/one_frame.py``).
 
 Thresholds: equal to the host's own decode (``VAEDecode`` / ``first_stage_model.decode``) within 1e-4 (max abs,
-float32) with at least 4 tiles; the node's fixture is the narrow twin (``scripts.fixtures.NARROW_KINDS``: the host's
+float32) with at least 4 tiles; the node's fixture is the narrow twin (``scripts.fixtures.kinds.NARROW_KINDS``: the host's
 classes and key names, a quarter of the channels).
 """
 
@@ -21,7 +21,9 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import build_model, narrow, structured_latent
+from scripts.fixtures.latents import structured_latent
+from scripts.fixtures.narrow import narrow
+from scripts.fixtures.weights import build_model
 from tests.helpers import assert_freed, unload_and_watch
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("inference_mode", "one_thread")]

@@ -15,7 +15,8 @@ from vramfit.memory.geometry import Geometry
 from vramfit.memory.measure.sizing import MetaSizer, decode_run
 from vramfit.memory.vae.families import identify
 
-from scripts.fixtures import _KL_DDCONFIG, build_model
+from scripts.fixtures.image import KL_DDCONFIG
+from scripts.fixtures.weights import build_model
 
 pytestmark = pytest.mark.host
 
@@ -41,10 +42,10 @@ def test_flux2_is_its_own_structure() -> None:
 
 
 def _meta_kl_vae(**ddconfig) -> types.SimpleNamespace:
-    """A ComfyUI ``AutoencoderKL`` of ``_KL_DDCONFIG`` updated by ``ddconfig`` (weights on ``meta``)."""
+    """A ComfyUI ``AutoencoderKL`` of ``KL_DDCONFIG`` updated by ``ddconfig`` (weights on ``meta``)."""
     from comfy.ldm.models.autoencoder import AutoencoderKL
 
-    dd = dict(_KL_DDCONFIG, **ddconfig)
+    dd = dict(KL_DDCONFIG, **ddconfig)
     with torch.device("meta"):
         model = AutoencoderKL(ddconfig=dd, embed_dim=dd["z_channels"])
     return types.SimpleNamespace(first_stage_model=model, upscale_ratio=8, latent_dim=2,

@@ -25,7 +25,8 @@ import types
 import pytest
 import torch
 
-from scripts.fixtures import narrow, structured_latent
+from scripts.fixtures.latents import structured_latent
+from scripts.fixtures.narrow import narrow
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
 log = logging.getLogger("vramfit.tests.latent_vae_sweep")

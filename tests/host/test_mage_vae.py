@@ -19,8 +19,10 @@ import sys
 import pytest
 import torch
 
-from scripts import fixtures
-from scripts.fixtures import narrow, structured_latent
+from scripts.fixtures.host import available
+from scripts.fixtures.kinds import FIXTURES
+from scripts.fixtures.latents import structured_latent
+from scripts.fixtures.narrow import narrow
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("inference_mode")]
 
@@ -41,8 +43,8 @@ def engine(tiled):
 
 @pytest.fixture(scope="module")
 def mage(comfy, fixture_vaes):
-    if not fixtures.available(KIND):
-        spec = fixtures.FIXTURES[KIND]
+    if not available(KIND):
+        spec = FIXTURES[KIND]
         pytest.skip(f"this host has no {spec.module} (Mage-VAE: ComfyUI >= {spec.min_comfyui})")
     vae = fixture_vaes.load(comfy, KIND)
     assert type(vae.first_stage_model).__name__ == "MageVAE"

@@ -23,7 +23,8 @@ from vramfit.memory.measure.sizing import MetaSizer, decode_run, latent_shape
 from vramfit.memory.measure.tracker import PeakTracker, tracker_factory
 from vramfit.memory.vae.families import FAMILIES, identify
 
-from scripts.fixtures import narrow_host, structured_latent
+from scripts.fixtures.latents import structured_latent
+from scripts.fixtures.narrow import narrow_host
 from tests.helpers import load_vae
 
 pytestmark = pytest.mark.host

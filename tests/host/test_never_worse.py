@@ -20,7 +20,10 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import FIXTURES, available, narrow, structured_latent
+from scripts.fixtures.host import available
+from scripts.fixtures.kinds import FIXTURES
+from scripts.fixtures.latents import structured_latent
+from scripts.fixtures.narrow import narrow
 from tests.helpers import assert_freed, unload_and_watch
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("inference_mode")]

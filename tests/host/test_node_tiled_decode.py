@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import structured_latent
+from scripts.fixtures.latents import structured_latent
 from scripts.host import clone_node
 from tests.helpers import exact_tile_borders, psnr, seam_ratio
 

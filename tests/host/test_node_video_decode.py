@@ -32,7 +32,8 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import narrow, structured_latent
+from scripts.fixtures.latents import structured_latent
+from scripts.fixtures.narrow import narrow
 from tests.video_refs import HUNYUAN, WAN21, WAN22, reference
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread", "inference_mode")]
@@ -76,7 +77,7 @@ def wan21(comfy, fixture_vaes):
 
 @pytest.fixture(scope="module")
 def wan22(comfy, fixture_vaes):
-    return reference(comfy, fixture_vaes, narrow("wan22"), WAN22)  # the narrow twin (scripts.fixtures.NARROW_KINDS)
+    return reference(comfy, fixture_vaes, narrow("wan22"), WAN22)  # the narrow twin (scripts.fixtures.kinds.NARROW_KINDS)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import structured_latent
+from scripts.fixtures.latents import structured_latent
 from tests.host.test_tiled_encode_exact import _pixels
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]

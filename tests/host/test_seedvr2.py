@@ -16,7 +16,8 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import available, structured_latent
+from scripts.fixtures.host import available
+from scripts.fixtures.latents import structured_latent
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
 

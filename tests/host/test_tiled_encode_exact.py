@@ -19,7 +19,7 @@ import torch
 from vramfit.memory.executors import kl_exact as te
 from vramfit.memory.vae import kl_layout as kll
 
-from scripts.fixtures import narrow
+from scripts.fixtures.narrow import narrow
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
 log = logging.getLogger("vramfit.tests.tiled_encode_exact")

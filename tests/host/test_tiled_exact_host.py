@@ -21,7 +21,8 @@ from vramfit.memory.executors import kl_exact as te
 from vramfit.memory.measure import reach as rc
 from vramfit.memory.vae import kl_layout as kll
 
-from scripts.fixtures import build_model, structured_latent
+from scripts.fixtures.latents import structured_latent
+from scripts.fixtures.weights import build_model
 from tests.helpers import exact_tile_borders, psnr, seam_ratio
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]

@@ -19,7 +19,7 @@ import pytest
 import torch
 from vramfit.memory.executors import generic as tg
 
-from scripts.fixtures import structured_latent
+from scripts.fixtures.latents import structured_latent
 from tests.helpers import psnr, seam_ratio
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]

@@ -25,7 +25,7 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import structured_latent
+from scripts.fixtures.latents import structured_latent
 from tests.helpers import pack_engine, require_0_33
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("inference_mode")]

@@ -10,7 +10,7 @@
 Each: at least 4 tiles, equal to the host's own decode within 1e-4 (float32), the first-use self-check passed,
 and an out-of-memory error inside a tile resumes from the finished tiles with the same result.
 
-Hunyuan Image 2.1 runs on its narrow twin (``scripts.fixtures.NARROW_KINDS``: the host's classes, a quarter of the
+Hunyuan Image 2.1 runs on its narrow twin (``scripts.fixtures.kinds.NARROW_KINDS``: the host's classes, a quarter of the
 channels); the full-size fixture in ``test_hunyuan_image_full_size_tiles_are_exact`` (``VRAMFIT_FULL_FIXTURES=1``).
 """
 
@@ -21,7 +21,9 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import build_model, narrow, structured_latent
+from scripts.fixtures.latents import structured_latent
+from scripts.fixtures.narrow import narrow
+from scripts.fixtures.weights import build_model
 from tests.helpers import full_size
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("inference_mode")]

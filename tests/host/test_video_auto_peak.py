@@ -24,7 +24,7 @@ import types
 import pytest
 import torch
 
-from scripts.fixtures import structured_latent
+from scripts.fixtures.latents import structured_latent
 from tests.video_refs import tiny_wan
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]

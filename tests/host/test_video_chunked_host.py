@@ -35,7 +35,7 @@ from vramfit.memory.executors import blend
 from vramfit.memory.executors import wan as vc
 from vramfit.memory.vae import wan_layout as wl
 
-from scripts.fixtures import narrow
+from scripts.fixtures.narrow import narrow
 from scripts.host import core_decode_tiled
 from tests.helpers import full_size
 from tests.video_refs import HUNYUAN, WAN21, WAN22, reference
@@ -47,7 +47,7 @@ TOL = 1e-3
 
 
 def _z(shape, seed=0):
-    from scripts.fixtures import structured_latent
+    from scripts.fixtures.latents import structured_latent
 
     return structured_latent(shape, seed=seed)
 

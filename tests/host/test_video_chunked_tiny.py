@@ -65,7 +65,7 @@ def case21(host_config):
 
 
 def _z(shape, seed=0):
-    from scripts.fixtures import structured_latent
+    from scripts.fixtures.latents import structured_latent
 
     return structured_latent(shape, seed=seed)
 

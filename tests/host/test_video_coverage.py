@@ -23,7 +23,7 @@ exists, never a crash, and approximate with the reason where not.
   ``upscale_ratio``: the output takes the host's count. (Before: an approximate overlap-blend of odd chunks, and
   a shape error on an even latent.)
 
-Mochi, HunyuanVideo 1.5 and LTX-Video run on their narrow twins (``scripts.fixtures.NARROW_KINDS``: the host's
+Mochi, HunyuanVideo 1.5 and LTX-Video run on their narrow twins (``scripts.fixtures.kinds.NARROW_KINDS``: the host's
 classes with a half or a quarter of the channels; reach, tiles and chunks depend on the structure, not the width); the
 full-size fixtures once per family in ``test_full_size_decode_is_exact`` (``VRAMFIT_FULL_FIXTURES=1``, as CI runs).
 """
@@ -38,7 +38,10 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import FIXTURES, available, narrow, structured_latent
+from scripts.fixtures.host import available
+from scripts.fixtures.kinds import FIXTURES
+from scripts.fixtures.latents import structured_latent
+from scripts.fixtures.narrow import narrow
 from tests.helpers import full_size
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("inference_mode")]

@@ -23,7 +23,7 @@ from vramfit.memory.decode.encode import VIDEO_REPORT_NODE
 from vramfit.memory.executors import split_encode as se
 from vramfit.memory.vae import encode_split as es
 
-from scripts.fixtures import narrow
+from scripts.fixtures.narrow import narrow
 from tests.host.test_tiled_encode_exact import _pixels
 from tests.video_refs import tiny_wan
 

@@ -16,7 +16,7 @@ import torch
 from vramfit.memory.executors import split_encode as se
 from vramfit.memory.vae import encode_split as es
 
-from scripts.fixtures import narrow
+from scripts.fixtures.narrow import narrow
 from tests.video_refs import TINY_HV15_RATIO, TINY_LTX_RATIO, tiny_hv15, tiny_ltx
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread", "inference_mode")]
@@ -101,7 +101,7 @@ def test_a_global_module_in_the_prefix_is_refused(tiny):
 
 
 # ------------------------------------------------------------------------------ the node on the fixtures
-# (their narrow twins: the host's classes with a quarter of the channels, ``scripts.fixtures.NARROW_KINDS``)
+# (their narrow twins: the host's classes with a quarter of the channels, ``scripts.fixtures.kinds.NARROW_KINDS``)
 
 NODE_CASES = {
     # family: (frames, h, w in latent px, tile px); >= 4 tiles across

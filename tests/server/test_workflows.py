@@ -102,7 +102,7 @@ def test_template_names_read_as_card_titles_in_order():
 def test_cpu_templates_need_no_input_file_a_script_writes(host_config):
     """On a fresh install the CPU templates find every input file they load: ComfyUI ships it in input/.
     (Their models are the random-weight fixtures; no LoadLatent of a latent only the demo script writes.)"""
-    from scripts.fixtures import FIXTURES
+    from scripts.fixtures.kinds import FIXTURES
 
     fixtures = {f.filename for f in FIXTURES.values()}
     input_widgets = {"LoadImage": "image", "LoadLatent": "latent"}
