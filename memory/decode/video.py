@@ -20,6 +20,7 @@ from ..executors.carry import decode_carried
 from ..executors.wan import decode_wan_chunked
 from ..oom import oom_types
 from ..plan import plan
+from ..plan.grid import ImpossibleBudgetError
 from ..plan.host_grid import host_grid_of
 from ..plan.types import Chunking, Plan
 from ..plan.video import (
@@ -223,6 +224,34 @@ def _blend_or_host(job: VideoJob, p: Plan, env: DecodeEnv, available: int, allow
     return host, refused
 
 
+def _plan_batch(job: VideoJob, available: int, env: DecodeEnv, ratio: Any, out_bytes: int) -> tuple[Plan, bool]:
+    """``(plan, per_item)``: the plan of the whole batch at once; when none fits a batch of several clips, the
+    plan of one clip within what the batch's output buffer (``out_bytes``, held throughout) leaves, run one batch
+    item at a time (the chunked and carried executors decode each item alone, as the host's decode does; a batch of
+    Qwen-Image-Layered's layers). Raises the whole batch's :class:`..plan.grid.ImpossibleBudgetError` when one
+    clip does not fit either."""
+    try:
+        return plan(job, available, env.peaks, ratio), False
+    except ImpossibleBudgetError as e:
+        whole = e
+    b = int(job.z.shape[0])
+    if b == 1 or not (job.wan or job.carry is not None):
+        raise whole
+    one = dataclasses.replace(job, z=job.z[:1])
+    try:
+        p = plan(one, available - out_bytes + out_bytes // b, env.peaks, ratio)
+    except ImpossibleBudgetError:
+        raise whole from None
+    if p.path not in ("wan", "carry"):
+        raise whole
+    p.planned += out_bytes - out_bytes // b
+    return dataclasses.replace(p, description=f"{p.description}; one batch item at a time"), True
+
+
+def _items(b: int, per_item: bool) -> list[slice]:
+    return [slice(i, i + 1) for i in range(b)] if per_item else [slice(None)]
+
+
 # --------------------------------------------------------------------------------------------------
 # Decode
 
@@ -278,7 +307,7 @@ def decode_video(
         frames_of, index_formula, _ = blend_ratios(vae)
     oh, ow = h * r, w * r
     env.at("plan")
-    p = plan(job, int(budget.available), env.peaks, ratio)
+    p, per_item = _plan_batch(job, int(budget.available), env, ratio, buffer_bytes(job, frames, oh, ow))
     refused = ""
     if p.path == "blend":  # approximate: measured first, never taken under the floor unless the user asked
         env.at("check")
@@ -302,19 +331,21 @@ def decode_video(
         elif p.path == "host":
             host_decode(job, view, bar, env, stats)
         elif p.path == "wan":
-            decode_wan_chunked(
-                model, z, c.k, c.tile, halo=p.halo, split=c.split, out=view,
-                compute_device=job.device, dtype=job.dtype, store_device="cpu" if c.store == "host" else None,
-                rollback=c.rollback, progress=bar, should_stop=env.should_stop,
-                fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
-                oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
+            for i in _items(b, per_item):
+                decode_wan_chunked(
+                    model, z[i], c.k, c.tile, halo=p.halo, split=c.split, out=view[i],
+                    compute_device=job.device, dtype=job.dtype, store_device="cpu" if c.store == "host" else None,
+                    rollback=c.rollback, progress=bar, should_stop=env.should_stop,
+                    fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
+                    oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
         elif p.path == "carry":
-            decode_carried(
-                model, job.carry, z, c.k, out=view, dtype=job.dtype, compute_device=job.device, tile=c.tile,
-                halo=p.halo, rollback=c.rollback, progress=bar,
-                should_stop=env.should_stop,
-                fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
-                oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
+            for i in _items(b, per_item):
+                decode_carried(
+                    model, job.carry, z[i], c.k, out=view[i], dtype=job.dtype, compute_device=job.device,
+                    tile=c.tile, halo=p.halo, rollback=c.rollback, progress=bar,
+                    should_stop=env.should_stop,
+                    fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
+                    oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
         else:  # accumulated in the output buffer itself (the plan counts one output)
             decode_overlap_blend(
                 blend_fn(job), z, c.k, 1, upscale_ratio=frames_of, index_formula=index_formula, out=view,

@@ -366,8 +366,10 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
             if any(cd.needs_more_than(f) and not (restores and f.k == 1 < cd.k) for f in failed):
                 continue
             area = _ext_area(lay, h, w, cd)
-            if any(out_b + scaled_bound(f, pk, p1, cd, (fa, area)) > budget for f, pk, p1, fa in over):
+            low = max((out_b + scaled_bound(f, pk, p1, cd, (fa, area)) for f, pk, p1, fa in over), default=0)
+            if low > budget:  # a lower bound only: the message's floor counts it, sizing it first when it is least
                 scaled += 1
+                known.append((low, False, cd))
                 continue
             low = out_b + max(lower_bound(job, lay, cd), post)
             if low > budget:

@@ -27,7 +27,9 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures import FIXTURES, build_model, structured_latent
+from scripts.fixtures.kinds import FIXTURES
+from scripts.fixtures.latents import structured_latent
+from scripts.fixtures.weights import build_model
 from scripts.upstream_templates import (
     BUILDERS,
     NEWEST_SD_PY,
@@ -238,6 +240,26 @@ def test_ming_4d_latent(comfy, built, mods):
         assert torch.equal(z, before)
         _close(r.images, ref)
         assert r.plan.path == "wan" and r.report.summary.startswith("exact"), r.report.text()
+
+
+def test_a_batch_of_layers_below_one_layers_own_peak(comfy, built, mods):
+    """Qwen-Image-Layered's batch of one-frame latents under a budget below the host's decode of one layer and below
+    the tiles of the whole batch at once (5.6 MiB): exact tiles one layer at a time within the budget, the host's
+    images (before: "no plan fits")."""
+    vae = built("qwen_image_layered_vae")
+    z = structured_latent(LATENTS["qwen_image_layered_vae"][0], seed=7)
+    ref = comfy.VAEDecode().decode(vae, {"samples": z})[0].clone()
+    one = _host_peak(mods, lambda: comfy.VAEDecode().decode(vae, {"samples": z[:1]})[0])
+    budget_mb = 3
+    assert budget_mb * MiB < one
+    for node in ("tiled", "video"):
+        r = mods[node].decode(vae, {"samples": z}, budget_mb=budget_mb)
+        text = r.report.text()
+        _close(r.images, ref)
+        assert r.plan.path == "wan" and r.report.summary.startswith("exact"), text
+        assert "one batch item at a time" in r.plan.description and " x 2 videos" in r.report.summary, text
+        assert r.plan.config.grid[0] * r.plan.config.grid[1] >= 4, text
+        assert r.measured_peak is not None and r.measured_peak <= budget_mb * MiB, text
 
 
 @pytest.mark.parametrize("name", NEW)

@@ -200,7 +200,8 @@ def _peak_mib(report: str) -> float:
 @pytest.mark.parametrize(("part", "gid", "nid"), CASES)
 def test_swapped_decode_part_runs_as_the_original(part, gid, nid, server, client, schemas, host_config,
                                                  fixture_vaes):
-    from scripts.fixtures import structured_latent, write_latent_file
+    from scripts.fixtures.files import write_latent_file
+    from scripts.fixtures.latents import structured_latent
 
     template = corpus()[part.template]
     graph = _graph(template, gid)
@@ -246,5 +247,4 @@ def test_swapped_decode_part_runs_as_the_original(part, gid, nid, server, client
     got = _images(entry, server)
     assert got.shape == want.shape and np.abs(got - want).max() <= 1, report
     assert report.splitlines()[1].startswith(("exact", "host decode")), report
-    log.info("%s: %s %s, budget %d MiB: %s", tag, swapped["type"], json.dumps(pack["inputs"]), budget,
-             report.splitlines()[1])
+    log.info("%s: %s %s, budget %d MiB:\n%s", tag, swapped["type"], json.dumps(pack["inputs"]), budget, report)
