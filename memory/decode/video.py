@@ -225,24 +225,25 @@ def _blend_or_host(job: VideoJob, p: Plan, env: DecodeEnv, available: int, allow
 
 
 def _plan_batch(job: VideoJob, available: int, env: DecodeEnv, ratio: Any, out_bytes: int) -> tuple[Plan, bool]:
-    """``(plan, per_item)``: the plan of the whole batch at once; when none fits a batch of several clips, the
+    """``(plan, per_item)``: the plan of the whole batch at once; when none fits a batch of several Wan clips, the
     plan of one clip within what the batch's output buffer (``out_bytes``, held throughout) leaves, run one batch
-    item at a time (the chunked and carried executors decode each item alone, as the host's decode does; a batch of
-    Qwen-Image-Layered's layers). Raises the whole batch's :class:`..plan.grid.ImpossibleBudgetError` when one
-    clip does not fit either."""
+    item at a time (the chunked executor decodes each item alone, as the host's Wan decode does: no noise, no
+    statistic across the batch; a batch of Qwen-Image-Layered's layers). Not the carried families: a decoder that
+    draws noise (LTX-Video) draws it once for the host's whole batch. Raises the whole batch's
+    :class:`..plan.grid.ImpossibleBudgetError` when one clip does not fit either."""
     try:
         return plan(job, available, env.peaks, ratio), False
     except ImpossibleBudgetError as e:
         whole = e
     b = int(job.z.shape[0])
-    if b == 1 or not (job.wan or job.carry is not None):
+    if b == 1 or not job.wan:
         raise whole
     one = dataclasses.replace(job, z=job.z[:1])
     try:
         p = plan(one, available - out_bytes + out_bytes // b, env.peaks, ratio)
     except ImpossibleBudgetError:
         raise whole from None
-    if p.path not in ("wan", "carry"):
+    if p.path != "wan":
         raise whole
     p.planned += out_bytes - out_bytes // b
     return dataclasses.replace(p, description=f"{p.description}; one batch item at a time"), True
@@ -339,13 +340,12 @@ def decode_video(
                     fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
                     oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
         elif p.path == "carry":
-            for i in _items(b, per_item):
-                decode_carried(
-                    model, job.carry, z[i], c.k, out=view[i], dtype=job.dtype, compute_device=job.device,
-                    tile=c.tile, halo=p.halo, rollback=c.rollback, progress=bar,
-                    should_stop=env.should_stop,
-                    fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
-                    oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
+            decode_carried(
+                model, job.carry, z, c.k, out=view, dtype=job.dtype, compute_device=job.device, tile=c.tile,
+                halo=p.halo, rollback=c.rollback, progress=bar,
+                should_stop=env.should_stop,
+                fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
+                oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
         else:  # accumulated in the output buffer itself (the plan counts one output)
             decode_overlap_blend(
                 blend_fn(job), z, c.k, 1, upscale_ratio=frames_of, index_formula=index_formula, out=view,
