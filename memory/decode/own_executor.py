@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from ..cost.observed import observed_key
-from ..plan.types import Chunking, Plan
-from ..plan.video import REPORT_NODE, PeakStore, VideoJob
+from ..plan.types import Plan
+from ..plan.video import REPORT_NODE, PeakStore, VideoJob, host_plan
 from ..report import (
     Report,
     flag_measured_overrun,
@@ -83,8 +83,7 @@ def decode_own(job: VideoJob, env: DecodeEnv, ex: OwnExecutor, *, budget_mb: flo
     p.ratio = r
     p.planned = int(p.planned * r)
     if not verdict.ok:  # not proven on this host: the host's own decode (exact by construction)
-        p = Plan("host", Chunking(max(1, t - 1)), "the host's own decode (first_stage_model.decode, as VAE Decode), "
-                 "one batch item at a time", 0, reason=f"the {ex.name}'s {verdict.describe()}")
+        p = host_plan(t, 0, f"the {ex.name}'s {verdict.describe()}")
     plan_seconds = time.perf_counter() - t0
     env.at("weights")
     load_weights(vae, env, p.planned)

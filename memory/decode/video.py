@@ -22,7 +22,7 @@ from ..oom import oom_types
 from ..plan import plan
 from ..plan.grid import ImpossibleBudgetError
 from ..plan.host_grid import host_grid_of
-from ..plan.types import Chunking, Plan
+from ..plan.types import Plan
 from ..plan.video import (
     REPORT_NODE,
     VideoJob,
@@ -31,6 +31,7 @@ from ..plan.video import (
     carry_halo,
     chunk_frames,
     host_fn,
+    host_plan,
     model_key,
     output_geometry,
     plan_host_decode,
@@ -218,8 +219,7 @@ def _blend_or_host(job: VideoJob, p: Plan, env: DecodeEnv, available: int, allow
         log.warning("meta sizing of %s's own decode failed (%s: %s)", job.family, type(e).__name__, e)
         host = None
     if host is None:
-        host = Plan("host", Chunking(max(1, int(job.z.shape[2]) - 1)), "the host's own decode "
-                    "(first_stage_model.decode, as VAE Decode), one batch item at a time", 0, reason=refused)
+        host = host_plan(int(job.z.shape[2]), 0, refused)
     host.over_budget = host.planned > available
     return host, refused
 

@@ -29,7 +29,7 @@ from ..executors import seedvr2 as sx
 from ..report import fmt_bytes
 from ..vae.seedvr2_layout import SeedVR2Layout, seedvr2_layout
 from .types import Chunking, Plan
-from .video import PeakStore, VideoJob, meta_sizes, model_key, out_bytes
+from .video import HOST_DECODE, PeakStore, VideoJob, meta_sizes, model_key, out_bytes
 
 log = logging.getLogger("vramfit.memory.plan.seedvr2")
 
@@ -199,7 +199,7 @@ def plan_seedvr2(job: VideoJob, budget: int, peaks: PeakStore, reason: str, exac
     b, _, t, h, w = (int(v) for v in job.z.shape)
     buf = out_bytes(job, lay.frames(t), h * 8, w * 8)
     est = _estimate(job, lay)
-    host_text = "the host's own decode (first_stage_model.decode, as VAE Decode), one batch item at a time"
+    host_text = HOST_DECODE
     packed = packed_tails(job, lay)
     if packed is not None:
         planned = est + buf if est is not None else 0

@@ -417,6 +417,14 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
 # The host's own decode (the exact fallback)
 
 
+HOST_DECODE = "the host's own decode (first_stage_model.decode, as VAE Decode), one batch item at a time"
+
+
+def host_plan(t: int, planned: int, reason: str, over_budget: bool = False) -> Plan:
+    """The host's own decode of a ``t``-frame latent as a plan (exact by construction; ``reason``: why it is taken)."""
+    return Plan("host", Chunking(max(1, t - 1)), HOST_DECODE, planned, over_budget=over_budget, reason=reason)
+
+
 def host_decode_peak(job: VideoJob, peaks: PeakStore) -> int:
     """Meta-sized peak bytes of the host's own decode of one batch item at the full clip length, its own
     output included (persisted in ``peaks``); the node's output buffer comes on top."""
@@ -434,8 +442,7 @@ def plan_host_decode(job: VideoJob, budget: int, peaks: PeakStore, reason: str) 
     planned = clip_out_bytes(job)[0] + host_decode_peak(job, peaks)
     if planned > budget:
         return None
-    return Plan("host", Chunking(max(1, t - 1)), "the host's own decode (first_stage_model.decode, as VAE Decode), "
-                "one batch item at a time", planned, reason=reason)
+    return host_plan(t, planned, reason)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -683,9 +690,8 @@ def plan_blend(job: VideoJob, budget: int, k_user: int, peaks: PeakStore) -> Pla
         why = {k: off_formula(job, k) for k in ks}
         if all(why.values()):
             planned = out_b + host_decode_peak(job, peaks)
-            return Plan("host", Chunking(max(1, t - 1)), "the host's own decode (first_stage_model.decode, as "
-                        "VAE Decode), one batch item at a time", planned, over_budget=planned > budget,
-                        reason=f"overlap-blend chunks do not apply ({why[ks[0]]})")
+            return host_plan(t, planned, f"overlap-blend chunks do not apply ({why[ks[0]]})",
+                             over_budget=planned > budget)
         ks = [k for k in ks if not why[k]]
         for k in ks:
             plan = Plan("blend", Chunking(k), f"k = {k} latent frames/chunk, overlap 1",
