@@ -282,14 +282,14 @@ def encode_image(
 
     env.at("prepare")
     prep = prepare(
-        job.vae, env, lambda: plan(job, 1 << 62, env.peaks, ratio, attention).planned or None, budget_mb,
+        job.vae, env, lambda: plan(job, 1 << 62, env.peaks, ratio, attention, first).planned or None, budget_mb,
         unload_others,
     )
     budget = prep.budget
     job = dataclasses.replace(job, host_room=host_room_for(env, job.device, job.out_device, 0))
     env.at("plan")
     try:
-        p = plan(job, int(budget.available), env.peaks, ratio, attention)
+        p = plan(job, int(budget.available), env.peaks, ratio, attention, first)
     except ImpossibleBudgetError as e:
         raise ImpossibleBudgetError(
             f"{e} (budget: {budget.describe('encoding')})", budget=e.budget, minimum=e.minimum

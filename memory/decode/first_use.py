@@ -1,5 +1,6 @@
-"""Once-per-VAE work inside a decode (the exactness self-check, cost-model calibration): shown while it runs
-(``show``: the node's progress text) and reported after, so a slow first decode says why."""
+"""Once-per-VAE work inside a decode or encode (the exactness self-check, cost-model calibration; the meta sizing of
+a new image shape's plans): shown while it runs (``show``: the node's progress text) and reported after, so a slow
+first decode says why."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ __all__ = ["FirstUse", "first_use_tag"]
 
 T = TypeVar("T")
 
+STRUCTURE = "VAE structure"
+"""What a phase is done once for by default (``FirstUse.run``'s ``per``): the self-check and the calibrations (a
+shape's meta sizing: once per image shape, :data:`..plan.encode.SIZING`)."""
+
 
 class FirstUse:
     """Runs and times the once-per-VAE phases of one decode."""
@@ -25,18 +30,30 @@ class FirstUse:
         self.work = work
         """What later runs are (``"decode"``, ``"encode"``): they skip this work."""
         self.done: list[tuple[str, float]] = []
+        self.per: list[str] = []
+        """What the phases are done once for (:data:`STRUCTURE`, an image shape), in order, each once."""
 
-    def run(self, what: str, fn: Callable[[], T]) -> T:
-        """``fn()``, announced as ``what`` ("checking exactness", "calibrating ...") and timed."""
-        text = f"first use of this VAE: {what} (once per VAE structure on this host)"
-        log.info("%s", text)
-        if self.show is not None:
-            self.show(text)
+    def run(self, what: str, fn: Callable[[], T], per: str = STRUCTURE) -> T:
+        """``fn()``, announced as ``what`` ("checking exactness", "calibrating ...") and timed; a phase run again
+        under the same ``what`` (the sizing of each candidate plan) adds its time to the first entry."""
+        text = f"first use of this VAE: {what} (once per {per} on this host)"
+        if all(w != what for w, _ in self.done):  # announced once
+            log.info("%s", text)
+            if self.show is not None:
+                self.show(text)
         t0 = time.perf_counter()
         try:
             return fn()
         finally:
-            self.done.append((what, time.perf_counter() - t0))
+            seconds = time.perf_counter() - t0
+            names = [w for w, _ in self.done]
+            if what in names:
+                i = names.index(what)
+                self.done[i] = (what, self.done[i][1] + seconds)
+            else:
+                self.done.append((what, seconds))
+            if per not in self.per:
+                self.per.append(per)
 
     @property
     def seconds(self) -> float:
@@ -47,7 +64,7 @@ class FirstUse:
         if not self.done:
             return ""
         parts = ", ".join(f"{what} {fmt_seconds(s)}" for what, s in self.done)
-        once = f"once per VAE structure on this host, later {self.work}s skip it"
+        once = f"once per {' and per '.join(self.per)} on this host, later {self.work}s skip it"
         return f"{fmt_seconds(self.seconds)}: {parts}; {once}"
 
 

@@ -35,6 +35,7 @@ from ..vae.kl_layout import (
 )
 from ..vae.kl_structure import hunyuan_image
 from ..vae.swap import swapped
+from .kl_memo import TileMemo
 from .kl_stats import _default_norm_params, _StatAcc
 from .kl_store import _Bands
 
@@ -86,8 +87,11 @@ class _ExactRun:
         min_tile: int,
         pin_memory: bool | None,
         norm_params: NormParamsFn | None,
+        memo: TileMemo | None = None,
     ) -> None:
         self.model = model
+        self.memo = memo
+        """A sizing run's repeated tiles (:mod:`.kl_memo`; None: every tile runs)."""
         self.layout = layout
         self.dec, seg_modules, self.consumer = bound
         self.consumer_path = dict(layout.consumer)
@@ -388,21 +392,11 @@ class _ExactRun:
                     if info.shortcut_output is not None:
                         self.stores[info.shortcut_output].ensure(b, r.y0, r.y1)
                 self._check_stop()
-                self._in_tile = True  # an OOM from here to the write is a tile OOM: shrink and resume
-                core, extra = self._run_tile(seg, r)
                 acc = self.acc.get(info.output)
-                parts = [core[i : i + 1] for i in range(len(items))] if info.whole_batch else [core]
-                stats = [acc.tile_stats(t) for t in parts] if acc is not None else None
-                # Nothing below allocates: once the core is written (possibly over its own input, for
-                # an in-place residual), the tile is recorded as done.
-                for i, b in enumerate(items):
-                    rb = dataclasses.replace(r, b=b)
-                    if info.store_output:
-                        self._write(info.output, rb, parts[i])
-                    if extra is not None:
-                        self._write(info.shortcut_output, rb, extra)  # type: ignore[arg-type]
-                del core, extra, parts  # nothing else holds the tile's core: freed before the next tile
-                self._in_tile = False
+                if self.memo is None:
+                    stats = self._unit(seg, r, items, acc)
+                else:  # a sizing run: a repeated kind of tile is counted, not run
+                    stats = self.memo.unit(self.memo.key(self, seg, r), self._unit, seg, r, items, acc)
                 if acc is not None and stats is not None:
                     for b, st in zip(items, stats, strict=True):
                         acc.record(self._stat_item(info.output, b), st)
@@ -412,6 +406,26 @@ class _ExactRun:
                 self.done_units += 1
                 self._report()
             self._finish_segment(k, seg)
+
+    def _unit(self, seg: _Seg, r: Rect, items: Any, acc: _StatAcc | None
+              ) -> list[tuple[float, torch.Tensor, torch.Tensor]] | None:
+        """One tile: its core, its statistics and its writes to the store; returns the statistics."""
+        info = seg.info
+        self._in_tile = True  # an OOM from here to the write is a tile OOM: shrink and resume
+        core, extra = self._run_tile(seg, r)
+        parts = [core[i : i + 1] for i in range(len(items))] if info.whole_batch else [core]
+        stats = [acc.tile_stats(t) for t in parts] if acc is not None else None
+        # Nothing below allocates: once the core is written (possibly over its own input, for
+        # an in-place residual), the tile is recorded as done.
+        for i, b in enumerate(items):
+            rb = dataclasses.replace(r, b=b)
+            if info.store_output:
+                self._write(info.output, rb, parts[i])
+            if extra is not None:
+                self._write(info.shortcut_output, rb, extra)  # type: ignore[arg-type]
+        del core, extra, parts  # nothing else holds the tile's core: freed before the next tile
+        self._in_tile = False
+        return stats
 
     def _release(self, info: SegmentInfo, dying: tuple[str, ...], done: Rect) -> None:
         """After a tile: when the next pending tile starts another row (or item), release the bands of the
@@ -665,6 +679,7 @@ def _run_exact(
     min_tile: int = MIN_TILE,
     pin_memory: bool | None = None,
     norm_params: NormParamsFn | None = None,
+    size_only: bool | Callable[[], None] = False,
 ) -> torch.Tensor:
     """:func:`decode_exact` / :func:`encode_exact` (``direction``), the same walk; the keywords are theirs."""
     layout = kl_layout(model, recompute, direction).require()
@@ -686,7 +701,7 @@ def _run_exact(
     out = torch.device(out_device) if out_device is not None else store
     run = _ExactRun(model, layout, bound, x, pair(tile), store, compute, out, recompute, progress,
                     should_stop, fault_hook, oom_types(oom_exceptions), on_oom, min_tile, pin_memory,
-                    norm_params)
+                    norm_params, TileMemo(size_only if callable(size_only) else None) if size_only else None)
     with torch.no_grad():
         result = run.run()
     if run.shrinks:
@@ -715,6 +730,9 @@ def decode_exact(model: Any, z: torch.Tensor, tile: int | tuple[int, int] | None
     after an OOM, before resuming with half the tile.
     ``norm_params(norm, x) -> (weight, bias)``: GroupNorm affine parameters as float32 on ``x``'s
     device (default: the module's ``weight``/``bias``; pass ComfyUI's casting for patched weights).
+    ``size_only``: the walk runs in a :class:`..measure.sizing.MetaSizer` to be sized, nothing else: each kind of
+    tile runs once, its repeats are counted from it (:mod:`.kl_memo`; the same peak, a fraction of the ops); a
+    callable is called after every tile (it may raise to end the sizing: a planner's peak over its budget).
     """
     return _run_exact(model, z, tile, "decode", **kw)
 

@@ -184,6 +184,40 @@ def uncounted() -> Iterator[None]:
             c.active = True
 
 
+def active_counters() -> list[_StorageCounter]:
+    """The dispatch counters of this thread's trackers that count now (outermost first)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return [m for m in _get_current_dispatch_mode_stack() if isinstance(m, _StorageCounter) and m.active]
+
+
+@contextlib.contextmanager
+def own_peaks(counters: list[_StorageCounter]) -> Iterator[list[int]]:
+    """Inside: a block; after it, the yielded list holds, per counter of ``counters``, the block's own peak above
+    the live bytes at its start (each counter keeps the higher of its peak before and the block's)."""
+    starts = []
+    for c in counters:
+        with c._lock:
+            starts.append((c.current, c.peak))
+            c.peak = c.current
+    out: list[int] = []
+    try:
+        yield out
+    finally:
+        for c, (current, peak) in zip(counters, starts, strict=True):
+            with c._lock:
+                out.append(c.peak - current)
+                c.peak = max(peak, c.peak)
+
+
+def raise_peaks(counters: list[_StorageCounter], own: list[int]) -> None:
+    """Count, per counter, a block whose own peak (:func:`own_peaks`) is ``own`` above the live bytes now,
+    without running it (a sizing run's repeat of a block it ran already)."""
+    for c, d in zip(counters, own, strict=True):
+        with c._lock:
+            c.peak = max(c.peak, c.current + d)
+
+
 def _has_storage(t: torch.Tensor) -> bool:
     # Sparse/nested or functional wrappers have no plain storage; they are not counted.
     try:

@@ -32,7 +32,7 @@ from .video import PeakStore
 
 __all__ = [
     "ENCODE_TILES", "EncodeJob", "ExactEncode", "attention_bytes", "encode_peak", "encode_ratio", "latent_channels",
-    "plan",
+    "lower_bound", "plan",
 ]
 
 ENCODE_TILES = (1024, 768, 512, 384, 256, 192, 128, 96, 64, 48, 32)
@@ -145,6 +145,7 @@ class EncodeJob:
         model = self.vae.first_stage_model
         if self.split is not None:
             kw.pop("norm_params", None)
+            kw.pop("size_only", None)
             r = self.prefix_ratio
             return se.encode_split_tiled(model, x, tile // r, r, self.split, halo=self.halo, **kw)
         return te.encode_exact(model, x, tile, **kw)
@@ -162,41 +163,89 @@ def _key(job: EncodeJob, what: str) -> str:
 
 
 def encode_peak(job: EncodeJob, cfg: ExactEncode | None, peaks: PeakStore, attn: int,
-                attention: AttentionFn | None = None) -> int:
+                attention: AttentionFn | None = None, first_use: Any = None, limit: int | None = None) -> int:
     """Meta-sized peak bytes of one item's encode, its pixels on the device included: the encoder's own
     ``first_stage_model.encode`` (``cfg`` None) or the exact walker with ``cfg``, the mid block's attention
-    sliced to ``attn`` bytes (``attention``); kept in ``peaks``."""
-    return _encode_sizes(job, cfg, peaks, attn, attention, False)[0]
+    sliced to ``attn`` bytes (``attention``); kept in ``peaks``. A sizing (a shape not in ``peaks``) is
+    ``first_use`` work (:data:`SIZING`). ``limit``: the walker's sizing stops once its peak so far passes it,
+    and the bytes returned are then that peak so far: a lower bound above the limit (kept as such: a plan under
+    the same or a lower limit sizes nothing; :func:`sized_exactly` tells the two apart)."""
+    return _encode_sizes(job, cfg, peaks, attn, attention, False, first_use, limit)[0]
+
+
+def sized_exactly(job: EncodeJob, cfg: ExactEncode | None, peaks: PeakStore, attn: int) -> bool:
+    """Whether ``peaks`` holds the whole sizing of this plan (not only a lower bound from a stopped one)."""
+    return peaks.get(_peak_key(job, cfg, attn)) is not None
+
+
+def _peak_key(job: EncodeJob, cfg: ExactEncode | None, attn: int) -> str:
+    return _key(job, f"{'untiled' if cfg is None else f't{cfg.tile}-{cfg.store}'}/attn{attn >> 20}")
+
+
+class _OverLimit(Exception):
+    """A stopped sizing: its peak so far passed the planner's limit."""
+
+
+SIZING = ("sizing the plans of this image shape", "image shape")
+"""The first-use phase (:meth:`..decode.first_use.FirstUse.run`'s ``what`` and ``per``) of a shape's meta sizing."""
 
 
 def encode_host_bytes(job: EncodeJob, cfg: ExactEncode, peaks: PeakStore, attn: int,
-                      attention: AttentionFn | None = None) -> int:
+                      attention: AttentionFn | None = None, first_use: Any = None) -> int:
     """Meta-sized peak bytes one item's store in host memory holds (``cfg.store == "host"`` on an accelerator; else
     0); a video sized on fewer frames (:func:`_sizing_shape`) scaled to its own in proportion (kept in ``peaks``)."""
     if cfg.store != "host" or job.device.type == "cpu":
         return 0
-    ram = _encode_sizes(job, cfg, peaks, attn, attention, True)[1]
+    ram = _encode_sizes(job, cfg, peaks, attn, attention, True, first_use)[1]
     shape, _ = _sizing_shape(job, cfg)
     return ram * int(job.x.shape[2]) // int(shape[2]) if job.video else ram
 
 
 def _encode_sizes(job: EncodeJob, cfg: ExactEncode | None, peaks: PeakStore, attn: int,
-                  attention: AttentionFn | None, host: bool) -> tuple[int, int]:
-    key = _key(job, f"{'untiled' if cfg is None else f't{cfg.tile}-{cfg.store}'}/attn{attn >> 20}")
+                  attention: AttentionFn | None, host: bool, first_use: Any = None,
+                  limit: int | None = None) -> tuple[int, int]:
+    key = _peak_key(job, cfg, attn)
     found, ram = peaks.get(key), peaks.get(f"{key}/host-ram") if host else 0
     if found is not None and ram is not None:
         return found, ram
+    limit = None if host or cfg is None else limit  # the host-RAM figure and the encoder's own forward: whole
+    above = peaks.get(f"{key}/above") if limit is not None else None
+    if above is not None and above > limit:
+        return above, 0
+
+    def size() -> tuple[int, int]:
+        return _size(job, cfg, peaks, attn, attention, host, key, limit)
+
+    return size() if first_use is None else first_use.run(SIZING[0], size, SIZING[1])
+
+
+def _size(job: EncodeJob, cfg: ExactEncode | None, peaks: PeakStore, attn: int, attention: AttentionFn | None,
+          host: bool, key: str, limit: int | None = None) -> tuple[int, int]:
+    """Meta-size one item's encode (:func:`_encode_sizes`): the exact walker counts its repeated tiles once
+    (``size_only``: :mod:`..executors.kl_memo`) and, with a ``limit``, stops after the tile that passes it."""
     model = job.vae.first_stage_model
     bound = attention(attn) if attention is not None else contextlib.nullcontext()
     shape, extra = _sizing_shape(job, cfg)
-    with torch.inference_mode(), bound, MetaSizer([model], job.dtype, job.device, track_host=host) as sizer:
-        x = torch.empty(shape, dtype=job.dtype, device=job.device)
-        if cfg is None:
-            out = model.encode(x)
-        else:
-            store = job.device if cfg.store == "device" else torch.device("cpu")
-            out = job.run_tiles(x, cfg.tile, compute_device=job.device, store_device=store, out_device=job.device)
-        del out, x
+    sizer = MetaSizer([model], job.dtype, job.device, track_host=host)
+
+    def over() -> None:
+        if limit is not None and sizer.peak_so_far + extra > limit:
+            raise _OverLimit
+
+    try:
+        with torch.inference_mode(), bound, sizer:
+            x = torch.empty(shape, dtype=job.dtype, device=job.device)
+            if cfg is None:
+                out = model.encode(x)
+            else:
+                store = job.device if cfg.store == "device" else torch.device("cpu")
+                out = job.run_tiles(x, cfg.tile, compute_device=job.device, store_device=store,
+                                    out_device=job.device, size_only=over if limit is not None else True)
+            del out, x
+    except _OverLimit:
+        above = int(sizer.peak_bytes) + extra
+        peaks.put(f"{key}/above", above)
+        return above, 0
     peak, ram = int(sizer.peak_bytes) + extra, int(sizer.host_peak_bytes)
     peaks.put(key, peak)
     if host:
@@ -302,12 +351,44 @@ def _out_bytes(job: EncodeJob) -> int:
     return b * frames * latent_channels(job.vae) * (h // down) * (w // down) * 4
 
 
+def lower_bound(job: EncodeJob) -> tuple[int, str]:
+    """Bytes every plan of one item's encode needs (the latent output included), from the shapes alone, before any
+    sizing; and what they hold. On CPU (the store on the device): the pixels and, at the end of some segment of
+    the exact walk, every full-size activation a later segment still reads (each GroupNorm's input is whole
+    before any tile reads it: after the first resnet block's ``conv1`` of an SD encoder, its input and ``h``).
+    The encoder's own forward holds them too (the block's input stays alive for its residual while ``conv1``
+    makes ``h``), so no plan fits below. On an accelerator (a store in host memory) or for a split job: the output
+    alone (a bound that refuses nothing in practice). Sized peaks are this or more
+    (tests/host/test_encode_planning.py)."""
+    extra = _out_bytes(job)
+    if job.exact_reason is not None:
+        return 0, "nothing: the host's own encode is not budget-planned"
+    if job.split is not None or job.device.type != "cpu":
+        return extra, "the latent"
+    pixels = math.prod(int(v) for v in job.x.shape[1:]) * job.dtype.itemsize
+    layout = job.layout
+    latent = (job.hw[0] // job.ratio, job.hw[1] // job.ratio)
+    sizes: dict[str, tuple[int, int]] = {}  # activation -> (elements, segment that makes it)
+    best, where = 0, ""
+    for k, info in enumerate(layout.segments):
+        h, w = layout.segment_hw(info, latent)
+        for name in (info.output if info.store_output else None, info.shortcut_output):
+            if name is not None:
+                sizes[name] = (info.out_channels * h * w, k)
+        held = sum(n for name, (n, made) in sizes.items() if made <= k and layout.last_use.get(name, k + 1) > k)
+        if held > best:
+            best, where = held, info.name
+    what = f"the pixels and the full-size activations the exact tiles hold after {where}"
+    return extra + pixels + best * job.dtype.itemsize, what
+
+
 def plan(
     job: EncodeJob,
     budget: int,
     peaks: PeakStore | None = None,
     ratio: Callable[[str], float] | None = None,
     attention: AttentionFn | None = None,
+    first_use: Any = None,
 ) -> Plan:
     """The fastest plan within ``budget`` bytes: the encoder's own forward (one item at a time) when it fits
     and no tile is set, else the exact walker's largest tile that fits. An encoder the walker does not
@@ -315,7 +396,8 @@ def plan(
     measured over predicted peak learned for a path on this machine (:mod:`..cost.observed`). Raises
     :class:`.grid.ImpossibleBudgetError` when nothing fits and no tile is set; with a user tile, that plan,
     ``over_budget``. ``attention``: bounds the mid block's split attention to a quarter of the budget, in the
-    sizing and (through the plan's ``stats["attention"]``) in the run."""
+    sizing and (through the plan's ``stats["attention"]``) in the run. A budget below :func:`lower_bound` is
+    refused before any sizing; each sizing is ``first_use`` work (:data:`SIZING`)."""
     peaks = PeakStore() if peaks is None else peaks
     r = ratio or (lambda path: 1.0)
     extra = _out_bytes(job)
@@ -330,7 +412,7 @@ def plan(
 
     def untiled(b: int) -> Plan | None:
         attn = attention_bytes(b)
-        need = extra + encode_peak(job, None, peaks, attn, attention)
+        need = extra + encode_peak(job, None, peaks, attn, attention, first_use)
         if need > b:
             return None
         return Plan("untiled", None, _untiled_text(job), need,
@@ -341,6 +423,11 @@ def plan(
         if est is not None and extra + est <= budget / r("encode-untiled"):  # fits by the host's own figure
             return Plan("untiled", None, _untiled_text(job), extra + est,
                         stats={"attention": attention_bytes(budget), "sizing": "ComfyUI's estimate"})
+        least, what = lower_bound(job)
+        if least > budget / max(1.0, min(r("encode-untiled"), r("encode-exact"))):
+            raise ImpossibleBudgetError(
+                f"no plan fits the budget of {fmt_bytes(budget)}: every plan needs at least {fmt_bytes(least)} "
+                f"({what}; a lower bound, found before any sizing); raise budget_mb or free memory", budget, least)
         found = scaled(untiled, budget, r("encode-untiled"))
         if found is not None:
             return found
@@ -363,11 +450,12 @@ def plan(
                 if seen and seen[-1] == n and not job.tile_size:
                     continue  # the same number of (balanced) tiles as the last one: no smaller peak
                 if job.host_room is not None and cfg.store == "host":
-                    ram = encode_host_bytes(job, cfg, peaks, attn, attention)
+                    ram = encode_host_bytes(job, cfg, peaks, attn, attention, first_use)
                     if ram > job.host_room:  # the host's RAM cannot hold this store
                         refused.append(ram)
                         continue
-                need = extra + encode_peak(job, cfg, peaks, attn, attention)
+                limit = None if job.tile_size else b - extra  # a user tile's need is reported whole
+                need = extra + encode_peak(job, cfg, peaks, attn, attention, first_use, limit)
                 sized.append((need, cfg))
                 seen.append(n)
                 if need <= b:
@@ -377,8 +465,9 @@ def plan(
         need, cfg = min(sized, key=lambda e: e[0])
         if job.tile_size:
             return Plan("exact", cfg, describe(cfg), need, over_budget=True, stats={"attention": attn})
+        needs = "needs" if sized_exactly(job, cfg, peaks, attn) else "needs at least"
         raise ImpossibleBudgetError(
-            f"no plan fits the budget of {fmt_bytes(b)}: the smallest ({cfg.describe(job.hw)}) needs "
+            f"no plan fits the budget of {fmt_bytes(b)}: the smallest ({cfg.describe(job.hw)}) {needs} "
             f"{fmt_bytes(need)}; raise budget_mb or free memory",
             b,
             need,

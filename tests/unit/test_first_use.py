@@ -31,3 +31,16 @@ def test_the_verdict_tag_appears_only_after_first_use_work():
     assert first_use_tag(first) == "" and first_use_tag(None) == ""
     first.run("checking", lambda: None)
     assert first_use_tag(first).startswith("first use +")
+
+
+def test_a_phase_run_again_adds_to_its_entry_and_says_what_it_is_once_for():
+    """The sizing of each candidate plan is one phase (one entry, announced once), done once per image shape."""
+    shown: list[str] = []
+    first = FirstUse(shown.append, "encode")
+    first.run("checking exactness", lambda: None)
+    for _ in range(3):
+        first.run("sizing the plans of this image shape", lambda: None, "image shape")
+    assert [w for w, _ in first.done] == ["checking exactness", "sizing the plans of this image shape"]
+    assert shown[1:] == ["first use of this VAE: sizing the plans of this image shape (once per image shape on "
+                         "this host)"]
+    assert first.describe().endswith("once per VAE structure and per image shape on this host, later encodes skip it")

@@ -1,0 +1,112 @@
+"""Tiled VAE Encode's planning costs less than the encode (issue 43 item 4), on the random-weight SD KL fixture:
+
+* a sizing run counts each kind of tile once (``size_only``: :mod:`memory.executors.kl_memo`) and sizes the same
+  peak, to the byte, as the walk that runs every tile;
+* :func:`memory.plan.encode.lower_bound` is at most every plan's sized peak (the encoder's own forward and each
+  tile), and a budget below it is refused before anything is sized, the error naming the node, the budget and
+  the bound;
+* a first encode with empty stores tags its sizing in the report (the ``first use`` row and the verdict line);
+  the second one, on the same shape, sizes nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+
+from tests.host.test_tiled_encode_exact import _pixels
+
+pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread")]
+
+NODE_ID = "VRAMFit_TiledVAEEncode"
+MiB = 2**20
+HW = (96, 128)
+
+
+@pytest.fixture(scope="module")
+def mod(comfy):
+    return sys.modules[comfy.NODE_CLASS_MAPPINGS[NODE_ID].__module__]
+
+
+@pytest.fixture(scope="module")
+def pack(mod):
+    base = mod.__name__.rsplit(".nodes.", 1)[0]
+    return lambda name: importlib.import_module(f"{base}.{name}")
+
+
+@pytest.fixture
+def fresh_stores(pack, monkeypatch, tmp_path):
+    """The node's stores new, backed by an empty user folder (a fresh install)."""
+    monkeypatch.setattr(pack("nodes._decode_node"), "_STORES", {})
+    monkeypatch.setattr(pack("nodes._comfy"), "user_cache_file", lambda name, what: tmp_path / name)
+    return tmp_path
+
+
+def _job(mod, vae):
+    with torch.inference_mode():
+        return mod._validate(vae, _pixels(1, *HW, seed=3), 0)
+
+
+def _sized(pack, job, tile, size_only):
+    sizing = pack("memory.measure.sizing")
+    with torch.inference_mode(), sizing.MetaSizer([job.vae.first_stage_model], job.dtype, job.device) as s:
+        x = torch.empty((1, *job.x.shape[1:]), dtype=job.dtype, device=job.device)
+        out = job.run_tiles(x, tile, compute_device=job.device, store_device=job.device, out_device=job.device,
+                            size_only=size_only)
+        del out, x
+    return s.peak_bytes
+
+
+@pytest.mark.parametrize("tile", [16, 24, 40])
+def test_a_sizing_run_counts_repeated_tiles_to_the_byte(mod, pack, kl_vae, tile):
+    job = _job(mod, kl_vae)
+    assert _sized(pack, job, tile, True) == _sized(pack, job, tile, False)
+
+
+def test_the_lower_bound_is_below_every_sized_plan(mod, pack, kl_vae):
+    pe = pack("memory.plan.encode")
+    job = _job(mod, kl_vae)
+    least, what = pe.lower_bound(job)
+    extra, peaks, attn = pe._out_bytes(job), pe.PeakStore(), pe.attention_bytes(1 << 30)
+    sized = [extra + pe.encode_peak(job, None, peaks, attn)]
+    sized += [extra + pe.encode_peak(job, cfg, peaks, attn) for cfg in pe.candidates(job)]
+    assert least <= min(sized), (least, sized)
+    assert least >= 0.8 * min(sized), (least, sized)  # a bound that refuses what cannot fit, not a token one
+    assert "down.0.block.0.conv1" in what
+
+
+def test_an_impossible_budget_is_refused_before_any_sizing(mod, pack, kl_vae, fresh_stores, monkeypatch):
+    pe = pack("memory.plan.encode")
+    least = pe.lower_bound(_job(mod, kl_vae))[0]
+    budget_mb = int(least / MiB) // 2
+
+    def no_sizing(*a, **k):
+        raise AssertionError("sized a plan for a budget below the lower bound")
+
+    monkeypatch.setattr(pe, "MetaSizer", no_sizing)
+    with pytest.raises(ValueError) as e, torch.inference_mode():
+        mod.encode(kl_vae, _pixels(1, *HW, seed=3), budget_mb=budget_mb)
+    text = str(e.value)
+    assert "Tiled VAE Encode" in text and f"{budget_mb}.0 MiB" in text, text
+    assert f"at least {least / MiB:,.1f} MiB" in text and "before any sizing" in text, text
+
+
+def test_a_first_encode_tags_its_sizing(mod, pack, kl_vae, fresh_stores):
+    pe = pack("memory.plan.encode")
+    job = _job(mod, kl_vae)
+    least = pe.lower_bound(job)[0]
+    untiled = pe._out_bytes(job) + pe.encode_peak(job, None, pe.PeakStore(), pe.attention_bytes(1 << 30))
+    budget_mb = int((least + untiled) / 2 / MiB)  # exact tiles: sized on the first call
+    pixels = _pixels(1, *HW, seed=3)
+    with torch.inference_mode():
+        first = mod.encode(kl_vae, pixels, budget_mb=budget_mb)
+        warm = mod.encode(kl_vae, pixels, budget_mb=budget_mb)
+    assert first.plan.path == "exact", first.report.text()
+    rows = dict(first.report.rows)
+    assert "sizing the plans of this image shape" in rows["first use"], rows
+    assert "per image shape" in rows["first use"] and "first use +" in first.report.summary
+    assert "first use" not in dict(warm.report.rows) and "first use" not in warm.report.summary
+    assert torch.equal(first.latent, warm.latent)
