@@ -60,7 +60,7 @@ def _sized(pack, job, tile, size_only):
     return s.peak_bytes
 
 
-@pytest.mark.parametrize("tile", [16, 24, 40])
+@pytest.mark.parametrize("tile", [16, *(pytest.param(t, marks=pytest.mark.slow) for t in (24, 40))])
 def test_a_sizing_run_counts_repeated_tiles_to_the_byte(mod, pack, kl_vae, tile):
     job = _job(mod, kl_vae)
     assert _sized(pack, job, tile, True) == _sized(pack, job, tile, False)

@@ -80,7 +80,7 @@ PARTS = (
     # Netflix VOID's CogVideoX latent
     Part("utility_void_video_inpainting.json", (1, 16, 3, 4, 4), NEW_ONLY),
     # 81 frames: WanInfiniteTalkToVideo's 21 latent frames (issue 42: the swap gave the image node here)
-    Part("video_wan2_1_infinitetalk.json", (1, 16, 21, 8, 8)),
+    Part("video_wan2_1_infinitetalk.json", (1, 16, 21, 4, 6)),
 )
 TWIN_OF = {
     "Wan2_1_VAE_bf16.safetensors": ("wan21_rgb", None),
