@@ -145,6 +145,7 @@ def test_the_whole_batch_in_one_pass_when_it_fits(mod, svd_vae, case):
     assert _never_wrongly_exact(r, ref) <= 1e-4
 
 
+@pytest.mark.slow  # its first use calibrates SVD's cost model (~24 s); test_tiles_of_40_px_are_exact proves the path
 def test_a_budget_below_the_whole_batch_takes_exact_tiles_of_all_frames(mod, svd_vae, case):
     """The issue's case: a budget for one or two of the three frames per pass. The frames are not split into
     passes (that was 14.5 dB off): the walker decodes the whole batch in one pass of >= 4 exact tiles."""

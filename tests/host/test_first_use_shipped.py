@@ -35,8 +35,6 @@ TILE = {"dcae_sana": 32}
 OUT = {"dcae_sana": 64}
 """The DC-AE's image: 2x2 suffix tiles of 4x4 px at 1/8 resolution."""
 PATH = {"kl_f8": "exact", "flux": "exact", "flux2": "exact", "hunyuan_image": "exact", "dcae_sana": "split"}
-SLOW = {"dcae_sana"}
-"""In the slow tier: the DC-AE's first decode takes ~19 s on 2 CPU threads (its split check), a third of this file."""
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +73,7 @@ def loaded_vae(comfy, fixture_vaes, host_config, request):
     mm.free_memory(1e30, vae.patcher.load_device, keep_loaded=others)
 
 
-@pytest.mark.parametrize("loaded_vae", [pytest.param(k, marks=full_size) if k in NARROW_KINDS
-                                        else pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k
+@pytest.mark.parametrize("loaded_vae", [pytest.param(k, marks=full_size) if k in NARROW_KINDS else k
                                         for k in BUDGET_MB], indirect=True)
 def test_first_tiled_decode_calibrates_nothing(tiled, loaded_vae, fresh_stores, request) -> None:
     kind = request.node.callspec.params["loaded_vae"]

@@ -86,6 +86,7 @@ def test_the_user_may_ask_for_the_far_off_tiles(vae, stores, ref):
     assert (r.images - ref).abs().max().item() > 0.05  # far off indeed
 
 
+@pytest.mark.slow  # ~21 s; generic tiles above the floor, their measure in the report: also test_node_tiled_decode.py:370, test_decoder_self_check.py:137
 def test_tiles_that_measure_above_the_floor_run_and_say_their_measure(vae, stores):
     """The auto halo (the decoder's traced reach, 13 latent px) in tiles of 8: the tiles measure at least 30 dB (the
     check's latent, 24x20, is the job's here: each tile's context holds most of it)."""
