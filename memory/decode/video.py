@@ -295,8 +295,9 @@ def decode_video(
 
     stats: dict = {}
     frames, r = output_geometry(job)
-    job = dataclasses.replace(job, host_room=host_room_for(env, job.device, job.out_device,
-                                                           buffer_bytes(job, frames, h * r, w * r)))
+    oh, ow = h * r, w * r
+    out_bytes = buffer_bytes(job, frames, oh, ow)
+    job = dataclasses.replace(job, host_room=host_room_for(env, job.device, job.out_device, out_bytes))
     env.at("check")
     if job.wan:
         verdict = check_chunked(job, env.checks, lambda: load_weights(vae, env, 0), first)
@@ -306,9 +307,8 @@ def decode_video(
             verdict = check_carried(job, env.checks, lambda: load_weights(vae, env, 0), first)
             job = dataclasses.replace(job, verdict=verdict)
         frames_of, index_formula, _ = blend_ratios(vae)
-    oh, ow = h * r, w * r
     env.at("plan")
-    p, per_item = _plan_batch(job, int(budget.available), env, ratio, buffer_bytes(job, frames, oh, ow))
+    p, per_item = _plan_batch(job, int(budget.available), env, ratio, out_bytes)
     refused = ""
     if p.path == "blend":  # approximate: measured first, never taken under the floor unless the user asked
         env.at("check")

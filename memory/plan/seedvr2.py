@@ -199,15 +199,14 @@ def plan_seedvr2(job: VideoJob, budget: int, peaks: PeakStore, reason: str, exac
     b, _, t, h, w = (int(v) for v in job.z.shape)
     buf = out_bytes(job, lay.frames(t), h * 8, w * 8)
     est = _estimate(job, lay)
-    host_text = HOST_DECODE
     packed = packed_tails(job, lay)
     if packed is not None:
         planned = est + buf if est is not None else 0
-        return _host(job, planned, budget, host_text + _hint_text(lay, est, budget, None, None), packed)
+        return _host(job, planned, budget, HOST_DECODE + _hint_text(lay, est, budget, None, None), packed)
     if est is not None and job.tile_size <= 0 and est + buf <= budget:
         why = (f"its own estimate of its decode, {fmt_bytes(est)} (comfy_memory_used_decode, reliable by "
                "comfy_decode_estimate_is_reliable), fits the budget")
-        return _host(job, est + buf, budget, host_text + _hint_text(lay, est, budget, None, None), why)
+        return _host(job, est + buf, budget, HOST_DECODE + _hint_text(lay, est, budget, None, None), why)
     chosen, planned, refused = None, 0, 0
     pref = preferred_tile(job, budget) if job.tile_size <= 0 else None  # asked once: the model's call may free pins
     cands = candidates(job, pref)
