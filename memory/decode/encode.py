@@ -79,11 +79,13 @@ def make_job(
     prefix/suffix split (:mod:`..vae.encode_split`); others the host's encode."""
     model = vae.first_stage_model
     dtype, device = getattr(vae, "vae_dtype", x.dtype), torch.device(getattr(vae, "device", x.device))
-    split, halo, down, finer = None, 0, 1, 0
+    split, halo, down, finer, walker = None, 0, 1, 0, None
     if x.ndim == 4:
         layout = kl_layout(model, direction="encode")
         reason, down = layout.reason, layout.ratio
-        if reason is not None:  # not a KL encoder: a split description (DC-AE), else the walker's reason
+        if reason is None:
+            walker = layout.bind(model)
+        else:  # not a KL encoder: a split description (DC-AE), else the walker's reason
             split, _ = encode_split(model)
             reason = reason if split is None else None
     else:
@@ -113,6 +115,7 @@ def make_job(
         halo=halo,
         latent_ratio=down if split is not None else 0,
         prefix_ratio=finer,
+        walker=walker if reason is None else None,
     )
 
 

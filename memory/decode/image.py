@@ -29,6 +29,7 @@ contract), ``patcher`` (``model_size()``, ``loaded_size()``), ``latent_channels`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -40,11 +41,10 @@ from ..cost import exact as dp
 from ..cost.observed import observed_key, ratio_text
 from ..executors import generic as tg
 from ..executors import kl_exact as te
-from ..executors.split import decode_split
+from ..executors.split import decode_split, decode_split_into
 from ..measure.reach import default_halo
-from ..oom import OomEvent, OomResume, oom_types
+from ..oom import OomResume, oom_types
 from ..plan import plan
-from ..plan.exact import ExactChoice
 from ..plan.grid import ImpossibleBudgetError
 from ..plan.image import (
     ImageJob,
@@ -69,7 +69,8 @@ from ..report import (
 )
 from ..vae.families import batch_coupling_hint
 from ..vae.split_layout import split_layout
-from .env import DecodeEnv, host_room_for, load_weights, measured, prepare, unaliased
+from .env import DecodeEnv, host_room_for, load_weights, prepare, unaliased
+from .execute import Progress, ProgressFn, note_observed, run_passes
 from .first_use import FirstUse, first_use_tag
 from .floor import (
     approximate_text,
@@ -90,8 +91,6 @@ __all__ = ["DecodeEnv", "DecodeResult", "ImageJob", "check_batch_items", "check_
 REPORT_NODE = "Tiled VAE Decode"
 MAX_RETRIES = 3
 """Re-plans after an out-of-memory error outside a tile, per decode."""
-
-ProgressFn = Callable[[int, int], None]
 
 
 CHECK_LATENT_HW = (4, 6)
@@ -116,7 +115,7 @@ def check_exact(job: ImageJob, store: CheckStore, norm_params: te.NormParamsFn |
     z = z.to(job.device, job.dtype)
 
     def tiled() -> torch.Tensor:
-        return te.decode_exact(model, z, CHECK_TILE, compute_device=job.device, norm_params=norm_params)
+        return te.run_exact(job.walkers[False], z, CHECK_TILE, compute_device=job.device, norm_params=norm_params)
 
     configs = [(f"tiles of {CHECK_TILE} px", tiled)]
     return checked(key, store, model, lambda: model.decode(z), configs, job.dtype, prepare, first_use)
@@ -211,45 +210,18 @@ def _process(x: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
-# Progress over all passes
-
-
-class _Progress:
-    """One progress bar for the whole decode: each pass's executor progress is offset by the units
-    already done, and the total is what is done + the current pass's total + the passes still planned."""
-
-    def __init__(self, bar: ProgressFn | None, total: int) -> None:
-        self.done = 0
-        self.total = max(1, int(total))
-        self.bar = bar
-        self._base = 0
-        self._rest = 0
-
-    def start_pass(self, rest: int) -> ProgressFn:
-        """Callback for the next pass; ``rest``: units planned after it."""
-        self._base, self._rest = self.done, int(rest)
-
-        def cb(done: int, total: int) -> None:
-            self.total = max(1, self._base + int(total) + self._rest)
-            self.done = self._base + int(done)
-            if self.bar is not None:
-                self.bar(self.done, self.total)
-
-        return cb
-
-
-# --------------------------------------------------------------------------------------------------
 # Execution
 
 
 class _Run:
     """The passes of one decode: every batch item into one output buffer."""
 
-    def __init__(self, job: ImageJob, env: DecodeEnv, progress: _Progress) -> None:
+    def __init__(self, job: ImageJob, env: DecodeEnv) -> None:
         self.job = job
         self.env = env
-        self.progress = progress
-        self.out: torch.Tensor | None = None
+        self.out = torch.empty((int(job.z.shape[0]), *job.out_hw, job.out_channels), dtype=torch.float32,
+                               device=job.out_device)
+        """The images (B, H, W, C) on [0, 1]; each pass writes its items' rows."""
         self.oom_events: list[str] = []
         self.passes = 0
         self.oom = oom_types(env.oom_exceptions)
@@ -259,39 +231,24 @@ class _Run:
                                 max_retries=MAX_RETRIES)
         """Re-plans outside a tile; its ``check_stop`` is the executors' ``should_stop``, so a cancel
         propagates through every level."""
+        hook = env.fault_hook
+        self.tiles = {"should_stop": self.driver.check_stop, "oom_exceptions": self.oom, "on_oom": self._tile_oom,
+                      "fault_hook": None if hook is None else lambda k: hook("tile", k)}
+        """The executors' keywords of every tiled pass (their progress is the pass's)."""
+        self.tile_fn = generic_fn(job)
+        """The generic tiles' decode of one latent tile."""
 
-    def _tile_hook(self) -> Callable[[int], None] | None:
-        hook = self.env.fault_hook
-        if hook is None:
-            return None
-
-        def fh(k: int) -> None:
-            hook("tile", k)
-
-        return fh
-
-    def _pass(self) -> None:
+    def start_pass(self) -> None:
         self.passes += 1
         if self.env.fault_hook is not None:
             self.env.fault_hook("pass", self.passes - 1)
 
-    def write(self, start: int, images: torch.Tensor) -> None:
-        """``images``: (n, H, W, C) on [0, 1]; the output buffer is allocated by the first pass."""
-        if self.out is None:
-            b = int(self.job.z.shape[0])
-            self.out = torch.empty((b, *images.shape[1:]), dtype=torch.float32, device=self.job.out_device)
-        self.out[start : start + images.shape[0]].copy_(images)
-
-    def latent(self, a: int, b: int) -> torch.Tensor:
-        """As ComfyUI's ``VAE.decode`` feeds the decoder: in the VAE's dtype, on its device."""
-        return self.job.z[a:b].to(self.job.dtype).to(self.job.device)
-
     def untiled_pass(self, a: int, b: int) -> None:
         job = self.job
         self.driver.check_stop()
-        self._pass()
+        self.start_pass()
         if job.core:
-            z = self.latent(a, b)
+            z = job.z[a:b].to(job.dtype).to(job.device)
             out = unaliased(job.vae.first_stage_model.decode(z).to(job.out_device).float(), job.z)
             del z
             images = job.vae.process_output(out).movedim(1, -1)
@@ -299,78 +256,7 @@ class _Run:
             images = job.vae.decode(job.z[a:b]).to(job.out_device).float()
             if images.ndim == 5:
                 images = images.reshape(-1, *images.shape[-3:])
-        self.write(a, images)
-
-    def exact_item(self, b: int, c: ExactChoice, cb: ProgressFn, attention_bytes: int, stop: int | None = None
-                   ) -> None:
-        """Items ``b`` .. ``stop`` - 1 (default: item ``b``) in one exact pass."""
-        job = self.job
-        self._pass()
-        store = job.device if c.store_on_device else torch.device("cpu")
-        with self.env.attention(job.vae.first_stage_model, attention_bytes):
-            img = te.decode_exact(
-                job.vae.first_stage_model,
-                self.latent(b, b + 1 if stop is None else stop),
-                c.tile,
-                store_device=store,
-                compute_device=job.device,
-                out_device=job.out_device,
-                recompute=c.recompute,
-                progress=cb,
-                should_stop=self.driver.check_stop,
-                fault_hook=self._tile_hook(),
-                oom_exceptions=self.oom,
-                on_oom=self._tile_oom,
-                norm_params=self.env.norm_params,
-            )
-        images = job.vae.process_output(img.float()).movedim(1, -1)
-        del img
-        self.write(b, images)
-
-    def generic_item(self, b: int, p: Plan, cb: ProgressFn) -> None:
-        job = self.job
-        self._pass()
-        g = p.config
-        img = tg.decode_generic(
-            generic_fn(job),
-            job.z[b : b + 1],
-            (g.tile_h, g.tile_w),
-            p.halo,
-            scale=job.ratio,
-            out_device=job.out_device,
-            out_dtype=torch.float32,
-            feather=p.feather,
-            progress=cb,
-            should_stop=self.driver.check_stop,
-            fault_hook=self._tile_hook(),
-            oom_exceptions=self.oom,
-            on_oom=self._tile_oom,
-        )
-        images = job.vae.process_output(img) if job.core else img
-        self.write(b, images.movedim(1, -1))
-
-    def split_item(self, b: int, p: Plan, cb: ProgressFn, models: ImageModels) -> None:
-        job = self.job
-        self._pass()
-        sp = models.split
-        assert sp is not None
-        img = decode_split(
-            sp.layout,
-            self.latent(b, b + 1),
-            tile_px(p, sp),
-            sp.halo,
-            out_device=job.out_device,
-            progress=cb,
-            should_stop=self.driver.check_stop,
-            fault_hook=self._tile_hook(),
-            oom_exceptions=self.oom,
-            on_oom=self._tile_oom,
-            prefix_tile=prefix_tile(p),
-        )
-        process = getattr(job.vae, "process_output", None) if job.core else None
-        images = (process or _process)(img)
-        del img
-        self.write(b, images.movedim(1, -1))
+        self.out[a : a + images.shape[0]].copy_(images)
 
     def _tile_oom(self) -> None:
         self.oom_events.append("out of memory inside a tile: tile halved, decode resumed")
@@ -378,58 +264,56 @@ class _Run:
             self.env.on_oom()
 
 
-def _execute(run: _Run, plan: Plan, models: ImageModels, budget: int,
-             gate: Callable[[Plan], Plan] | None = None) -> Plan:
-    """Decode every batch item (untiled groups or tiled items) into the output buffer. Out of memory
-    outside a tile: re-plan smaller (through ``gate``: :func:`.floor.generic_or_host`) and retry the unfinished
-    items, outside the ``except`` block (the failed pass's frames and tensors are released first); none after the
-    host's decode the fidelity floor took (:func:`.floor.host_oom_error`). Returns the plan that finished."""
-    job = run.job
+def _extent(job: ImageJob, p: Plan, start: int) -> tuple[int, int]:
+    """The pass of ``p`` from item ``start``: its stop and the progress units planned after it."""
     b_total = int(job.z.shape[0])
-    state = {"plan": plan, "start": 0, "stop": 0}
+    if p.path == "untiled":
+        stop = min(b_total, start + p.config.images_per_pass)
+        return stop, b_total - stop
+    if p.path == "exact" and job.whole_batch:  # the whole batch is one decode (a video decoder's frames)
+        return b_total, 0
+    return start + 1, (b_total - start - 1) * p.units
 
-    def attempt() -> None:
-        p, start = state["plan"], state["start"]
-        if p.path == "untiled":
-            stop = min(b_total, start + p.config.images_per_pass)
-            rest = b_total - stop
-        elif p.path == "exact" and job.whole_batch:  # the whole batch is one decode (a video decoder's frames)
-            stop, rest = b_total, 0
-        else:
-            stop = start + 1
-            rest = (b_total - stop) * p.units
-        state["stop"] = stop
-        cb = run.progress.start_pass(rest)
-        if p.path == "untiled":
-            cb(0, stop - start)
-            run.untiled_pass(start, stop)
-            cb(stop - start, stop - start)
-        elif p.path == "exact":
-            assert models.exact is not None
-            run.exact_item(start, p.config, cb, models.exact.attention_bytes, stop)
-        elif p.path == "split":
-            run.split_item(start, p, cb, models)
-        else:
-            run.generic_item(start, p, cb)
 
-    def recover(event: OomEvent) -> None:
-        old: Plan = state["plan"]
-        what = f"{event.type_name} in the {old.path} pass of item(s) {state['start']}..{state['stop'] - 1}"
-        state["plan"] = fallback(job, old, models, budget)
-        if gate is not None:
-            state["plan"] = gate(state["plan"])
-        run.oom_events.append(f"{what}: re-planned ({old.description} -> {state['plan'].description}); retrying")
-        log.warning("Tiled VAE Decode: %s", run.oom_events[-1])
+def _one_pass(run: _Run, models: ImageModels, p: Plan, start: int, stop: int, cb: ProgressFn) -> None:
+    """Items ``start`` .. ``stop`` - 1 on plan ``p`` (untiled, or through its executor) into the output buffer."""
+    job = run.job
+    if p.path == "untiled":
+        cb(0, stop - start)
+        run.untiled_pass(start, stop)
+        cb(stop - start, stop - start)
+        return
+    run.start_pass()
+    out, z = run.out[start:stop], job.z[start:stop]
+    if p.path == "exact":
+        assert models.exact is not None
+        with run.env.attention(job.vae.first_stage_model, models.exact.attention_bytes):
+            te.decode_exact_into(out, job.walkers[p.config.recompute], z.to(job.dtype).to(job.device), p.config,
+                                 job.vae.process_output, compute_device=job.device, out_device=job.out_device,
+                                 progress=cb, norm_params=run.env.norm_params, **run.tiles)
+    elif p.path == "split":
+        assert models.split is not None
+        process = getattr(job.vae, "process_output", None) if job.core else None
+        decode_split_into(out, models.split.layout, z.to(job.dtype).to(job.device), tile_px(p, models.split),
+                          models.split.halo, process or _process, out_device=job.out_device, progress=cb,
+                          prefix_tile=prefix_tile(p), **run.tiles)
+    else:
+        g = p.config
+        tg.decode_generic_into(out, run.tile_fn, z, (g.tile_h, g.tile_w), p.halo,
+                               job.vae.process_output if job.core else None, scale=job.ratio,
+                               out_device=job.out_device, feather=p.feather, progress=cb, **run.tiles)
 
-    while state["start"] < b_total:
-        try:
-            run.driver.run(attempt, recover=recover, can_recover=lambda e: not is_floor_host(state["plan"]))
-        except run.oom as e:
-            if is_floor_host(state["plan"]):
-                raise host_oom_error(REPORT_NODE, e, state["plan"].reason, state["plan"].over_budget) from e
-            raise
-        state["start"] = state["stop"]
-    return state["plan"]
+
+def _smaller(job: ImageJob, models: ImageModels, budget: int, gate: Callable[[Plan], Plan], p: Plan) -> Plan:
+    """The next smaller plan after an out-of-memory error outside a tile (:func:`..plan.image.fallback`), as it
+    may run (``gate``: :func:`.floor.generic_or_host`)."""
+    return gate(fallback(job, p, models, budget))
+
+
+def _floor_oom(p: Plan, e: BaseException) -> BaseException | None:
+    """No re-plan after the host's decode the fidelity floor took: its out-of-memory error
+    (:func:`.floor.host_oom_error`)."""
+    return host_oom_error(REPORT_NODE, e, p.reason, p.over_budget) if is_floor_host(p) else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -509,17 +393,15 @@ def decode_image(
 
     total = int(job.z.shape[0]) * p.units
     bar = env.progress_bar(max(1, total)) if env.progress_bar is not None else None
-    run = _Run(job, env, _Progress(bar, total))
+    run = _Run(job, env)
     t0 = time.perf_counter()
     env.at("run")
-    with measured(env, job.device) as m:
-        p = _execute(run, p, models, avail, gate)
-    assert run.out is not None
+    p, m = run_passes(env, job.device, int(job.z.shape[0]), p, run.driver, Progress(bar, total),
+                      functools.partial(_extent, job), functools.partial(_one_pass, run, models),
+                      functools.partial(_smaller, job, models, avail, gate), _floor_oom, run.oom_events, REPORT_NODE)
     seconds = time.perf_counter() - t0
     env.at("report")
-    if not run.oom_events:
-        key = observed_key(p.path, job.subject.key_name, job.dtype, job.device)
-        env.observed.note(key, m.peak, int(p.planned / p.ratio), m.kind)
+    note_observed(env, observed_key(p.path, job.subject.key_name, job.dtype, job.device), m, p, run.oom_events)
 
     calibrated = models.exact.calibrated if models.exact is not None else []
     report = _report(job, p, models, budget, prep.offload, seconds, plan_seconds, m, run, first, verdict,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ from ..tiles import Rect, grid, pair, split_even
 
 log = logging.getLogger("vramfit.memory.executors.generic")
 
-__all__ = ["decode_generic"]
+__all__ = ["decode_generic", "decode_generic_into"]
 
 ProgressFn = Callable[[int, int], None]
 
@@ -240,3 +241,12 @@ def decode_generic(
     if run.shrinks:
         log.info("tiled decode finished with tile %s after %d OOM shrink(s)", run.tile, run.shrinks)
     return out
+
+
+def decode_generic_into(out: torch.Tensor, decode_fn: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor,
+                        tile: int | tuple[int, int], halo: int | tuple[int, int],
+                        process: Callable[[torch.Tensor], torch.Tensor] | None, **kw: Any) -> None:
+    """One item of an image decode: :func:`decode_generic` in float32, ``process``ed (the host's output processing;
+    None: none) into ``out``, its row of the output (1, H, W, C). The keywords as :func:`decode_generic`'s."""
+    img = decode_generic(decode_fn, z, tile, halo, out_dtype=torch.float32, **kw)
+    out.copy_((img if process is None else process(img)).movedim(1, -1))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..oom import OomEvent, OomResume, oom_types
 from ..tiles import Rect, grid, pair, tile_count
 from ..vae.kl_layout import (
-    KlLayout,
+    BoundLayout,
     SegmentInfo,
     band_rows,
     block_shortcut,
@@ -47,7 +47,8 @@ EXECUTOR_VERSION = "v1"
 Bump it when a change alters what the executor holds at its peak, then re-ship ``memory/cost/data/exact``
 (``bench/tiled_decode.py --write-defaults``); edits that do not (comments, error handling) keep the key."""
 
-__all__ = ["EXECUTOR_VERSION", "MIN_TILE", "NormParamsFn", "ProgressFn", "decode_exact", "encode_exact"]
+__all__ = ["EXECUTOR_VERSION", "MIN_TILE", "NormParamsFn", "ProgressFn", "decode_exact", "decode_exact_into",
+           "encode_exact", "run_exact"]
 
 ProgressFn = Callable[[int, int], None]
 NormParamsFn = Callable[[Any, torch.Tensor], "tuple[torch.Tensor | None, torch.Tensor | None]"]
@@ -70,9 +71,7 @@ class _Seg:
 class _ExactRun:
     def __init__(
         self,
-        model: Any,
-        layout: KlLayout,
-        bound: tuple[Any, list[Any], dict[str, Any]],
+        bound: BoundLayout,
         z: torch.Tensor,
         tile: tuple[int, int],
         store_device: torch.device,
@@ -89,11 +88,11 @@ class _ExactRun:
         norm_params: NormParamsFn | None,
         memo: TileMemo | None = None,
     ) -> None:
-        self.model = model
+        self.model = bound.model
         self.memo = memo
         """A sizing run's repeated tiles (:mod:`.kl_memo`; None: every tile runs)."""
-        self.layout = layout
-        self.dec, seg_modules, self.consumer = bound
+        self.layout = layout = bound.layout
+        self.dec, seg_modules, self.consumer = bound.dec, bound.segments, bound.consumer
         self.consumer_path = dict(layout.consumer)
         self.segs = [_Seg(info, m) for info, m in zip(layout.segments, seg_modules, strict=True)]
         self.z = z
@@ -661,16 +660,14 @@ def _encode_tail(model: Any, enc: Any, h: torch.Tensor) -> torch.Tensor:
         model.encoder = enc
 
 
-def _run_exact(
-    model: Any,
+def run_exact(
+    bound: BoundLayout,
     x: torch.Tensor,
     tile: int | tuple[int, int] | None,
-    direction: str,
     *,
     store_device: torch.device | str | None = None,
     compute_device: torch.device | str | None = None,
     out_device: torch.device | str | None = None,
-    recompute: bool = False,
     progress: ProgressFn | None = None,
     should_stop: Callable[[], None] | None = None,
     fault_hook: Callable[[int], None] | None = None,
@@ -681,9 +678,11 @@ def _run_exact(
     norm_params: NormParamsFn | None = None,
     size_only: bool | Callable[[], None] = False,
 ) -> torch.Tensor:
-    """:func:`decode_exact` / :func:`encode_exact` (``direction``), the same walk; the keywords are theirs."""
-    layout = kl_layout(model, recompute, direction).require()
-    bound = layout.bind(model)
+    """:func:`decode_exact` / :func:`encode_exact` through a layout bound to its model
+    (:meth:`..vae.kl_layout.KlLayout.bind`, walked once by the caller: its direction and ``recompute`` variant are
+    the run's); the other keywords are theirs."""
+    layout = bound.layout
+    direction, recompute = layout.direction, layout.recompute
     what = "latent" if direction == "decode" else "image"
     squeeze = False
     if layout.dims == 3 and x.ndim == 4:  # images of a 3-D decoder: one-frame latents, as VAE Encode makes them
@@ -699,7 +698,7 @@ def _run_exact(
     compute = torch.device(compute_device) if compute_device is not None else x.device
     store = torch.device(store_device) if store_device is not None else compute
     out = torch.device(out_device) if out_device is not None else store
-    run = _ExactRun(model, layout, bound, x, pair(tile), store, compute, out, recompute, progress,
+    run = _ExactRun(bound, x, pair(tile), store, compute, out, recompute, progress,
                     should_stop, fault_hook, oom_types(oom_exceptions), on_oom, min_tile, pin_memory,
                     norm_params, TileMemo(size_only if callable(size_only) else None) if size_only else None)
     with torch.no_grad():
@@ -710,8 +709,8 @@ def _run_exact(
     return result.squeeze(2) if squeeze else result
 
 
-def decode_exact(model: Any, z: torch.Tensor, tile: int | tuple[int, int] | None, **kw: Any
-                 ) -> torch.Tensor:
+def decode_exact(model: Any, z: torch.Tensor, tile: int | tuple[int, int] | None, *, recompute: bool = False,
+                 **kw: Any) -> torch.Tensor:
     """Decode ``z`` exactly, tile by tile; returns what ``model.decode(z)`` returns (range [-1, 1]).
 
     ``model``: a ``first_stage_model`` (``post_quant_conv`` and Flux-2 latent batch-norm are applied
@@ -734,11 +733,23 @@ def decode_exact(model: Any, z: torch.Tensor, tile: int | tuple[int, int] | None
     tile runs once, its repeats are counted from it (:mod:`.kl_memo`; the same peak, a fraction of the ops); a
     callable is called after every tile (it may raise to end the sizing: a planner's peak over its budget).
     """
-    return _run_exact(model, z, tile, "decode", **kw)
+    return run_exact(kl_layout(model, recompute).require().bind(model), z, tile, **kw)
 
 
-def encode_exact(model: Any, x: torch.Tensor, tile: int | tuple[int, int] | None, **kw: Any
-                 ) -> torch.Tensor:
+def decode_exact_into(out: torch.Tensor, walker: BoundLayout, z: torch.Tensor, config: Any,
+                      process: Callable[[torch.Tensor], torch.Tensor], *, compute_device: torch.device,
+                      **kw: Any) -> None:
+    """One pass of an image decode: the items ``z`` through ``walker`` (the job's bound layout of the plan's
+    ``recompute`` variant) with the plan's ``config`` (its ``tile`` and ``store_on_device``), ``process``ed (the host's
+    output processing) into ``out``, their rows of the output (N, H, W, C). The other keywords as
+    :func:`decode_exact`'s."""
+    store = compute_device if config.store_on_device else torch.device("cpu")
+    img = run_exact(walker, z, config.tile, store_device=store, compute_device=compute_device, **kw)
+    out.copy_(process(img.float()).movedim(1, -1))
+
+
+def encode_exact(model: Any, x: torch.Tensor, tile: int | tuple[int, int] | None, *, recompute: bool = False,
+                 **kw: Any) -> torch.Tensor:
     """Encode ``x`` exactly, tile by tile; returns what ``model.encode(x)`` returns (the host's regularizer:
     the posterior mean for ComfyUI's KL VAEs). ``model``: a ``first_stage_model`` with an SD/FLUX ``Encoder``;
     ``x``: (B, 3, H, W) processed pixels (``vae.process_input``, on [-1, 1]) in the dtype the encoder runs in,
@@ -746,4 +757,4 @@ def encode_exact(model: Any, x: torch.Tensor, tile: int | tuple[int, int] | None
     (``tile``: core px at each activation's own resolution) with shared GroupNorm statistics; the mid block,
     the output convolution and the host's own rest of ``encode`` run once per item on the latent-resolution
     map. The other keywords as :func:`decode_exact`; an OOM in the tail propagates (the caller re-plans)."""
-    return _run_exact(model, x, tile, "encode", **kw)
+    return run_exact(kl_layout(model, recompute, "encode").require().bind(model), x, tile, **kw)

@@ -11,6 +11,7 @@ Progress: one unit for the prefix, then one per tile. An OOM inside a suffix til
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -18,7 +19,7 @@ from ..vae.split_layout import SplitLayout
 from .generic import decode_generic
 from .prefix_tiles import run_units
 
-__all__ = ["decode_split"]
+__all__ = ["decode_split", "decode_split_into"]
 
 
 def decode_split(
@@ -71,3 +72,11 @@ def decode_split(
             on_oom=on_oom,
             min_tile=min_tile,
         )
+
+
+def decode_split_into(out: torch.Tensor, layout: SplitLayout, z: torch.Tensor, tile: int | tuple[int, int], halo: int,
+                      process: Callable[[torch.Tensor], torch.Tensor], **kw: Any) -> None:
+    """One item of an image decode: :func:`decode_split`, ``process``ed (the host's output processing) into ``out``,
+    its row of the output (1, H, W, C). The keywords as :func:`decode_split`'s."""
+    img = decode_split(layout, z, tile, halo, **kw)
+    out.copy_(process(img).movedim(1, -1))

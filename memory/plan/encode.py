@@ -24,7 +24,7 @@ from ..executors import split_encode as se
 from ..measure.sizing import MetaSizer
 from ..report import fmt_bytes
 from ..vae.encode_split import EncodeSplit
-from ..vae.kl_layout import KlLayout, kl_layout
+from ..vae.kl_layout import BoundLayout, KlLayout, kl_layout
 from .grid import ImpossibleBudgetError, scaled
 from .image import ATTENTION_MIN
 from .types import Plan
@@ -100,6 +100,9 @@ class EncodeJob:
     """Image px per px of the split's prefix output: the tiles' unit (the latent ratio but for DC-AE)."""
     host_room: int | None = None
     """Bytes a store in host memory may take (:func:`..budget.host_room`, set after the offload; None: unbounded)."""
+    walker: BoundLayout | None = None
+    """The exact walker's layout of the encoder, bound to it (walked once, in ``make_job``; None for a split or a
+    host job)."""
 
     @property
     def video(self) -> bool:
@@ -148,7 +151,8 @@ class EncodeJob:
             kw.pop("size_only", None)
             r = self.prefix_ratio
             return se.encode_split_tiled(model, x, tile // r, r, self.split, halo=self.halo, **kw)
-        return te.encode_exact(model, x, tile, **kw)
+        assert self.walker is not None
+        return te.run_exact(self.walker, x, tile, **kw)
 
 
 def _key(job: EncodeJob, what: str) -> str:

@@ -22,7 +22,7 @@ from ..geometry import Geometry, VaeGeometry
 from ..measure.reach import ReachReport, default_halo, traced_reach
 from ..measure.sizing import MetaSizer
 from ..vae.families import batch_coupling_hint, identify, model_name, structure_digest
-from ..vae.kl_layout import kl_layout, unsupported_reason
+from ..vae.kl_layout import BoundLayout, kl_layout, unsupported_reason
 from ..vae.split_layout import split_layout
 from . import exact as pe
 from .grid import ImpossibleBudgetError, plan_tiling, scaled
@@ -76,6 +76,9 @@ class ImageJob:
     """Bytes a store in host memory may take (:func:`..budget.host_room`, set after the offload; None: unbounded)."""
     out_channels: int = 3
     """Channels of the decoded image (:func:`decoded_geometry`: 4 for Qwen-Image 2.1's RGBA VAE)."""
+    walkers: tuple[BoundLayout, ...] = ()
+    """The exact walker's layouts of the decoder bound to it, by ``recompute`` (``walkers[c.recompute]``: stored,
+    recomputed; walked once, in :func:`make_job`; empty without exact tiles)."""
 
 
 def spatial_ratio(vae: Any, channels: int) -> int:
@@ -150,7 +153,8 @@ def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device 
         reason = f"{type(vae).__name__} overrides VAE.decode (its own post-processing is kept)"
     model = vae.first_stage_model
     split_reason = "the exact walker applies" if reason is None else split_layout(model).reason
-    whole_batch = reason is None and kl_layout(model).video
+    walkers = tuple(kl_layout(model, recompute).bind(model) for recompute in (False, True)) if reason is None else ()
+    whole_batch = bool(walkers) and walkers[0].layout.video
     ratio, out_channels = decoded_geometry(vae, channels)
     family = identify(vae) or model_name(vae)
     dtype = getattr(vae, "vae_dtype", torch.float32)
@@ -173,6 +177,7 @@ def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device 
         split_reason=split_reason,
         whole_batch=whole_batch,
         out_channels=out_channels,
+        walkers=walkers,
     )
 
 

@@ -437,12 +437,12 @@ class KlLayout:
         """Progress units of one batch item's uninterrupted decode: the mid block, then every tile."""
         return 1 + sum(self.tile_counts(latent_hw, tile))
 
-    def bind(self, model: Any) -> tuple[Any, list[Any], dict[str, Any]]:
-        """``model``'s decoder (encoder) and the modules this layout names in it: each segment's and each
+    def bind(self, model: Any) -> BoundLayout:
+        """This layout in ``model``: its decoder (encoder) and the modules the layout names, each segment's and each
         consumer's."""
         dec = find_decoder(model) if self.direction == "decode" else model.encoder
-        return (dec, [module_at(dec, info.module) for info in self.segments],
-                {name: module_at(dec, path) for name, path in self.consumer.items()})
+        return BoundLayout(self, model, dec, [module_at(dec, info.module) for info in self.segments],
+                           {name: module_at(dec, path) for name, path in self.consumer.items()})
 
     def schedule(self, latent_hw: Sequence[int], tile: tuple[int, int]) -> list[list[RowStep]]:
         """Per segment, per row of tiles: the live store and the reads of one batch item (see
@@ -548,6 +548,21 @@ class KlLayout:
 
 
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundLayout:
+    """A :class:`KlLayout` bound to one model (:meth:`KlLayout.bind`): what the exact executor runs."""
+
+    layout: KlLayout
+    model: Any
+    """The ``first_stage_model`` (or bare ``Decoder``) the layout was walked from."""
+    dec: Any
+    """Its decoder (encoder)."""
+    segments: list[Any]
+    """Each segment's module."""
+    consumer: dict[str, Any]
+    """Activation -> the GroupNorm module that reads it."""
 
 
 def _walk(model: Any, recompute: bool, direction: str = "decode") -> KlLayout:

@@ -1,0 +1,103 @@
+"""The run step of a decode: one progress bar over all its passes (:class:`Progress`), the passes over the batch
+inside the measured window with the re-plans after an out-of-memory error outside a tile (:func:`run_passes`,
+through :class:`..oom.OomResume`), and the observed peak of a run without any (:func:`note_observed`).
+
+What a path plugs in: how far a pass of its plan goes, the pass itself (its executors), its next smaller plan and
+the plan after which there is none. Nothing here imports ComfyUI.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from ..oom import OomEvent, OomResume
+from ..plan.types import Plan
+from .env import DecodeEnv, Measured, measured
+
+log = logging.getLogger("vramfit.memory.decode.execute")
+
+__all__ = ["Progress", "ProgressFn", "note_observed", "run_passes"]
+
+ProgressFn = Callable[[int, int], None]
+
+
+class Progress:
+    """One progress bar for the whole run: each pass's executor progress is offset by the units already done, and
+    the total is what is done + the current pass's total + the passes still planned."""
+
+    def __init__(self, bar: ProgressFn | None, total: int) -> None:
+        self.done = 0
+        self.total = max(1, int(total))
+        self.bar = bar
+        self._base = 0
+        self._rest = 0
+
+    def start_pass(self, rest: int) -> ProgressFn:
+        """Callback for the next pass; ``rest``: units planned after it."""
+        self._base, self._rest = self.done, int(rest)
+
+        def cb(done: int, total: int) -> None:
+            self.total = max(1, self._base + int(total) + self._rest)
+            self.done = self._base + int(done)
+            if self.bar is not None:
+                self.bar(self.done, self.total)
+
+        return cb
+
+
+def run_passes(
+    env: DecodeEnv,
+    device: torch.device,
+    items: int,
+    plan: Plan,
+    driver: OomResume,
+    progress: Progress,
+    extent: Callable[[Plan, int], tuple[int, int]],
+    one_pass: Callable[[Plan, int, int, ProgressFn], None],
+    smaller: Callable[[Plan], Plan],
+    final: Callable[[Plan, BaseException], BaseException | None],
+    events: list[str],
+    node: str,
+) -> tuple[Plan, Measured]:
+    """Items ``0 .. items - 1`` in passes of ``plan``, inside the measured window (:func:`.env.measured`):
+    ``extent(p, start)`` gives a pass's ``(stop, units planned after it)``, ``one_pass(p, start, stop, progress)``
+    runs it. Out of memory outside a tile: ``smaller(p)`` (the next smaller plan, as it may run) and the unfinished
+    items again, outside the ``except`` block (the failed pass's frames and tensors are released first; finished
+    items are kept); none after a plan ``p`` for which ``final(p, oom)`` is an error, raised instead. Each re-plan is one of
+    ``events``, logged under ``node``. Returns the plan that finished and the measure."""
+    state = {"plan": plan, "start": 0, "stop": 0}
+
+    def attempt() -> None:
+        p, start = state["plan"], state["start"]
+        stop, rest = extent(p, start)
+        state["stop"] = stop
+        one_pass(p, start, stop, progress.start_pass(rest))
+
+    def recover(event: OomEvent) -> None:
+        old: Plan = state["plan"]
+        what = f"{event.type_name} in the {old.path} pass of item(s) {state['start']}..{state['stop'] - 1}"
+        state["plan"] = smaller(old)
+        events.append(f"{what}: re-planned ({old.description} -> {state['plan'].description}); retrying")
+        log.warning("%s: %s", node, events[-1])
+
+    with measured(env, device) as m:
+        while state["start"] < items:
+            try:
+                driver.run(attempt, recover=recover, can_recover=lambda e: final(state["plan"], e) is None)
+            except driver.oom_exceptions as e:
+                error = final(state["plan"], e)
+                if error is not None:
+                    raise error from e
+                raise
+            state["start"] = state["stop"]
+    return state["plan"], m
+
+
+def note_observed(env: DecodeEnv, key: str, m: Measured, p: Plan, events: list[str]) -> None:
+    """The measured over predicted peak of the plan ``p`` that ran, for later plans (:mod:`..cost.observed`): only
+    for a run without any out-of-memory event."""
+    if not events:
+        env.observed.note(key, m.peak, int(p.planned / p.ratio), m.kind)
