@@ -17,11 +17,12 @@ from ..oom import OomEvent, oom_types
 from ..tiles import chunk_ranges, spans
 from ..vae.wan_layout import (
     CACHE_T,
+    CacheProtocol,
+    SplitInfo,
     WanLayout,
-    accepts,
     cache_protocol,
-    frames_of,
     is_causal,
+    time_upsamples,
     views_more,
     wan_layout,
 )
@@ -37,7 +38,7 @@ activations). v3: after a temporal upsample the rest of the decoder runs on ``CA
 the host's ``Decoder3d.run_up`` does (v2 ran a chunk's 4 k frames through the full-resolution layers at
 once). v4: a one-frame clip runs without causal caches (nothing reads them), as the host's 4-D decode."""
 
-__all__ = ["EXECUTOR_VERSION", "decode_wan_chunked", "output_pieces", "time_upsamples"]
+__all__ = ["EXECUTOR_VERSION", "decode_wan_chunked", "output_pieces"]
 
 MIN_TILE = 2
 """Smallest tile core (latent px) the OOM fallback shrinks to."""
@@ -52,12 +53,6 @@ def _unpatchify(x: torch.Tensor, p: int) -> torch.Tensor:
     b, cpp, f, h, w = x.shape
     c = cpp // (p * p)
     return x.reshape(b, c, p, p, f, h, w).permute(0, 1, 4, 5, 3, 6, 2).reshape(b, c, f, h * p, w * p)
-
-
-def time_upsamples(decoder: Any) -> list[bool]:
-    """Per ``decoder.upsamples`` layer: a Wan 2.1 ``Resample("upsample3d")`` (a temporal upsample), after which
-    the host's ``Decoder3d.run_up`` and the executor run the rest on ``CACHE_T``-frame slices."""
-    return [getattr(layer, "mode", None) == "upsample3d" for layer in decoder.upsamples]
 
 
 def output_pieces(decoder: Any, frames: int, upto: int | None = None) -> int:
@@ -121,11 +116,13 @@ class _WanRun:
         self,
         model: Any,
         layout: WanLayout,
+        si: SplitInfo,
+        protocol: CacheProtocol,
         z: torch.Tensor,
         k: int,
         tile: tuple[int, int] | None,
+        grid: tuple[list, list],
         halo: int,
-        split: int,
         out: torch.Tensor,
         compute: torch.device,
         dtype: torch.dtype,
@@ -149,10 +146,11 @@ class _WanRun:
         self.B, _, self.T, self.H, self.W = (int(v) for v in z.shape)
         self.k = max(1, int(k))
         self.tile = tile  # None = whole frame
+        self.grid = grid  # the tiles' spans down and across (:func:`..tiles.spans`)
         self.halo = int(halo)
-        self.split = int(split)
-        self.si = layout.split_info(split)
-        self.n_global = self.si.first_slot
+        self.si, self.split, self.protocol = si, si.split, protocol
+        self.n_global = si.first_slot
+        self.out_start, self.store_start = layout.frame_starts(self.T, si.split)  # per latent frame, end included
         self.out = out
         self.compute = compute
         self.dtype = dtype
@@ -178,41 +176,27 @@ class _WanRun:
         self.restarts = 0
         self.calls = 0  # decoder calls: phase-1 chunks and tile-chunks (whole frames: one per chunk)
         self.moves: dict[str, list[int]] = {}  # route -> [copies, bytes] (:meth:`_moved`)
-        self.up_first = [accepts(layer.forward, "first_chunk") for layer in self.dec.upsamples]
-        self.mid_cached = [accepts(layer.forward, "feat_cache") for layer in self.dec.middle]
         # A one-frame clip: no later frame reads a causal cache, so none is kept (the host's layers run without
         # their cache list, as its 4-D decode runs them: the first chunk's numbers); the slots are still counted.
         self.cacheless = self.T == 1
         self.slots_of = {id(layer): sum(s.name.startswith(f"{part}.{j}.") for s in layout.slots)
                          for part in ("middle", "upsamples") for j, layer in enumerate(getattr(self.dec, part))}
-        self.protocol = cache_protocol(model)
         self.slot_frames = [s.frames for s in layout.slots]
         # Wan 2.1's ``Resample("upsample3d")``: the host's ``Decoder3d.run_up`` runs what follows it on
         # ``CACHE_T``-frame slices of its output; the executor does the same (exact for any cache protocol: a
         # call of >= CACHE_T frames leaves complete entries), so no layer after it sees more than 2 frames.
-        self.time_up = time_upsamples(self.dec)
-        self.slice_tiled_input = any(self.time_up[:split])
+        self.slice_tiled_input = any(layout.time_up[:si.split])
 
     # -- plan ----------------------------------------------------------------------------------
     def _make_tile(self, c0y: int, c1y: int, c0x: int, c1x: int) -> _Tile:
         h = self.halo
         return _Tile(c0y, c1y, max(0, c0y - h), min(self.H, c1y + h), c0x, c1x, max(0, c0x - h), min(self.W, c1x + h))
 
-    def tiles(self) -> list[_Tile]:
-        th, tw = self.tile if self.tile is not None else (self.H, self.W)
-        ys = spans(self.H, th, self.halo)
-        xs = spans(self.W, tw, self.halo)
-        return [_Tile(*y, *x) for y in ys for x in xs]
-
     def chunks_from(self, pos: int) -> list[tuple[int, int]]:
         """Chunks still to decode from latent frame ``pos`` with the current chunk size."""
         if pos <= 0:
             return chunk_ranges(self.T, self.k)
         return [(p, min(self.T, p + self.k)) for p in range(pos, self.T, self.k)]
-
-    def _sframe(self, pos: int) -> int:
-        """Store frame index of latent frame ``pos`` (frame 0 yields one frame, later ones ``f`` each)."""
-        return frames_of(pos, self.si.frame_factor)
 
     def _moved(self, route: str, t: torch.Tensor) -> None:
         """Count one copy the executor makes between the compute device and where a tensor lives (``route``:
@@ -291,7 +275,7 @@ class _WanRun:
         return x
 
     def _up(self, j: int, x: torch.Tensor, cache: list, idx: list[int], first: bool, hist: list | None) -> torch.Tensor:
-        return self._layer(self.dec.upsamples[j], x, cache, idx, hist, first if self.up_first[j] else None)
+        return self._layer(self.dec.upsamples[j], x, cache, idx, hist, first if self.lay.first_chunk[j] else None)
 
     def _ups(self, j: int, end: int, ref: list, cache: list, idx: list[int], first: bool, hist: list | None,
              emit: Callable[[list, int], None]) -> None:
@@ -305,7 +289,7 @@ class _WanRun:
         while j < end:
             x = self._up(j, x, cache, idx, first, hist)
             j += 1
-            if self.time_up[j - 1] and x.shape[2] > CACHE_T:
+            if self.lay.time_up[j - 1] and x.shape[2] > CACHE_T:
                 start, stop = idx[0], idx[0]
                 for f in range(0, int(x.shape[2]), CACHE_T):
                     sub = [start]
@@ -326,7 +310,7 @@ class _WanRun:
         x = self.model.conv2(zc)
         x = self._cached_conv(self.dec.conv1, x, cache, idx)
         for j, layer in enumerate(self.dec.middle):
-            x = self._layer(layer, x, cache, idx, hist) if self.mid_cached[j] else layer(x)
+            x = self._layer(layer, x, cache, idx, hist) if self.lay.mid_cached[j] else layer(x)
         s = self.si.scale
 
         def checked(piece: list, slot: int) -> None:
@@ -378,8 +362,8 @@ class _WanRun:
         ``rollback`` off and ``pos = 0`` the cache is used in place and an OOM starts phase 1 again."""
         self.store = None
         si = self.si
-        f0 = self._sframe(pos)
-        shape = (self.B, si.channels, self._sframe(self.T) - f0, self.H * si.scale, self.W * si.scale)
+        f0 = self.store_start[pos]
+        shape = (self.B, si.channels, self.store_start[self.T] - f0, self.H * si.scale, self.W * si.scale)
         buf = torch.empty(shape, dtype=self.dtype, device=self.store_device, pin_memory=self.pin)
         fresh = [None] * self.lay.n_cache
         cache = list(cache[: self.n_global]) + fresh[self.n_global :]
@@ -398,7 +382,7 @@ class _WanRun:
             self._moved("latent", zc)
             zc = zc.to(device=self.compute, dtype=self.dtype)
             self.calls += 1
-            at = [self._sframe(p) - f0]
+            at = [self.store_start[p] - f0]
 
             def store(piece: list) -> None:
                 x = piece[0]
@@ -445,8 +429,8 @@ class _WanRun:
         S, p = self.lay.decoder_ratio, self.lay.patch
         oy, ox = (tl.c0y - tl.e0y) * S, (tl.c0x - tl.e0x) * S
         sp = S * p
-        t = [self.lay.out_frame_start(s0)]
-        t_end = self.lay.out_frame_start(s1)
+        t = [self.out_start[s0]]
+        t_end = self.out_start[s1]
 
         def write(y: torch.Tensor) -> None:
             core = y[:, :, :, oy : oy + (tl.c1y - tl.c0y) * S, ox : ox + (tl.c1x - tl.c0x) * S]
@@ -477,7 +461,7 @@ class _WanRun:
             st = self.store
             assert st is not None and st.pos <= s0
             s = self.si.scale
-            a, b = self._sframe(s0) - st.f0, self._sframe(s1) - st.f0
+            a, b = self.store_start[s0] - st.f0, self.store_start[s1] - st.f0
             x = st.x[:, :, a:b, tl.e0y * s : tl.e1y * s, tl.e0x * s : tl.e1x * s]
             if x.device != self.compute:
                 self._moved("store_read", x)
@@ -588,11 +572,11 @@ class _WanRun:
         self._moved("park", w)
         return w.to(self.store_device, copy=True)
 
-    def peak_tiles(self) -> list[_Tile]:
-        """The tiles that set the peak of phase 2: per axis, the spans whose (core, extended) lengths no other
-        span reaches in both (one tile's caches are alive at a time, and every tensor of a tile grows with its
-        extents), crossed."""
-        th, tw = self.tile if self.tile is not None else (self.H, self.W)
+    @staticmethod
+    def peak_tiles(ys: list[tuple[int, int, int, int]], xs: list[tuple[int, int, int, int]]) -> list[_Tile]:
+        """The tiles that set the peak of phase 2: per axis, the spans ``ys``, ``xs`` whose (core, extended) lengths
+        no other span reaches in both (one tile's caches are alive at a time, and every tensor of a tile grows with
+        its extents), crossed."""
 
         def maximal(spans: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
             lens = [(b - a, e1 - e0) for a, b, e0, e1 in spans]
@@ -604,19 +588,18 @@ class _WanRun:
                 keep.append(sp)
             return keep
 
-        ys = maximal(spans(self.H, th, self.halo))
-        xs = maximal(spans(self.W, tw, self.halo))
-        return [_Tile(*y, *x) for y in ys for x in xs]
+        return [_Tile(*y, *x) for y in maximal(ys) for x in maximal(xs)]
 
     def run(self) -> torch.Tensor:
-        tiles = self.tiles()
+        ys, xs = self.grid
+        tiles = [_Tile(*y, *x) for y in ys for x in xs]
         fresh = [None] * self.lay.n_cache
         if len(tiles) == 1:
             self.queue = [_Item(tiles[0], list(fresh), 0, True)]
             self._report()
         else:
             if self.sizing:
-                tiles = self.peak_tiles()
+                tiles = self.peak_tiles(ys, xs)
             self.queue = [_Item(t, list(fresh), 0, False) for t in tiles]
             self.build_store(fresh, 0)
             if self.phase_hook is not None:
@@ -699,7 +682,7 @@ def decode_wan_chunked(
     ``phase_hook("store")``: called when phase 1 has built the store (several tiles only), before any tile
     runs (the planner reads phase 1's own peak there, which no tile size changes).
     """
-    lay = wan_layout(model)
+    lay, protocol = wan_layout(model), cache_protocol(model)
     if z.ndim != 5:
         raise ValueError(f"expected a (B, C, T, h, w) latent, got shape {tuple(z.shape)}")
     if z.shape[1] != lay.latent_channels:
@@ -720,6 +703,8 @@ def decode_wan_chunked(
     compute = torch.device(compute_device) if compute_device is not None else z.device
     store_dev = torch.device(store_device) if store_device is not None else compute
     B, _, T, h, w = (int(v) for v in z.shape)
+    th, tw = tile if tile is not None else (h, w)
+    grid = spans(h, th, halo), spans(w, tw, halo)
     shape = (B, lay.out_channels, lay.out_frames(T), h * lay.spatial_ratio, w * lay.spatial_ratio)
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=torch.device(out_device) if out_device else compute)
@@ -738,11 +723,13 @@ def decode_wan_chunked(
     run = _WanRun(
         model,
         lay,
+        si,
+        protocol,
         z,
         frames_per_chunk if frames_per_chunk > 0 else max(1, T - 1),
         tile,
+        grid,
         halo,
-        split,
         out,
         compute,
         dtype or z.dtype,

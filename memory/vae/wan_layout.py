@@ -19,7 +19,7 @@ from ..geometry import decoded_frames
 log = logging.getLogger("vramfit.memory.vae.wan_layout")
 
 __all__ = ["CACHE_T", "CacheProtocol", "CacheSlot", "SplitInfo", "WanLayout", "accepts", "cache_protocol",
-           "frames_of", "is_causal", "is_wan_vae", "views_more", "wan_layout"]
+           "frames_of", "is_causal", "is_wan_vae", "time_upsamples", "views_more", "wan_layout"]
 
 CACHE_T = 2
 """Frames a causal-conv cache entry holds (``comfy.ldm.wan.vae.CACHE_T``)."""
@@ -29,6 +29,12 @@ def frames_of(latent_frames: int, factor: int) -> int:
     """Frames a causal decoder yields for latent frames ``[0, T)`` at temporal factor ``factor``: ``1 + f (T - 1)``
     (latent frame 0 yields one frame), 0 for none. Also the index of the first frame of latent frame ``T``."""
     return 0 if latent_frames <= 0 else decoded_frames(int(latent_frames), int(factor), True)
+
+
+def time_upsamples(decoder: Any) -> list[bool]:
+    """Per ``decoder.upsamples`` layer: a Wan 2.1 ``Resample("upsample3d")`` (a temporal upsample), after which
+    the host's ``Decoder3d.run_up`` and the executor run the rest on ``CACHE_T``-frame slices."""
+    return [getattr(layer, "mode", None) == "upsample3d" for layer in decoder.upsamples]
 
 
 def _is_conv3d(m: Any) -> bool:
@@ -117,6 +123,12 @@ class WanLayout:
     """Length of ComfyUI's cache list (``count_conv3d(decoder)``)."""
     temporal_kernel: int = 3
     """Time taps of the decoder's causal convolutions (3; 1 for Qwen-Image 2.1's, whose frames never mix)."""
+    time_up: tuple[bool, ...] = ()
+    """Per ``decoder.upsamples`` layer: a temporal upsample (:func:`time_upsamples`)."""
+    first_chunk: tuple[bool, ...] = ()
+    """Per ``decoder.upsamples`` layer: it takes Wan 2.2's ``first_chunk`` flag."""
+    mid_cached: tuple[bool, ...] = ()
+    """Per ``decoder.middle`` layer: it takes the cache list (``feat_cache``)."""
 
     @property
     def spatial_ratio(self) -> int:
@@ -144,6 +156,14 @@ class WanLayout:
     def out_frame_start(self, latent_start: int) -> int:
         """Index of the first output frame of the chunk starting at latent frame ``latent_start``."""
         return frames_of(latent_start, self.temporal_ratio)
+
+    def frame_starts(self, latent_frames: int, split: int | None = None) -> tuple[list[int], list[int]]:
+        """``(out, store)``: for latent frames ``0 .. T`` (the clip's end included), the index of each one's first
+        output frame (:meth:`out_frame_start`) and of its first frame in the store of the global part cut at
+        ``split`` (the split's frame factor)."""
+        f = self.split_info(split).frame_factor
+        ends = range(int(latent_frames) + 1)
+        return [self.out_frame_start(p) for p in ends], [frames_of(p, f) for p in ends]
 
     def cache_bytes(
         self,
@@ -382,7 +402,8 @@ def _walk_decoder(model: Any) -> WanLayout:
             head_c = int(sub.out_channels)
     if head_c is None:
         raise ValueError("decoder.head has no convolution")
-    wan22 = any(accepts(layer.forward, "first_chunk") for layer in dec.upsamples)
+    first_chunk = tuple(accepts(layer.forward, "first_chunk") for layer in dec.upsamples)
+    wan22 = any(first_chunk)
     patch = _patch(model, head_c, wan22)
     total_reach = [sum(v for _, v in contrib[i:]) for i in range(len(contrib) + 1)]
     splits = []
@@ -408,6 +429,9 @@ def _walk_decoder(model: Any) -> WanLayout:
         tiled_global_ops=tiled_glob,
         n_cache=sum(1 for m in dec.modules() if _is_conv3d(m)),
         temporal_kernel=int(dec.conv1.kernel_size[0]),
+        time_up=tuple(time_upsamples(dec)),
+        first_chunk=first_chunk,
+        mid_cached=tuple(accepts(layer.forward, "feat_cache") for layer in dec.middle),
     )
 
 
