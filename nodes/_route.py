@@ -3,6 +3,7 @@ swapped template never fails where the original runs), each routed by what the V
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..memory.decode import image as image_engine
@@ -22,9 +23,20 @@ def _noted(note: str, route: str) -> str:
 
 
 def job_for(node: str, vae: Any, samples: Any, stream: str, *, tile_size: int = 0, halo: int = -1,
-            frames_per_chunk: int = 0) -> tuple[image_engine.ImageJob | video_engine.VideoJob, str]:
-    """``(job, note)`` of ``node``'s decode of ``samples``: ``note`` says how the latent was reshaped or which other
-    engine decodes it ("" when neither). The user's bad input raises the node's input error."""
+            frames_per_chunk: int = 0) -> tuple[image_engine.ImageJob | video_engine.VideoJob, Callable[..., Any], str]:
+    """``(job, decode, note)`` of ``node``'s decode of ``samples``: ``decode`` the engine that decodes ``job``
+    (identified once: :func:`..memory.decode.video.video_engine` for a video job), ``note`` how the latent was
+    reshaped or which other engine decodes it ("" when neither). The user's bad input raises the node's input
+    error."""
+    job, note = _job(node, vae, samples, stream, tile_size=tile_size, halo=halo, frames_per_chunk=frames_per_chunk)
+    if isinstance(job, video_engine.VideoJob):
+        return job, video_engine.video_engine(job), note
+    return job, image_engine.decode_image, note
+
+
+def _job(node: str, vae: Any, samples: Any, stream: str, *, tile_size: int, halo: int,
+         frames_per_chunk: int) -> tuple[image_engine.ImageJob | video_engine.VideoJob, str]:
+    """``(job, note)`` of :func:`job_for`."""
     z, label, note = _comfy.latent_tensor(node, vae, samples, stream)
     if hasattr(vae, "throw_exception_if_invalid"):
         vae.throw_exception_if_invalid()

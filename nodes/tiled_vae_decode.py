@@ -5,8 +5,9 @@ This file is the ComfyUI adapter: the schema, input validation and the wiring of
 bounded mid-block attention, GroupNorm weight casting) into ``memory.decode.image.decode_image``, which
 chooses the path (untiled / exact tiles / approximate tiles), plans, re-plans after out-of-memory
 errors, decodes the batch and writes the report (see its docstring and docs/TILED_DECODE.md). Single
-frames of a video VAE (a 4-D latent on Wan, Qwen-Image...) go to ``memory.decode.video.decode_video``; those of
-a 3-D image VAE (Hunyuan Image 2.1's refiner) are images (``memory.vae.one_frame``).
+frames of a video VAE (a 4-D latent on Wan, Qwen-Image...) go to the video engine
+(``memory.decode.video.video_engine``); those of a 3-D image VAE (Hunyuan Image 2.1's refiner) are images
+(``memory.vae.one_frame``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from comfy_api.v0_0_2 import io
 
 from ..memory.decode.env import DecodeEnv
 from ..memory.decode.guard import HostResult
-from ..memory.decode.image import REPORT_NODE, DecodeResult, ImageJob, decode_image
-from ..memory.decode.video import VideoDecodeResult, VideoJob, decode_video
+from ..memory.decode.image import REPORT_NODE, DecodeResult, ImageJob
+from ..memory.decode.video import VideoDecodeResult, VideoJob
 from . import _comfy, _decode_node, video_decode
 from ._route import job_for
 
@@ -53,9 +54,10 @@ def _widgets(tile_size: int, halo: int) -> None:
         raise _error(f"halo {halo}: use -1 (auto: the decoder's convolutional reach) or >= 0 latent px")
 
 
-def _checked(vae: Any, samples: Any, tile_size: int, halo: int) -> tuple[ImageJob | VideoJob, str]:
-    """``(job, note)``: the engine the VAE needs (:func:`._route.job_for`: a video latent goes to the video engine,
-    as Temporal-Chunk Video Decode decodes it, so that every latent VAE Decode takes decodes here too)."""
+def _checked(vae: Any, samples: Any, tile_size: int, halo: int
+             ) -> tuple[ImageJob | VideoJob, Callable[..., Any], str]:
+    """``(job, decode, note)``: the engine the VAE needs (:func:`._route.job_for`: a video latent goes to the video
+    engine, as Temporal-Chunk Video Decode decodes it, so that every latent VAE Decode takes decodes here too)."""
     _widgets(tile_size, halo)
     return job_for(REPORT_NODE, vae, samples, "first stream", tile_size=tile_size, halo=halo)
 
@@ -88,8 +90,7 @@ def decode(
     env = comfy_env(node_id)
 
     def own() -> DecodeResult | VideoDecodeResult:
-        job, note = _checked(vae, samples, int(tile_size), int(halo))
-        run = decode_video if isinstance(job, VideoJob) else decode_image
+        job, run, note = _checked(vae, samples, int(tile_size), int(halo))
         result = run(job, env, budget_mb=int(budget_mb), unload_others=bool(unload_others), t_start=t0,
                      allow_approximate=bool(allow_approximate))
         return video_decode.noted(result, REPORT_NODE, note)

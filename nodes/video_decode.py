@@ -2,9 +2,9 @@
 
 This file is the ComfyUI adapter: the schema, input validation and the wiring of ComfyUI's callables
 (cancel, cache flush, OOM type, progress bar, free memory, offload, weight loading, the persisted peak
-cache under ComfyUI's user folder) into ``memory.decode.video.decode_video``, which plans (Wan: exact
-chunked + tile-major decode, meta-sized peaks), decodes and writes the report; other video VAEs take the
-approximate overlap-blend path (see its docstring and docs/VIDEO_DECODE.md).
+cache under ComfyUI's user folder) into the engine the route chooses (``memory.decode.video.video_engine``):
+``decode_chunked`` plans (Wan: exact chunked + tile-major decode, meta-sized peaks), decodes and writes the report;
+other video VAEs take the approximate overlap-blend path (see its docstring and docs/VIDEO_DECODE.md).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from comfy_api.v0_0_2 import io
 from ..memory.decode import image as image_engine
 from ..memory.decode.env import DecodeEnv
 from ..memory.decode.guard import HostResult
-from ..memory.decode.video import REPORT_NODE, VideoDecodeResult, VideoJob, decode_video
+from ..memory.decode.video import REPORT_NODE, VideoDecodeResult, VideoJob
 from . import _comfy, _decode_node
 from ._route import job_for
 
@@ -51,10 +51,10 @@ def _widgets(frames_per_chunk: int, tile_size: int) -> None:
 
 
 def _checked(vae: Any, samples: Any, frames_per_chunk: int, tile_size: int
-             ) -> tuple[VideoJob | image_engine.ImageJob, str]:
-    """``(job, note)``: the engine the VAE needs (:func:`._route.job_for`: an image VAE's latents and the one-frame
-    latents of a 3-D image VAE go to Tiled VAE Decode's engine, so that every latent VAE Decode takes decodes here
-    too)."""
+             ) -> tuple[VideoJob | image_engine.ImageJob, Callable[..., Any], str]:
+    """``(job, decode, note)``: the engine the VAE needs (:func:`._route.job_for`: an image VAE's latents and the
+    one-frame latents of a 3-D image VAE go to Tiled VAE Decode's engine, so that every latent VAE Decode takes
+    decodes here too)."""
     _widgets(frames_per_chunk, tile_size)
     return job_for(REPORT_NODE, vae, samples, "video stream", tile_size=tile_size, frames_per_chunk=frames_per_chunk)
 
@@ -94,13 +94,9 @@ def decode(
     env = comfy_env(node_id)
 
     def own() -> VideoDecodeResult | image_engine.DecodeResult:
-        job, note = _checked(vae, samples, int(frames_per_chunk), int(tile_size))
-        if isinstance(job, image_engine.ImageJob):
-            result = image_engine.decode_image(job, env, budget_mb=int(budget_mb), unload_others=bool(unload_others),
-                                               t_start=t0, allow_approximate=bool(allow_approximate))
-        else:
-            result = decode_video(job, env, budget_mb=int(budget_mb), unload_others=bool(unload_others), t_start=t0,
-                                  allow_approximate=bool(allow_approximate))
+        job, run, note = _checked(vae, samples, int(frames_per_chunk), int(tile_size))
+        result = run(job, env, budget_mb=int(budget_mb), unload_others=bool(unload_others), t_start=t0,
+                     allow_approximate=bool(allow_approximate))
         return noted(result, REPORT_NODE, note)
 
     _widgets(int(frames_per_chunk), int(tile_size))

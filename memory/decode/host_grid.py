@@ -1,7 +1,7 @@
 """Video decode of a VAE that tiles internally (ComfyUI 0.33's ``handles_tiling``; MiniMax H3's video VAE): the
 host's own grid (0.33.0's raw-edge grid or the newer neighbour-blended one) reproduced one tile, or one row group,
 at a time (:mod:`..executors.host_grid`), after the same offload and budget steps as every decode, with its
-first-use self-check against the host's own result and its report. Entered from ``decode/video.decode_video`` when
+first-use self-check against the host's own result and its report. Chosen by ``decode/video.video_engine`` when
 :func:`..plan.host_grid.host_grid_of` recognises the model. Nothing here imports ComfyUI."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from ..executors import host_grid as hg
 from ..executors.host_grid import decode_host_grid
-from ..plan.host_grid import host_grid_of, plan_host_grid
+from ..plan.host_grid import plan_host_grid
 from ..plan.types import Plan
 from ..plan.video import VideoJob, model_key
 from ..report import fmt_bytes
@@ -121,8 +121,8 @@ HOST_GRID = OwnExecutor(
 
 
 def decode_host_grid_video(job: VideoJob, env: DecodeEnv, *, budget_mb: float = 0, unload_others: bool = True,
-                           t_start: float | None = None) -> Any:
+                           t_start: float | None = None, allow_approximate: bool = False) -> Any:
     """``decode_video`` for a model with its own grid (:func:`.own_executor.decode_own` with :data:`HOST_GRID`).
-    Returns a :class:`.video_out.VideoDecodeResult`."""
-    assert host_grid_of(job.vae.first_stage_model) is not None
+    Returns a :class:`.video_out.VideoDecodeResult`; ``allow_approximate`` unused (the executor is exact, else the
+    host's decode)."""
     return decode_own(job, env, HOST_GRID, budget_mb=budget_mb, unload_others=unload_others, t_start=t_start)

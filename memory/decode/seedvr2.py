@@ -3,7 +3,7 @@ upstream file): exact tiles and the host's time slices (:mod:`..executors.seedvr
 steps as every decode, with its first-use self-check against the host's own ``decode`` (its tiling off, as VAE Decode
 runs it) and its report (a ``hints`` row where the model gives its own memory hints; the plan row says how each was
 used, :mod:`..plan.seedvr2`).
-Entered from ``decode/video.decode_video`` when :func:`..vae.seedvr2_layout.seedvr2_of` recognises the model.
+Chosen by ``decode/video.video_engine`` when :func:`..vae.seedvr2_layout.seedvr2_of` recognises the model.
 Nothing here imports ComfyUI."""
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ SEEDVR2 = OwnExecutor(
 
 
 def decode_seedvr2_video(job: VideoJob, env: DecodeEnv, *, budget_mb: float = 0, unload_others: bool = True,
-                         t_start: float | None = None) -> Any:
+                         t_start: float | None = None, allow_approximate: bool = False) -> Any:
     """``decode_video`` for SeedVR2 (:func:`.own_executor.decode_own` with :data:`SEEDVR2`). Returns a
-    :class:`.video_out.VideoDecodeResult`."""
+    :class:`.video_out.VideoDecodeResult`; ``allow_approximate`` unused (the executor is exact, else the host's
+    decode)."""
     return decode_own(job, env, SEEDVR2, budget_mb=budget_mb, unload_others=unload_others, t_start=t_start)

@@ -1,7 +1,7 @@
-"""Video decode within a memory budget: the job, the self-check of the chunked Wan executor on this host, the
-decode (offload, plan, execute into one output buffer) and the plan report. The engine of the Temporal-Chunk
-Video Decode node (``nodes/video_decode.py`` validates the inputs and passes ComfyUI's callables in a
-:class:`.env.DecodeEnv`). Design and measurements: docs/VIDEO_DECODE.md. Nothing here imports ComfyUI."""
+"""Video decode within a memory budget: the job, the engine that decodes it (identified once: :func:`video_engine`),
+the self-checks of the chunked executors on this host, the chunked decode (offload, plan, execute into one output
+buffer) and the plan report. The engine of the Temporal-Chunk Video Decode node (``nodes/video_decode.py``
+validates the inputs and passes ComfyUI's callables in a :class:`.env.DecodeEnv`). Design and measurements: docs/VIDEO_DECODE.md. Nothing here imports ComfyUI."""
 
 from __future__ import annotations
 
@@ -30,11 +30,10 @@ from ..plan.video import (
     blend_ratios,
     carry_halo,
     chunk_frames,
+    host_decode_plan,
     host_fn,
-    host_plan,
     model_key,
     output_geometry,
-    plan_host_decode,
 )
 from ..report import (
     Report,
@@ -52,13 +51,15 @@ from ..vae.wan_layout import cache_protocol, is_wan_vae, wan_layout
 from .env import DecodeEnv, host_room_for, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
 from .floor import floor_choice, host_oom_error, seeded
+from .host_grid import decode_host_grid_video
+from .seedvr2 import decode_seedvr2_video
 from .self_check import FIDELITY_FLOOR_DB, CheckStore, Verdict, checked, code_fingerprint
 from .video_out import VideoDecodeResult, buffer_bytes, host_decode, output_buffer, post_process
 
 log = logging.getLogger("vramfit.memory.decode.video")
 
-__all__ = ["REPORT_NODE", "VideoDecodeResult", "VideoJob", "check_blend", "check_chunked", "decode_video",
-           "make_job"]
+__all__ = ["REPORT_NODE", "VideoDecodeResult", "VideoJob", "check_blend", "check_chunked", "decode_chunked",
+           "decode_video", "make_job", "video_engine"]
 
 ProgressFn = Callable[[int, int], None]
 
@@ -75,8 +76,10 @@ def make_job(vae: Any, z: torch.Tensor, out_device: torch.device | str, *, frame
         vae=vae,
         z=z,
         layout=wan_layout(model) if wan else None,
+        protocol=cache_protocol(model) if wan else None,
         carry=carry if carry is not None and carry.reason is None else None,
         carry_why=(carry.reason or "") if carry is not None else "",
+        blend_why="" if wan else blend_refusal(model) or "",
         family=identify(vae) or model_name(vae),
         dtype=getattr(vae, "vae_dtype", torch.float32),
         device=torch.device(vae.device),
@@ -201,11 +204,10 @@ def _blend_or_host(job: VideoJob, p: Plan, env: DecodeEnv, available: int, allow
     """The blend plan ``p`` as it may run: kept (its fidelity in its reason) when it measures at least
     :data:`.self_check.FIDELITY_FLOOR_DB` or the user allows approximate output; else the host's own decode (exact),
     flagged when over budget, its reason saying why the blend was not taken. A decoder the blend cannot serve
-    (:func:`..vae.carry_layout.blend_refusal`) always takes the host's decode. Returns ``(plan, refused)``:
+    (:attr:`..plan.video_job.VideoJob.blend_why`) always takes the host's decode. Returns ``(plan, refused)``:
     ``refused`` the reason the blend was not taken ("" when it runs)."""
-    refused = blend_refusal(job.vae.first_stage_model)
-    if refused is not None:
-        refused = f"no overlap-blend for this decoder: {refused}"
+    if job.blend_why:
+        refused = f"no overlap-blend for this decoder: {job.blend_why}"
     elif int(job.z.shape[2]) <= int(p.config.k):  # one chunk holds the clip: that chunk is the host's own decode
         refused = f"one chunk of {p.config.k} latent frames holds the whole clip: it is the host's own decode"
     else:
@@ -213,13 +215,7 @@ def _blend_or_host(job: VideoJob, p: Plan, env: DecodeEnv, available: int, allow
         fid, refused = floor_choice(v, allow, "the overlap-blend that fits")
         if not refused:
             return dataclasses.replace(p, reason=f"{p.reason}; {fid}"), ""
-    try:
-        host = plan_host_decode(job, 1 << 62, env.peaks, refused)
-    except Exception as e:  # noqa: BLE001 - an op without a fake kernel: the host's decode is not predicted
-        log.warning("meta sizing of %s's own decode failed (%s: %s)", job.family, type(e).__name__, e)
-        host = None
-    if host is None:
-        host = host_plan(int(job.z.shape[2]), 0, refused)
+    host = host_decode_plan(job, env.peaks, refused)
     host.over_budget = host.planned > available
     return host, refused
 
@@ -257,7 +253,27 @@ def _items(b: int, per_item: bool) -> list[slice]:
 # Decode
 
 
-def decode_video(
+def video_engine(job: VideoJob) -> Callable[..., VideoDecodeResult]:
+    """The engine that decodes ``job``, identified once by what its VAE is (the route asks it; :func:`decode_video`
+    for a caller without a route): MiniMax H3's own grid (:func:`.host_grid.decode_host_grid_video`), SeedVR2's
+    exact tiles and time slices (:func:`.seedvr2.decode_seedvr2_video`), else :func:`decode_chunked`."""
+    model = job.vae.first_stage_model
+    if host_grid_of(model) is not None:  # tiles internally (MiniMax H3): the host's own grid
+        return decode_host_grid_video
+    if seedvr2_of(model) is not None:  # SeedVR2: exact tiles, the host's own time slices
+        return decode_seedvr2_video
+    return decode_chunked
+
+
+def decode_video(job: VideoJob, env: DecodeEnv, *, budget_mb: float = 0, unload_others: bool = True,
+                 t_start: float | None = None, allow_approximate: bool = False) -> VideoDecodeResult:
+    """Decode any video ``job`` by its engine (:func:`video_engine`), with :func:`decode_chunked`'s arguments."""
+    env.at("identify")
+    return video_engine(job)(job, env, budget_mb=budget_mb, unload_others=unload_others, t_start=t_start,
+                             allow_approximate=allow_approximate)
+
+
+def decode_chunked(
     job: VideoJob,
     env: DecodeEnv,
     *,
@@ -266,19 +282,12 @@ def decode_video(
     t_start: float | None = None,
     allow_approximate: bool = False,
 ) -> VideoDecodeResult:
-    """Decode ``job`` within the budget; returns frames ``(B*T, H, W, C)`` on [0, 1] (as VAEDecode) and the
-    report. ``budget_mb``: 0 = free memory
+    """Decode ``job`` within the budget in chunks (Wan's, carried or overlap-blended) or by the host's own decode;
+    returns frames ``(B*T, H, W, C)`` on [0, 1] (as VAEDecode) and the report. ``budget_mb``: 0 = free memory
     (``env.budget``); ``unload_others``: offload upstream models first (``env.offload``, VAEs with a
     patcher). ``t_start``: ``time.perf_counter()`` when planning started. ``allow_approximate``: an overlap-blend
     that measures under :data:`.self_check.FIDELITY_FLOOR_DB` on its first-use check may run (else the host's own
     decode runs, flagged when over budget). Raises :class:`.grid.ImpossibleBudgetError` when no plan fits."""
-    env.at("identify")
-    if host_grid_of(job.vae.first_stage_model) is not None:  # tiles internally (MiniMax H3): the host's own grid
-        from .host_grid import decode_host_grid_video
-        return decode_host_grid_video(job, env, budget_mb=budget_mb, unload_others=unload_others, t_start=t_start)
-    if seedvr2_of(job.vae.first_stage_model) is not None:  # SeedVR2: exact tiles, the host's own time slices
-        from .seedvr2 import decode_seedvr2_video
-        return decode_seedvr2_video(job, env, budget_mb=budget_mb, unload_others=unload_others, t_start=t_start)
     vae, z = job.vae, job.z
     b, _, t, h, w = (int(v) for v in z.shape)
     model = vae.first_stage_model
@@ -324,13 +333,13 @@ def decode_video(
     t1 = time.perf_counter()
     env.at("run")
     with measured(env, job.device) as m:
-        if p.path == "host" and refused and p.over_budget:
+        if p.path == "host":
             try:
                 host_decode(job, view, bar, env, stats)
             except oom_types(env.oom_exceptions) as e:
-                raise host_oom_error(REPORT_NODE, e, refused) from e
-        elif p.path == "host":
-            host_decode(job, view, bar, env, stats)
+                if refused and p.over_budget:  # taken instead of the approximate plan: say how to allow that
+                    raise host_oom_error(REPORT_NODE, e, refused) from e
+                raise
         elif p.path == "wan":
             for i in _items(b, per_item):
                 decode_wan_chunked(
@@ -385,7 +394,7 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
     if job.one_frame:
         r.add("check", plan.reason if plan.path != "host" else "chunked executor not used")
     elif job.wan:
-        proto = cache_protocol(job.vae.first_stage_model)
+        proto = job.protocol
         how = "carried by the host's blocks" if not proto.restores else "restored by the executor"
         r.add("check", f"cache protocol {proto.name} (history {how}); "
                        f"{plan.reason if plan.path != 'host' else 'chunked executor not used'}")

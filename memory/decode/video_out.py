@@ -12,7 +12,6 @@ import torch
 from ..plan.types import Plan
 from ..plan.video_job import VideoJob, host_fn
 from ..report import Report
-from ..vae.wan_layout import cache_protocol
 from .env import DecodeEnv
 
 __all__ = ["VideoDecodeResult", "buffer_bytes", "host_decode", "output_buffer", "post_process"]
@@ -51,7 +50,6 @@ def output_buffer(job: VideoJob, frames: int, h: int, w: int) -> tuple[torch.Ten
 def host_decode(job: VideoJob, view: torch.Tensor, bar: ProgressFn | None, env: DecodeEnv, stats: dict) -> None:
     """The host's own ``first_stage_model.decode`` per batch item (as ``VAE.decode`` feeds it: the VAE's
     dtype and device; :func:`..plan.video_job.host_fn`), written into the output view."""
-    model = job.vae.first_stage_model
     decode = host_fn(job)
     b = int(job.z.shape[0])
     for i in range(b):
@@ -66,7 +64,7 @@ def host_decode(job: VideoJob, view: torch.Tensor, bar: ProgressFn | None, env: 
         bar(b, b)
     stats.update(exact=True, chunks=b, units=b)
     if job.wan:
-        stats["protocol"] = cache_protocol(model).name
+        stats["protocol"] = job.protocol.name
 
 
 def post_process(vae: Any, view: torch.Tensor) -> None:

@@ -5,8 +5,8 @@ lever is the tile: whole frames first (fewest calls), then tiles of 512 .. 32 px
 resolution; on an accelerator, whole frames and 512-px tiles with the store on the device, then every tile with the
 store (whole-frame activations and carried frames) in host memory, which leaves less on the device than any
 device-store tile (and sizing many small tiles of a 4K frame on fake tensors takes minutes). The first that fits the
-budget is the plan; none fits: the smallest, flagged over budget. Entered from ``decode/seedvr2`` (``decode/video.decode_video``
-dispatches there when :func:`..vae.seedvr2_layout.seedvr2_of` recognises the model).
+budget is the plan; none fits: the smallest, flagged over budget. Entered from ``decode/seedvr2``
+(``decode/video.video_engine`` chooses it when :func:`..vae.seedvr2_layout.seedvr2_of` recognises the model).
 
 The rewritten upstream model gives hints of its own (:class:`..vae.seedvr2_layout.Hints`), and the plan row says how
 each was used: its decode estimate (``comfy_memory_used_decode``), when the model marks it reliable

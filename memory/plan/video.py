@@ -22,7 +22,7 @@ from ..measure.sizing import MetaSizer
 from ..report import fmt_bytes
 from ..tiles import chunk_ranges, overlap_chunks, spans
 from ..vae.carry_layout import CarryLayout
-from ..vae.wan_layout import WanLayout, cache_protocol
+from ..vae.wan_layout import WanLayout
 from .grid import ImpossibleBudgetError, scaled
 from .split import tail_reach
 from .types import Chunking, Plan
@@ -44,9 +44,9 @@ from .video_job import (
 log = logging.getLogger("vramfit.memory.plan.video")
 
 __all__ = ["BLEND_MAX_K", "MAX_AUTO_K", "REPORT_NODE", "PeakStore", "VideoJob", "blend_fn", "blend_ratios",
-           "candidates", "chunk_frames", "decode_peak", "executor_digest", "host_fn", "lower_bound", "meta_peak", "meta_sizes",
-           "model_key", "out_bytes", "peak_key", "plan", "plan_blend", "plan_host_decode", "plan_wan",
-           "size_candidate", "traffic"]
+           "candidates", "chunk_frames", "decode_peak", "executor_digest", "host_decode_plan", "host_fn", "lower_bound",
+           "meta_peak", "meta_sizes", "model_key", "out_bytes", "peak_key", "plan", "plan_blend", "plan_host_decode",
+           "plan_wan", "size_candidate", "traffic"]
 
 MAX_AUTO_K = 8
 """Largest chunk the auto plan considers (latent frames)."""
@@ -358,7 +358,7 @@ def plan_wan(job: VideoJob, budget: int, k_user: int, tile_user: tuple[int, int]
     over: list[tuple[Chunking, int, int | None, int]] = []  # sized and over: (candidate, peak, phase 1, area)
     # On a host whose caches the executor restores (0.33's Wan 2.1), one-frame chunks hold the old cache
     # entries beside the new ones: k = 1 failing says nothing about larger k.
-    restores = cache_protocol(job.vae.first_stage_model).restores
+    restores = job.protocol.restores
     known: list[tuple[int, bool, Chunking]] = []  # (planned or its lower bound, exact, candidate)
     scaled = 0
     try:
@@ -716,6 +716,12 @@ def _host_if_sized(job: VideoJob, budget: int, peaks: PeakStore, reason: str) ->
     except Exception as e:  # noqa: BLE001 - an op without a fake kernel: no prediction, so not this plan
         log.warning("meta sizing of %s's own decode failed (%s: %s)", job.family, type(e).__name__, e)
         return None
+
+
+def host_decode_plan(job: VideoJob, peaks: PeakStore, reason: str) -> Plan:
+    """The host's own decode as a plan at any budget (``reason`` why it runs): its meta-sized peak, or not predicted
+    (0) when its decode cannot be meta-sized (logged)."""
+    return _host_if_sized(job, 1 << 62, peaks, reason) or host_plan(int(job.z.shape[2]), 0, reason)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from ..executors import wan as vc
 from ..measure.sizing import MetaSizer
 from ..store import Store
 from ..vae.carry_layout import CarryLayout
-from ..vae.wan_layout import WanLayout, cache_protocol
+from ..vae.wan_layout import CacheProtocol, WanLayout
 
 __all__ = ["REPORT_NODE", "PeakStore", "VideoJob", "blend_fn", "blend_ratios", "chunk_frames", "executor_digest",
            "host_fn", "meta_peak", "meta_sizes", "model_key", "out_bytes"]
@@ -80,8 +80,13 @@ class VideoJob:
     """A causal decoder without a host cache (:mod:`..vae.carry_layout`): exact carried-context chunks."""
     carry_why: str = ""
     """Why there are no carried-context chunks (``carry`` None; "" for Wan), for the report."""
+    blend_why: str = ""
+    """Why no overlap-blend can serve this decoder (:func:`..vae.carry_layout.blend_refusal`; "" when one may)."""
     host_room: int | None = None
     """Bytes a store in host memory may take (:func:`..budget.host_room`, set after the offload; None: unbounded)."""
+    protocol: CacheProtocol | None = None
+    """The host's cache protocol of a Wan decoder (:func:`..vae.wan_layout.cache_protocol`, probed once by
+    ``make_job``); None: another video VAE."""
     one_frame: bool = False
     """``z`` holds the 2-D latents of an image VAE with a Wan-layout decoder (Qwen-Image 2.1's VAE), each a
     one-frame clip: the host decodes them as 4-D latents (:func:`host_fn`), the reference of every check."""
@@ -110,7 +115,7 @@ def model_key(job: VideoJob, fingerprint: str | None = None) -> str:
     version, dtype and device type."""
     model = job.vae.first_stage_model
     cls = type(model)
-    proto = cache_protocol(model).name if job.wan else "-"
+    proto = job.protocol.name if job.protocol is not None else "-"
     return (f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__qualname__}/{fingerprint or job.fingerprint}/{proto}"
             f"/video-{executor_digest()}/{dtype_name(job.dtype)}/{job.device.type}")
 
