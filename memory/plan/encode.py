@@ -145,14 +145,13 @@ class EncodeJob:
 
     def run_tiles(self, x: torch.Tensor, tile: int, **kw: Any) -> torch.Tensor:
         """The exact tiled executor of this job's kind on ``x`` with tiles of ``tile`` px."""
-        model = self.vae.first_stage_model
-        if self.split is not None:
-            kw.pop("norm_params", None)
-            kw.pop("size_only", None)
-            r = self.prefix_ratio
-            return se.encode_split_tiled(model, x, tile // r, r, self.split, halo=self.halo, **kw)
-        assert self.walker is not None
-        return te.run_exact(self.walker, x, tile, **kw)
+        if self.walker is not None:
+            return te.run_exact(self.walker, x, tile, **kw)
+        assert self.split is not None
+        kw.pop("norm_params", None)
+        kw.pop("size_only", None)
+        r = self.prefix_ratio
+        return se.encode_split_tiled(self.vae.first_stage_model, x, tile // r, r, self.split, halo=self.halo, **kw)
 
 
 def _key(job: EncodeJob, what: str) -> str:
