@@ -95,9 +95,9 @@ def _case(name: str, comfy, mods, kl, wan):
     same input."""
     vae, x = {
         "tiled": (kl, {"samples": structured_latent((1, 4, 6, 5), seed=1)}),
-        "video": (wan, {"samples": structured_latent((1, 16, 3, 4, 5), seed=1)}),
+        "video": (wan, {"samples": structured_latent((1, 16, 2, 2, 3), seed=1)}),
         "encode": (kl, _pixels(1, 48, 40)),
-        "video_encode": (wan, _pixels(5, 32, 40)),
+        "video_encode": (wan, _pixels(5, 16, 24)),
         "inpaint": (kl, _pixels(1, 48, 40)),
     }[name]
     mod = mods[name]
