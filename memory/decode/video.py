@@ -221,25 +221,29 @@ def _blend_or_host(job: VideoJob, p: Plan, env: DecodeEnv, available: int, allow
 
 
 def _plan_batch(job: VideoJob, available: int, env: DecodeEnv, ratio: Any, out_bytes: int) -> tuple[Plan, bool]:
-    """``(plan, per_item)``: the plan of the whole batch at once; when none fits a batch of several Wan clips, the
-    plan of one clip within what the batch's output buffer (``out_bytes``, held throughout) leaves, run one batch
-    item at a time (the chunked executor decodes each item alone, as the host's Wan decode does: no noise, no
-    statistic across the batch; a batch of Qwen-Image-Layered's layers). Not the carried families: a decoder that
-    draws noise (LTX-Video) draws it once for the host's whole batch. Raises the whole batch's
-    :class:`..plan.grid.ImpossibleBudgetError` when one clip does not fit either."""
+    """``(plan, per_item)``: the plan of the whole batch at once; when none fits a batch of several Wan clips (none
+    at all, or only the user's ``frames_per_chunk`` / ``tile_size`` over the budget), the plan of one clip within what
+    the batch's output buffer (``out_bytes``, held throughout) leaves, run one batch item at a time (the chunked
+    executor decodes each item alone, as the host's Wan decode does: no noise, no statistic across the batch; a batch
+    of Qwen-Image-Layered's layers). Not the carried families: a decoder that draws noise (LTX-Video) draws it once
+    for the host's whole batch. When one clip does not fit either: the whole batch's plan, or its
+    :class:`..plan.grid.ImpossibleBudgetError`."""
+    b = int(job.z.shape[0])
     try:
-        return plan(job, available, env.peaks, ratio), False
+        whole: Plan | ImpossibleBudgetError = plan(job, available, env.peaks, ratio)
     except ImpossibleBudgetError as e:
         whole = e
-    b = int(job.z.shape[0])
-    if b == 1 or not job.wan:
-        raise whole
-    one = dataclasses.replace(job, z=job.z[:1])
-    try:
-        p = plan(one, available - out_bytes + out_bytes // b, env.peaks, ratio)
-    except ImpossibleBudgetError:
-        raise whole from None
-    if p.path != "wan":
+    if isinstance(whole, Plan) and (not whole.over_budget or b == 1 or not job.wan or whole.path != "wan"):
+        return whole, False
+    p = None
+    if b > 1 and job.wan:
+        try:
+            p = plan(dataclasses.replace(job, z=job.z[:1]), available - out_bytes + out_bytes // b, env.peaks, ratio)
+        except ImpossibleBudgetError:
+            p = None
+    if p is None or p.path != "wan" or p.over_budget:
+        if isinstance(whole, Plan):
+            return whole, False
         raise whole
     p.planned += out_bytes - out_bytes // b
     return dataclasses.replace(p, description=f"{p.description}; one batch item at a time"), True

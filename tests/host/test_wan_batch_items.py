@@ -2,7 +2,7 @@
 
 When no chunked plan holds the whole batch, Temporal-Chunk Video Decode plans one clip within what the batch's
 output leaves and decodes the batch one clip at a time (``memory/decode/video.py``, "one batch item at a time";
-before, "no plan fits"); the chunked executor per clip, or the host's own decode per clip where that fits (0.33.0's
+before, "no plan fits"; with the user's frames_per_chunk, the whole batch over the budget); the chunked executor per clip, or the host's own decode per clip where that fits (0.33.0's
 Wan decode on these tiny clips). Here: the floors are read from the node's own refusals (the whole batch's, one clip's), a
 budget between them gives the host's frames clip by clip within the budget, and an out-of-memory error inside the
 second clip re-plans that clip and resumes it, the first clip left as it was (nothing finished is decoded again).
@@ -116,3 +116,15 @@ def test_an_oom_in_the_second_clip_resumes_it_and_keeps_the_first(mod, case, cle
     half = ref.shape[0] // 2
     assert torch.equal(r.images[:half], first.images[:half]), "the first clip changed"
     assert (r.images - ref).abs().max().item() <= FIDELITY, text
+
+
+def test_the_users_frames_per_chunk_goes_clip_by_clip_too(mod, case):
+    """With the user's ``frames_per_chunk`` the whole batch's plan is over the budget (a user's chunk size is never
+    refused): one clip at a time with that chunk size fits, and runs (before: the whole batch, flagged over budget)."""
+    vae, z, ref, budget_mb = case
+    r = mod.decode(vae, {"samples": z}, budget_mb=budget_mb, frames_per_chunk=1)
+    text = r.report.text()
+    assert r.plan.path == "wan" and "one batch item at a time" in r.plan.description, text
+    assert r.report.summary.startswith("exact") and "OVER BUDGET" not in text, text
+    assert (r.images - ref).abs().max().item() <= FIDELITY, text
+    assert r.measured_peak is not None and r.measured_peak <= budget_mb * MiB, text
