@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from scripts.fixtures.latents import structured_latent
+from tests.video_refs import reference
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread", "inference_mode")]
 log = logging.getLogger("vramfit.tests.wan_batch_items")
@@ -40,15 +40,11 @@ def mod(comfy):
 
 
 @pytest.fixture(scope="module")
-def case(comfy, fixture_vaes):
+def case(comfy, fixture_vaes, mod):
     """``(vae, z, VAEDecode(z), budget_mb)``: the budget lies between one clip's smallest plan (plus the other clip's
     output, held throughout) and the whole batch's lower bound, both as the node's refusals state them, as high as
     it can (a clip's plan with room to shrink after an out-of-memory error)."""
-    with torch.inference_mode():
-        vae = fixture_vaes.load(comfy, "wan21")
-        z = structured_latent(LATENT, seed=4)
-        (ref,) = comfy.VAEDecode().decode(vae, {"samples": z})
-    mod = sys.modules[comfy.NODE_CLASS_MAPPINGS[NODE_ID].__module__]
+    vae, z, ref = reference(comfy, fixture_vaes, "wan21", LATENT, seed=4)
     refusals = {}
     for name, latent in (("batch", z), ("clip", z[:1])):
         with pytest.raises(ValueError, match="no plan fits") as e:
