@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from ..tiles import spans
 from ..vae.encode_split import encode_split, prefix_ratio
 from ..vae.families import identify, model_name
 from ..vae.kl_layout import kl_layout
-from .env import DecodeEnv, host_room_for, load_weights, measured, prepare
+from .env import DecodeEnv, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
 from .self_check import ENCODE_METHODS, CheckStore, Verdict, checked, code_fingerprint
 
@@ -171,11 +172,13 @@ class EncodeResult:
 
 
 def _run(
-    job: EncodeJob, p: Plan, env: DecodeEnv, bar: Any, oom_events: list[str]
-) -> tuple[torch.Tensor, Plan]:
+    job: EncodeJob, p: Plan, env: DecodeEnv, bar: Any, oom_events: list[str],
+    verify: Callable[[EncodeJob, Plan], tuple[EncodeJob, Plan]],
+) -> tuple[torch.Tensor, Plan, EncodeJob]:
     """Execute ``p`` for every item, one after another, the mid block's split attention bounded as planned;
     after an out-of-memory error outside a tile, the next smaller plan for the items not finished
-    (:func:`..plan.encode.smaller`). Returns the latent and the plan that finished."""
+    (:func:`..plan.encode.smaller`), as ``verify(job, plan)`` leaves it (outside the ``except`` block). Returns the
+    latent, the plan that finished and the job as the verdicts left it."""
     model = job.vae.first_stage_model
     done: list[torch.Tensor] = []
     ooms = oom_types(env.oom_exceptions)
@@ -188,9 +191,9 @@ def _run(
     while True:
         try:
             if p.path == "host":  # VAEEncode's own call (0.3.75's node keeps RGB itself; 0.33's crop does)
-                return job.vae.encode(job.pixels[..., : getattr(job.vae, "output_channels", 3)]), p
+                return job.vae.encode(job.pixels[..., : getattr(job.vae, "output_channels", 3)]), p, job
             with env.attention(model, int(p.stats.get("attention", 0)) or (1 << 62)):
-                return _items(job, p, env, bar, done, tile_oom), p
+                return _items(job, p, env, bar, done, tile_oom), p, job
         except ooms as e:
             if getattr(e, "_vramfit_from_stop", False) or getattr(e, "_vramfit_tail", False):
                 raise  # a cancel; an OOM after the tiles, which no smaller plan avoids
@@ -198,14 +201,31 @@ def _run(
                    else None)
             if nxt is None:
                 raise
-            oom_events.append(
-                f"{type(e).__name__} in the {p.path} pass: re-planned ({p.description} -> "
-                f"{nxt.description}); retrying"
-            )
-            log.warning("%s: %s", _report_node(job), oom_events[-1])
-            p = nxt
+            what = f"{type(e).__name__} in the {p.path} pass"
         if env.on_oom is not None:
             env.on_oom()
+        job, nxt = verify(job, nxt)
+        oom_events.append(f"{what}: re-planned ({p.description} -> {nxt.description}); retrying")
+        log.warning("%s: %s", _report_node(job), oom_events[-1])
+        p = nxt
+
+
+def _verified(job: EncodeJob, p: Plan, env: DecodeEnv, first: FirstUse, replan: Callable[[EncodeJob], Plan]
+              ) -> tuple[EncodeJob, Plan]:
+    """The verify step: exact tiles run only once their self-check (:func:`check_encode`) passed on this host, for the
+    first plan and each re-plan after an out-of-memory error; a failed check gives ``replan(job)`` without them (the
+    host's own encode). The encoder's own forward and the host's encode rely on nothing: no check runs for them."""
+    stage = env.stage
+    env.at("check")
+    if p.path == "exact" and job.verdict is None:
+        verdict = check_encode(job, env.checks, env.norm_params, lambda: load_weights(job.vae, env, 0), first)
+        job = dataclasses.replace(job, verdict=verdict)
+        if not verdict.ok:
+            job = dataclasses.replace(job, exact_reason=f"the exact tiled walker's {verdict.describe()}")
+            env.at("plan")
+            p = replan(job)
+    env.at(stage)
+    return job, p
 
 
 def _items(
@@ -267,14 +287,6 @@ def encode_image(
     :class:`..plan.grid.ImpossibleBudgetError` when no plan fits."""
     t0 = time.perf_counter() if t_start is None else t_start
     first = FirstUse(env.phase, "encode")
-    verdict = None
-    env.at("check")
-    if job.exact_reason is None:
-        verdict = check_encode(job, env.checks, env.norm_params, lambda: load_weights(job.vae, env, 0), first)
-        if not verdict.ok:
-            job = dataclasses.replace(job, exact_reason=f"the exact tiled walker's {verdict.describe()}")
-    job = dataclasses.replace(job, verdict=verdict)
-
     env.at("cost")
     ratio = env.observed.ratios(job.family, job.dtype, job.device)
 
@@ -286,17 +298,24 @@ def encode_image(
     env.at("prepare")
     prep = prepare(
         job.vae, env, lambda: plan(job, 1 << 62, env.peaks, ratio, attention, first).planned or None, budget_mb,
-        unload_others,
+        unload_others, (job.device, job.out_device, 0),
     )
     budget = prep.budget
-    job = dataclasses.replace(job, host_room=host_room_for(env, job.device, job.out_device, 0))
+    job = dataclasses.replace(job, host_room=prep.host_room)
+
+    def replan(j: EncodeJob) -> Plan:
+        try:
+            return plan(j, int(budget.available), env.peaks, ratio, attention, first)
+        except ImpossibleBudgetError as e:
+            raise ImpossibleBudgetError(
+                f"{e} (budget: {budget.describe('encoding')})", budget=e.budget, minimum=e.minimum
+            ) from e
+
+    def verify(j: EncodeJob, p: Plan) -> tuple[EncodeJob, Plan]:
+        return _verified(j, p, env, first, replan)
+
     env.at("plan")
-    try:
-        p = plan(job, int(budget.available), env.peaks, ratio, attention, first)
-    except ImpossibleBudgetError as e:
-        raise ImpossibleBudgetError(
-            f"{e} (budget: {budget.describe('encoding')})", budget=e.budget, minimum=e.minimum
-        ) from e
+    job, p = verify(job, replan(job))
     env.at("weights")
     load_weights(job.vae, env, p.planned)
     plan_seconds = time.perf_counter() - t0
@@ -305,7 +324,7 @@ def encode_image(
     t1 = time.perf_counter()
     env.at("run")
     with measured(env, job.device) as m:
-        out, p = _run(job, p, env, bar, oom_events)
+        out, p, job = _run(job, p, env, bar, oom_events, verify)
     seconds = time.perf_counter() - t1
     env.at("report")
     if not oom_events and p.path != "host":

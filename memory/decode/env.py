@@ -94,6 +94,8 @@ class Prepared:
     budget: Budget
     offload: str
     """The offload row of the report."""
+    host_room: int | None = None
+    """Bytes a store in host memory may take (:func:`host_room_for`, read after the offload; None: no room given)."""
 
 
 def host_room_for(env: DecodeEnv, device: torch.device, out_device: torch.device, out_bytes: int) -> int | None:
@@ -106,8 +108,9 @@ def host_room_for(env: DecodeEnv, device: torch.device, out_device: torch.device
 
 
 def prepare(vae: Any, env: DecodeEnv, need: Callable[[], int | None], budget_mb: float,
-            unload_others: bool) -> Prepared:
-    """Offload upstream models, then take the budget. The decode asks for ``need()`` (the fastest plan's
+            unload_others: bool, host: tuple[torch.device, torch.device, int] | None = None) -> Prepared:
+    """Offload upstream models, then take the budget and, for ``host`` = ``(device, out_device, out_bytes)``,
+    the host room (:func:`host_room_for`). The decode asks for ``need()`` (the fastest plan's
     peak; None: unknown, offload everything), at most ``budget_mb``, plus the VAE's weights not yet loaded
     (``budget_mb`` caps the decode's working memory, not the weights). VAEs without a ComfyUI model
     patcher are not offloaded for."""
@@ -126,7 +129,8 @@ def prepare(vae: Any, env: DecodeEnv, need: Callable[[], int | None], budget_mb:
         if want is not None:
             want += max(0, int(patcher.model_size()) - int(patcher.loaded_size()))
         text = env.offload(vae, want).describe()
-    return Prepared(env.budget(vae, budget_mb), text)
+    budget = env.budget(vae, budget_mb)
+    return Prepared(budget, text, None if host is None else host_room_for(env, *host))
 
 
 def unaliased(out: torch.Tensor, given: torch.Tensor) -> torch.Tensor:

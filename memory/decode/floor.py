@@ -31,8 +31,8 @@ from .first_use import FirstUse
 from .self_check import BATCH_CHECK_ITEMS, FIDELITY_FLOOR_DB, CheckStore, Verdict, checked, code_fingerprint
 
 __all__ = ["GENERIC_CHECK_MAX", "GENERIC_CHECK_TILE", "approximate_text", "batch_text", "check_batch_split",
-           "check_generic", "describe_host", "floor_choice", "floor_plan_hook",
-           "generic_fn", "generic_or_host", "host_oom_error", "is_floor_host", "seeded"]
+           "check_generic", "describe_host", "floor_choice", "generic_fn", "generic_or_host", "host_oom_error",
+           "is_floor_host", "seeded"]
 
 ALLOW = "allow_approximate"
 """The nodes' optional input that lets an approximate path under the floor run."""
@@ -223,17 +223,6 @@ def generic_or_host(job: ImageJob, p: Plan, models: ImageModels, store: CheckSto
 def approximate_text(p: Plan, job: ImageJob) -> str:
     """The generic tiles' measure for the report's path row ("" when ``p`` was not measured)."""
     return p.reason if p.path == "generic" and p.reason and p.reason != job.exact_reason else ""
-
-
-def floor_plan_hook(job: ImageJob, models: ImageModels, store: CheckStore, available: int, allow: bool,
-                    ratio: Callable[[str], float], prepare: Callable[[], None] | None = None,
-                    first_use: FirstUse | None = None, batch_hw: tuple[int, int] = (4, 4)) -> Callable[[Plan], Plan]:
-    """:func:`generic_or_host` for every plan a decode takes (the first, and each re-plan after an out-of-memory
-    error)."""
-    def gate(p: Plan) -> Plan:
-        return generic_or_host(job, p, models, store, available, allow, ratio("untiled"), prepare, first_use,
-                               batch_hw)
-    return gate
 
 
 def describe_host(p: Plan, job: ImageJob) -> str:

@@ -69,15 +69,15 @@ from ..report import (
 )
 from ..vae.families import batch_coupling_hint
 from ..vae.split_layout import split_layout
-from .env import DecodeEnv, host_room_for, load_weights, prepare, unaliased
+from .env import DecodeEnv, load_weights, prepare, unaliased
 from .execute import Progress, ProgressFn, note_observed, run_passes
 from .first_use import FirstUse, first_use_tag
 from .floor import (
     approximate_text,
     batch_text,
     describe_host,
-    floor_plan_hook,
     generic_fn,
+    generic_or_host,
     host_oom_error,
     is_floor_host,
 )
@@ -275,9 +275,10 @@ def _extent(job: ImageJob, p: Plan, start: int) -> tuple[int, int]:
     return start + 1, (b_total - start - 1) * p.units
 
 
-def _one_pass(run: _Run, models: ImageModels, p: Plan, start: int, stop: int, cb: ProgressFn) -> None:
-    """Items ``start`` .. ``stop`` - 1 on plan ``p`` (untiled, or through its executor) into the output buffer."""
-    job = run.job
+def _one_pass(run: _Run, verify: _Verify, p: Plan, start: int, stop: int, cb: ProgressFn) -> None:
+    """Items ``start`` .. ``stop`` - 1 on plan ``p`` (untiled, or through its executor; its models as ``verify``
+    leaves them) into the output buffer."""
+    job, models = run.job, verify.models
     if p.path == "untiled":
         cb(0, stop - start)
         run.untiled_pass(start, stop)
@@ -304,10 +305,10 @@ def _one_pass(run: _Run, models: ImageModels, p: Plan, start: int, stop: int, cb
                                out_device=job.out_device, feather=p.feather, progress=cb, **run.tiles)
 
 
-def _smaller(job: ImageJob, models: ImageModels, budget: int, gate: Callable[[Plan], Plan], p: Plan) -> Plan:
+def _smaller(verify: _Verify, p: Plan) -> Plan:
     """The next smaller plan after an out-of-memory error outside a tile (:func:`..plan.image.fallback`), as it
-    may run (``gate``: :func:`.floor.generic_or_host`)."""
-    return gate(fallback(job, p, models, budget))
+    may run (verified)."""
+    return verify(lambda job, models: fallback(job, p, models, verify.avail))
 
 
 def _floor_oom(p: Plan, e: BaseException) -> BaseException | None:
@@ -356,56 +357,43 @@ def decode_image(
     """
     t_plan = time.perf_counter() if t_start is None else t_start
     first = FirstUse(env.phase)
-    env.at("check")
-    job, verdict = _self_check(job, env, first)
     env.at("cost")
     full = full_cost_model(job, env, lambda: load_weights(job.vae, env, 0), first)
-
     ratio = env.observed.ratios(job.subject.key_name, job.dtype, job.device)
 
     # Offload upstream models for the fastest plan's need (what ComfyUI's own decode would need).
     env.at("prepare")
-    prep = prepare(job.vae, env, lambda: int(ideal_bytes(job, full) * ratio("untiled")), budget_mb,
-                   unload_others)
+    out_bytes = int(job.z.shape[0]) * job.out_hw[0] * job.out_hw[1] * job.out_channels * 4
+    prep = prepare(job.vae, env, lambda: int(ideal_bytes(job, full) * ratio("untiled")), budget_mb, unload_others,
+                   (job.device, job.out_device, out_bytes))
     budget = prep.budget
     avail = int(budget.available)
-    job = dataclasses.replace(job, host_room=host_room_for(env, job.device, job.out_device, int(job.z.shape[0]) *
-                                                           job.out_hw[0] * job.out_hw[1] * job.out_channels * 4))
     env.at("cost")
-    models = image_models(job, env, full, avail, first)
+    verify = _Verify(dataclasses.replace(job, host_room=prep.host_room), env, full, avail, ratio, first,
+                     allow_approximate)
     env.at("plan")
-    p = _plan(job, avail, models, ratio, budget)
-    batch_verdict = None
-    if splits_batch(job, p):  # several passes: only the host's result when its items decode independently
-        env.at("check")
-        batch_verdict = check_batch_items(job, env.checks, lambda: load_weights(job.vae, env, 0), first)
-        if not batch_verdict.ok:
-            job = dataclasses.replace(job, batch_reason=batch_reason(job, batch_verdict))
-            env.at("plan")
-            p = _plan(job, avail, models, ratio, budget)
-    env.at("check")
-    gate = floor_plan_hook(job, models, env.checks, avail, allow_approximate, ratio,
-                           lambda: load_weights(job.vae, env, 0), first, CHECK_LATENT_HW)
-    p = gate(p)
+    p = verify(lambda j, models: _plan(j, avail, models, ratio, budget))
     env.at("weights")
     load_weights(job.vae, env, p.planned)
     plan_seconds = time.perf_counter() - t_plan
 
     total = int(job.z.shape[0]) * p.units
     bar = env.progress_bar(max(1, total)) if env.progress_bar is not None else None
-    run = _Run(job, env)
+    run = _Run(verify.job, env)
     t0 = time.perf_counter()
     env.at("run")
     p, m = run_passes(env, job.device, int(job.z.shape[0]), p, run.driver, Progress(bar, total),
-                      functools.partial(_extent, job), functools.partial(_one_pass, run, models),
-                      functools.partial(_smaller, job, models, avail, gate), _floor_oom, run.oom_events, REPORT_NODE)
+                      functools.partial(_extent, job), functools.partial(_one_pass, run, verify),
+                      functools.partial(_smaller, verify), _floor_oom, run.oom_events, REPORT_NODE)
     seconds = time.perf_counter() - t0
     env.at("report")
+    job = verify.job
     note_observed(env, observed_key(p.path, job.subject.key_name, job.dtype, job.device), m, p, run.oom_events)
 
+    models = verify.models
     calibrated = models.exact.calibrated if models.exact is not None else []
-    report = _report(job, p, models, budget, prep.offload, seconds, plan_seconds, m, run, first, verdict,
-                     batch_verdict)
+    report = _report(job, p, models, budget, prep.offload, seconds, plan_seconds, m, run, first,
+                     verify.checks.get(p.path), verify.batch)
     return DecodeResult(run.out, report, p, budget, seconds, plan_seconds, m.peak, m.method, run.oom_events,
                         calibrated)
 
@@ -419,21 +407,66 @@ def _plan(job: ImageJob, avail: int, models: ImageModels, ratio: Callable[[str],
                                     smallest=e.smallest) from e
 
 
-def _self_check(job: ImageJob, env: DecodeEnv, first: FirstUse) -> tuple[ImageJob, Verdict | None]:
-    """The exact walker (:func:`check_exact`) or the split path (:func:`check_split`) must have reproduced
-    this host's decode once; when it did not, the job has no such path (its reason says why)."""
-    load = lambda: load_weights(job.vae, env, 0)  # noqa: E731
-    if job.exact_reason is None:
-        verdict = check_exact(job, env.checks, env.norm_params, load, first)
-        if not verdict.ok:
-            job = dataclasses.replace(job, exact_reason=f"the exact tiled walker's {verdict.describe()}")
-        return job, verdict
-    if job.split_reason is None:
-        verdict = check_split(job, env.checks, load, first)
-        if not verdict.ok:
-            job = dataclasses.replace(job, split_reason=f"the split path's {verdict.describe()}")
-        return job, verdict
-    return job, None
+class _Verify:
+    """The verify step: what a plan relies on is proven on this host before it runs, for the first plan and for
+    each re-plan after an out-of-memory error. Exact or split tiles: that structure's self-check
+    (:func:`check_exact`, :func:`check_split`); a batch in separate passes: its items' independence
+    (:func:`check_batch_items`); approximate tiles: the fidelity floor (:func:`.floor.generic_or_host`). A failed
+    verdict re-plans without what failed (the job's reason says why). The host's own untiled decode of the whole
+    batch relies on nothing: no check runs for it. Holds the job and its plan models as the verdicts leave them."""
+
+    def __init__(self, job: ImageJob, env: DecodeEnv, full: Any, avail: int, ratio: Callable[[str], float],
+                 first: FirstUse, allow: bool) -> None:
+        self.job, self.env, self.full, self.avail, self.ratio, self.first, self.allow = \
+            job, env, full, avail, ratio, first, allow
+        self.models = image_models(job, env, full, avail, first)
+        self.checks: dict[str, Verdict] = {}
+        """The structure verdicts, by the path they prove (``exact``, ``split``)."""
+        self.batch: Verdict | None = None
+        self.load = lambda: load_weights(job.vae, env, 0)
+
+    def __call__(self, make: Callable[[ImageJob, ImageModels], Plan]) -> Plan:
+        """``make(job, models)``'s plan as it may run: re-made after each failed verdict."""
+        stage, env = self.env.stage, self.env
+        p = make(self.job, self.models)
+        env.at("check")
+        while True:
+            job = self.job
+            if p.path in ("exact", "split") and p.path not in self.checks:
+                job = self._structure(p.path)
+            elif splits_batch(job, p) and self.batch is None:
+                self.batch = check_batch_items(job, env.checks, self.load, self.first)
+                if not self.batch.ok:
+                    job = dataclasses.replace(job, batch_reason=batch_reason(job, self.batch))
+            else:
+                break
+            if job is not self.job:
+                self.job = job
+                env.at("plan")
+                p = make(job, self.models)
+                env.at("check")
+        p = generic_or_host(self.job, p, self.models, env.checks, self.avail, self.allow, self.ratio("untiled"),
+                            self.load, self.first, CHECK_LATENT_HW)
+        env.at(stage)
+        return p
+
+    def _structure(self, path: str) -> ImageJob:
+        """The self-check of ``path``'s structure; when it fails, the job without that path and its plan models."""
+        job, env = self.job, self.env
+        if path == "exact":
+            v = self.checks[path] = check_exact(job, env.checks, env.norm_params, self.load, self.first)
+            if not v.ok:
+                job = dataclasses.replace(job, exact_reason=f"the exact tiled walker's {v.describe()}")
+        else:
+            v = self.checks[path] = check_split(job, env.checks, self.load, self.first)
+            if not v.ok:
+                job = dataclasses.replace(job, split_reason=f"the split path's {v.describe()}")
+        if not v.ok:
+            stage = env.stage
+            env.at("cost")
+            self.models = image_models(job, env, self.full, self.avail, self.first)
+            env.at(stage)
+        return job
 
 
 # --------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from ..report import (
     peak_verdict,
     summary_line,
 )
-from .env import DecodeEnv, host_room_for, load_weights, measured, prepare
+from .env import DecodeEnv, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
 from .self_check import Verdict
 from .video_out import VideoDecodeResult, buffer_bytes, host_decode, output_buffer, post_process
@@ -69,14 +69,13 @@ def decode_own(job: VideoJob, env: DecodeEnv, ex: OwnExecutor, *, budget_mb: flo
     first = FirstUse(env.phase)
     key = observed_key(ex.path, job.family, job.dtype, job.device)
     env.at("prepare")
-    prep = prepare(vae, env, lambda: ex.plan(job, 1 << 62, env.peaks, "", True).planned or None, budget_mb,
-                   unload_others)
-    budget = prep.budget
     frames, oh, ow = ex.geometry(job)
+    prep = prepare(vae, env, lambda: ex.plan(job, 1 << 62, env.peaks, "", True).planned or None, budget_mb,
+                   unload_others, (job.device, job.out_device, buffer_bytes(job, frames, oh, ow)))
+    budget = prep.budget
     env.at("check")
     verdict = ex.check(job, env, lambda: load_weights(vae, env, 0), first)
-    job = dataclasses.replace(job, verdict=verdict,
-                              host_room=host_room_for(env, job.device, job.out_device, buffer_bytes(job, frames, oh, ow)))
+    job = dataclasses.replace(job, verdict=verdict, host_room=prep.host_room)
     env.at("plan")
     r = max(1.0, env.observed.ratio(key))
     p = ex.plan(job, int(budget.available / r), env.peaks, verdict.describe(), verdict.ok)

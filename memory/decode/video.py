@@ -48,7 +48,7 @@ from ..vae.carry_layout import blend_refusal, carry_layout
 from ..vae.families import identify, model_name
 from ..vae.seedvr2_layout import seedvr2_of
 from ..vae.wan_layout import cache_protocol, is_wan_vae, wan_layout
-from .env import DecodeEnv, host_room_for, load_weights, measured, prepare
+from .env import DecodeEnv, load_weights, measured, prepare
 from .first_use import FirstUse, first_use_tag
 from .floor import floor_choice, host_oom_error, seeded
 from .host_grid import decode_host_grid_video
@@ -302,15 +302,14 @@ def decode_chunked(
 
     # Offload for the fastest plan's peak (sized once, kept for the plan below); 0: not predicted.
     env.at("prepare")
-    prep = prepare(vae, env, lambda: plan(job, 1 << 62, env.peaks, ratio).planned or None, budget_mb,
-                   unload_others)
-    budget = prep.budget
-
     stats: dict = {}
     frames, r = output_geometry(job)
     oh, ow = h * r, w * r
     out_bytes = buffer_bytes(job, frames, oh, ow)
-    job = dataclasses.replace(job, host_room=host_room_for(env, job.device, job.out_device, out_bytes))
+    prep = prepare(vae, env, lambda: plan(job, 1 << 62, env.peaks, ratio).planned or None, budget_mb,
+                   unload_others, (job.device, job.out_device, out_bytes))
+    budget = prep.budget
+    job = dataclasses.replace(job, host_room=prep.host_room)
     env.at("check")
     if job.wan:
         verdict = check_chunked(job, env.checks, lambda: load_weights(vae, env, 0), first)

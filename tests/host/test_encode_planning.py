@@ -110,3 +110,57 @@ def test_a_first_encode_tags_its_sizing(mod, pack, kl_vae, fresh_stores):
     assert "per image shape" in rows["first use"] and "first use +" in first.report.summary
     assert "first use" not in dict(warm.report.rows) and "first use" not in warm.report.summary
     assert torch.equal(first.latent, warm.latent)
+
+
+def test_the_self_check_runs_only_for_a_plan_that_takes_tiles(mod, pack, kl_vae, fresh_stores, monkeypatch):
+    """The verify step: the encoder's own forward relies on no walker, so a first encode that fits runs no self-check
+    (before: every first encode ran it, 12.8 s of Wan 2.1's 21.7 s first call); exact tiles run only after theirs
+    passed, the first plan's and a re-plan's after an out-of-memory error alike."""
+    enc = pack("memory.decode.encode")
+    real, calls = enc.check_encode, []
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(enc, "check_encode", counted)
+    pe = pack("memory.plan.encode")
+    job = _job(mod, kl_vae)
+    least = pe.lower_bound(job)[0]
+    untiled = pe._out_bytes(job) + pe.encode_peak(job, None, pe.PeakStore(), pe.attention_bytes(1 << 30))
+    pixels = _pixels(1, *HW, seed=3)
+    with torch.inference_mode():
+        free = mod.encode(kl_vae, pixels)
+    rows = dict(free.report.rows)
+    assert free.plan.path == "untiled" and not calls and "check" not in rows, free.report.text()
+    with torch.inference_mode():
+        tiled = mod.encode(kl_vae, pixels, budget_mb=int((least + untiled) / 2 / MiB))
+    assert tiled.plan.path == "exact" and calls == [1], tiled.report.text()
+    assert "self-check passed" in dict(tiled.report.rows)["check"]
+    assert (free.latent - tiled.latent).abs().max().item() <= 1e-4
+
+
+def test_a_replan_to_tiles_after_an_oom_checks_them_first(comfy, mod, pack, kl_vae, fresh_stores, monkeypatch):
+    """The encoder's own forward runs out of memory; the re-plan takes exact tiles, which run only after their
+    self-check (run there, outside the ``except`` block: nothing had checked them)."""
+    enc = pack("memory.decode.encode")
+    real, order = enc.check_encode, []
+
+    def counted(*a, **k):
+        order.append("check")
+        return real(*a, **k)
+
+    def hook(kind: str, k: int) -> None:
+        order.append(kind)
+        if kind == "pass" and k == 0 and order.count("pass") == 1:
+            raise torch.OutOfMemoryError("injected in the encoder's own forward")
+
+    monkeypatch.setattr(enc, "check_encode", counted)
+    monkeypatch.setattr(mod, "_FAULT_HOOK", hook)
+    with torch.inference_mode():
+        r = mod.encode(kl_vae, _pixels(1, *HW, seed=3))
+        (ref,) = comfy.VAEEncode().encode(kl_vae, _pixels(1, *HW, seed=3))
+    assert r.plan.path == "exact" and len(r.oom_events) == 1, r.report.text()
+    assert order[:2] == ["pass", "check"] and order[2] == "tile", order[:4]
+    assert "self-check passed" in dict(r.report.rows)["check"]
+    assert (r.latent - ref["samples"]).abs().max().item() <= 1e-4

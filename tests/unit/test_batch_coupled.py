@@ -18,7 +18,7 @@ from vramfit.memory.decode import self_check as sc
 from vramfit.memory.vae import kl_layout as kll
 from vramfit.memory.vae.families import batch_coupling_hint
 
-from tests.unit.test_image_decode import MiB, TinyVAE, _stores, env
+from tests.unit.test_image_decode import FakeOOM, MiB, TinyVAE, _stores, env
 from tests.unit.test_tiled_exact import KL, ResnetBlock, _latent, _model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -316,3 +316,30 @@ def test_a_video_decoders_batch_is_one_exact_pass_under_a_budget():
     assert not r.plan.config.whole and r.plan.planned <= budget and "batch" not in rows
     assert "of the batch in one pass" in rows["plan"] and "exact tiled walker" in rows["check"]
     assert (r.images - ref).abs().max().item() <= 1e-4
+
+
+def test_a_replan_that_splits_the_batch_after_an_oom_checks_the_batch_first():
+    """The whole batch in one untiled pass relies on nothing; an out-of-memory error there re-plans to the walker's
+    tiles, one item per pass, which split the batch: the verify step runs the batch check on that re-plan too, so a
+    coupled decoder's split is never called exact (before: the items decoded apart and reported exact, > 1e-3 off
+    the host's decode). Here the split measures under the floor, so the host's whole batch runs again."""
+    model = _coupled()
+    vae = TinyVAE(model, 8)
+    z = _latent((3, 4, 7, 9), seed=1)
+    with torch.no_grad():
+        ref = vae.process_output(model.decode(z)).movedim(1, -1)
+    passes: list[int] = []
+
+    def fault(where: str, k: int) -> None:
+        if where == "pass":
+            passes.append(k)
+            if k == 0:
+                raise FakeOOM("injected in the untiled pass of the whole batch")
+
+    r = idm.decode_image(idm.make_job(vae, z, core=True, out_device="cpu"),
+                         env(_stores(), checks=sc.CheckStore(), fault_hook=fault), budget_mb=1024)
+    rows = dict(r.report.rows)
+    assert len(r.oom_events) == 1 and "untiled pass of item(s) 0..2" in r.oom_events[0], r.report.text()
+    assert "checking that the items of a batch decode independently" in rows["first use"]
+    assert r.plan.path == "untiled" and r.plan.config.images_per_pass == 3, r.plan.description
+    assert r.report.summary.startswith("exact") and (r.images - ref).abs().max().item() <= 1e-4
