@@ -1,5 +1,5 @@
 """Once-per-VAE work inside a decode or encode (the exactness self-check, cost-model calibration; the meta sizing of
-a new image shape's plans): shown while it runs (``show``: the node's progress text) and reported after, so a slow
+a new image or clip shape's plans): shown while it runs (``show``: the node's progress text) and reported after, so a slow
 first decode says why."""
 
 from __future__ import annotations
@@ -9,17 +9,20 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from ..measure.sizing import MetaSizer
 from ..report import fmt_seconds
 
 log = logging.getLogger("vramfit.memory.decode.first_use")
 
-__all__ = ["FirstUse", "first_use_tag"]
+__all__ = ["CLIP_SIZING", "FirstUse", "first_use_tag"]
 
 T = TypeVar("T")
 
 STRUCTURE = "VAE structure"
 """What a phase is done once for by default (``FirstUse.run``'s ``per``): the self-check and the calibrations (a
 shape's meta sizing: once per image shape, :data:`..plan.encode.SIZING`)."""
+CLIP_SIZING = ("sizing the plans of this clip shape", "clip shape")
+"""The video decodes' first-use phase of a new clip shape's plans (:meth:`FirstUse.sized`)."""
 
 
 class FirstUse:
@@ -45,15 +48,27 @@ class FirstUse:
         try:
             return fn()
         finally:
-            seconds = time.perf_counter() - t0
-            names = [w for w, _ in self.done]
-            if what in names:
-                i = names.index(what)
-                self.done[i] = (what, self.done[i][1] + seconds)
-            else:
-                self.done.append((what, seconds))
-            if per not in self.per:
-                self.per.append(per)
+            self._add(what, time.perf_counter() - t0, per)
+
+    def sized(self, fn: Callable[[], T], what: str, per: str) -> T:
+        """``fn()``, a plan step; when it meta-sized anything (a new shape: :attr:`..measure.sizing.MetaSizer.entered`),
+        its time is the phase ``what``, once per ``per``."""
+        n, t0 = MetaSizer.entered, time.perf_counter()
+        try:
+            return fn()
+        finally:
+            if MetaSizer.entered != n:
+                self._add(what, time.perf_counter() - t0, per)
+
+    def _add(self, what: str, seconds: float, per: str) -> None:
+        names = [w for w, _ in self.done]
+        if what in names:
+            i = names.index(what)
+            self.done[i] = (what, self.done[i][1] + seconds)
+        else:
+            self.done.append((what, seconds))
+        if per not in self.per:
+            self.per.append(per)
 
     @property
     def seconds(self) -> float:

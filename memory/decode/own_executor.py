@@ -28,7 +28,7 @@ from ..report import (
     summary_line,
 )
 from .env import DecodeEnv, load_weights, measured, prepare
-from .first_use import FirstUse, first_use_tag
+from .first_use import CLIP_SIZING, FirstUse, first_use_tag
 from .self_check import Verdict
 from .video_out import VideoDecodeResult, buffer_bytes, host_decode, output_buffer, post_process
 
@@ -70,7 +70,8 @@ def decode_own(job: VideoJob, env: DecodeEnv, ex: OwnExecutor, *, budget_mb: flo
     key = observed_key(ex.path, job.family, job.dtype, job.device)
     env.at("prepare")
     frames, oh, ow = ex.geometry(job)
-    prep = prepare(vae, env, lambda: ex.plan(job, 1 << 62, env.peaks, "", True).planned or None, budget_mb,
+    prep = prepare(vae, env, lambda: first.sized(lambda: ex.plan(job, 1 << 62, env.peaks, "", True), *CLIP_SIZING)
+                   .planned or None, budget_mb,
                    unload_others, (job.device, job.out_device, buffer_bytes(job, frames, oh, ow)))
     budget = prep.budget
     env.at("check")
@@ -78,7 +79,8 @@ def decode_own(job: VideoJob, env: DecodeEnv, ex: OwnExecutor, *, budget_mb: flo
     job = dataclasses.replace(job, verdict=verdict, host_room=prep.host_room)
     env.at("plan")
     r = max(1.0, env.observed.ratio(key))
-    p = ex.plan(job, int(budget.available / r), env.peaks, verdict.describe(), verdict.ok)
+    p = first.sized(lambda: ex.plan(job, int(budget.available / r), env.peaks, verdict.describe(), verdict.ok),
+                    *CLIP_SIZING)
     p.ratio = r
     p.planned = int(p.planned * r)
     if not verdict.ok:  # not proven on this host: the host's own decode (exact by construction)

@@ -49,7 +49,7 @@ from ..vae.families import identify, model_name
 from ..vae.seedvr2_layout import seedvr2_of
 from ..vae.wan_layout import cache_protocol, is_wan_vae, wan_layout
 from .env import DecodeEnv, load_weights, measured, prepare
-from .first_use import FirstUse, first_use_tag
+from .first_use import CLIP_SIZING, FirstUse, first_use_tag
 from .floor import floor_choice, host_oom_error, seeded
 from .host_grid import decode_host_grid_video
 from .seedvr2 import decode_seedvr2_video
@@ -306,7 +306,8 @@ def decode_chunked(
     frames, r = output_geometry(job)
     oh, ow = h * r, w * r
     out_bytes = buffer_bytes(job, frames, oh, ow)
-    prep = prepare(vae, env, lambda: plan(job, 1 << 62, env.peaks, ratio).planned or None, budget_mb,
+    prep = prepare(vae, env, lambda: first.sized(lambda: plan(job, 1 << 62, env.peaks, ratio), *CLIP_SIZING).planned
+                   or None, budget_mb,
                    unload_others, (job.device, job.out_device, out_bytes))
     budget = prep.budget
     job = dataclasses.replace(job, host_room=prep.host_room)
@@ -320,7 +321,7 @@ def decode_chunked(
             job = dataclasses.replace(job, verdict=verdict)
         frames_of, index_formula, _ = blend_ratios(vae)
     env.at("plan")
-    p, per_item = _plan_batch(job, int(budget.available), env, ratio, out_bytes)
+    p, per_item = first.sized(lambda: _plan_batch(job, int(budget.available), env, ratio, out_bytes), *CLIP_SIZING)
     refused = ""
     if p.path == "blend":  # approximate: measured first, never taken under the floor unless the user asked
         env.at("check")

@@ -158,6 +158,9 @@ class MetaSizer:
     """
 
     method = "meta"
+    entered = 0
+    """Meta sizings begun in this process (a plan step that began one sized a new shape: first-use work,
+    :meth:`..decode.first_use.FirstUse.sized`)."""
 
     def __init__(
         self,
@@ -180,6 +183,7 @@ class MetaSizer:
     def __enter__(self) -> MetaSizer:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
+        MetaSizer.entered += 1
         stack = contextlib.ExitStack()
         try:
             mode = FakeTensorMode(allow_non_fake_inputs=True)

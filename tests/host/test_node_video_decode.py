@@ -347,3 +347,21 @@ def test_hunyuan_is_approximate_with_core_shape(comfy, fixture_vaes, mod, node):
     err = (images - ref).abs()
     log.info("hunyuan overlap-blend k=3 vs VAEDecode: mean abs %.3f, max %.3f", err.mean().item(), err.max().item())
     assert err.mean().item() <= 0.15
+
+
+def test_a_new_clip_shapes_sizing_is_tagged_first_use(mod, wan21, monkeypatch, tmp_path):
+    """A clip shape's plans are meta-sized once (issue 43 item 4: every report tags first-use work): the first
+    decode with fresh stores says so in its ``first use`` row and verdict line; the second, on the same shape, sizes
+    nothing and says nothing (before: the sizing was untagged planning time)."""
+    pack = mod.__name__.rsplit(".nodes.", 1)[0]
+    monkeypatch.setattr(sys.modules[pack + ".nodes._decode_node"], "_STORES", {})
+    monkeypatch.setattr(sys.modules[pack + ".nodes._comfy"], "user_cache_file", lambda name, what: tmp_path / name)
+    vae, z, ref = wan21
+    with torch.inference_mode():
+        first = mod.decode(vae, {"samples": z})
+        warm = mod.decode(vae, {"samples": z})
+    rows = dict(first.report.rows)
+    assert "sizing the plans of this clip shape" in rows.get("first use", ""), first.report.text()
+    assert "per clip shape" in rows["first use"] and "first use +" in first.report.summary
+    assert "first use" not in dict(warm.report.rows) and "first use" not in warm.report.summary, warm.report.text()
+    assert torch.equal(first.images, warm.images) and _diff(first.images, ref) <= TOL
