@@ -1,5 +1,5 @@
-"""An encode from job to report (Tiled VAE Encode, Temporal-Chunk Video Encode): self-check, offload and
-budget, plan, execute with out-of-memory re-plans, report. The twin of :mod:`.image` for the other direction;
+"""An encode from job to report (Tiled VAE Encode, Temporal-Chunk Video Encode): offload and budget, plan, the
+self-check of the tiles a plan takes, the passes with out-of-memory re-plans (:func:`.execute.run_passes`), report. The twin of :mod:`.image` for the other direction;
 the planning is :mod:`..plan.encode`, the executors :func:`..executors.kl_exact.encode_exact` (images) and
 :func:`..executors.split_encode.encode_split_tiled` (videos: Wan, LTX-Video, HunyuanVideo 1.5). Design:
 docs/ENCODE.md."""
@@ -17,7 +17,7 @@ import torch
 from ..cost.observed import observed_key, ratio_text
 from ..executors import kl_exact as te
 from ..executors import split_encode as se
-from ..oom import oom_types
+from ..oom import OomResume, oom_types
 from ..plan.encode import EncodeJob, encode_ratio, latent_frames, plan, smaller, temporal_ratio
 from ..plan.grid import ImpossibleBudgetError
 from ..plan.types import Plan
@@ -34,7 +34,8 @@ from ..tiles import spans
 from ..vae.encode_split import encode_split, prefix_ratio
 from ..vae.families import identify, model_name
 from ..vae.kl_layout import kl_layout
-from .env import DecodeEnv, load_weights, measured, prepare
+from .env import DecodeEnv, load_weights, prepare
+from .execute import Progress, ProgressFn, note_observed, run_passes
 from .first_use import FirstUse, first_use_tag
 from .self_check import ENCODE_METHODS, CheckStore, Verdict, checked, code_fingerprint
 
@@ -171,43 +172,73 @@ class EncodeResult:
     oom_events: list[str]
 
 
-def _run(
-    job: EncodeJob, p: Plan, env: DecodeEnv, bar: Any, oom_events: list[str],
-    verify: Callable[[EncodeJob, Plan], tuple[EncodeJob, Plan]],
-) -> tuple[torch.Tensor, Plan, EncodeJob]:
-    """Execute ``p`` for every item, one after another, the mid block's split attention bounded as planned;
-    after an out-of-memory error outside a tile, the next smaller plan for the items not finished
-    (:func:`..plan.encode.smaller`), as ``verify(job, plan)`` leaves it (outside the ``except`` block). Returns the
-    latent, the plan that finished and the job as the verdicts left it."""
-    model = job.vae.first_stage_model
-    done: list[torch.Tensor] = []
-    ooms = oom_types(env.oom_exceptions)
+PASS_UNITS = 1000
+"""Progress units of one image: each pass's executor progress scaled to it (one bar over the batch and re-plans)."""
 
-    def tile_oom() -> None:  # an OOM inside a tile: the walker halves its tile and resumes; the report says so
-        oom_events.append("out of memory inside a tile: tile halved, encode resumed")
-        if env.on_oom is not None:
-            env.on_oom()
 
-    while True:
-        try:
-            if p.path == "host":  # VAEEncode's own call (0.3.75's node keeps RGB itself; 0.33's crop does)
-                return job.vae.encode(job.pixels[..., : getattr(job.vae, "output_channels", 3)]), p, job
-            with env.attention(model, int(p.stats.get("attention", 0)) or (1 << 62)):
-                return _items(job, p, env, bar, done, tile_oom), p, job
-        except ooms as e:
-            if getattr(e, "_vramfit_from_stop", False) or getattr(e, "_vramfit_tail", False):
-                raise  # a cancel; an OOM after the tiles, which no smaller plan avoids
-            nxt = (smaller(job, p, env.peaks, lambda b: env.attention(model, b)) if len(oom_events) < MAX_REPLANS
-                   else None)
-            if nxt is None:
-                raise
-            what = f"{type(e).__name__} in the {p.path} pass"
-        if env.on_oom is not None:
-            env.on_oom()
-        job, nxt = verify(job, nxt)
-        oom_events.append(f"{what}: re-planned ({p.description} -> {nxt.description}); retrying")
-        log.warning("%s: %s", _report_node(job), oom_events[-1])
-        p = nxt
+class _Passes:
+    """The run step's parts for :func:`.execute.run_passes`: one image per pass (the host's own encode: the whole
+    batch in one), each finished latent kept across re-plans; after an out-of-memory error outside a tile, the next
+    smaller plan (:func:`..plan.encode.smaller`, found while the error is handled) as the verify step leaves it."""
+
+    def __init__(self, job: EncodeJob, env: DecodeEnv, driver: OomResume, events: list[str],
+                 verify: Callable[[EncodeJob, Plan], tuple[EncodeJob, Plan]]) -> None:
+        self.job, self.env, self.driver, self.events, self.verify = job, env, driver, events, verify
+        self.n = int(job.x.shape[0])
+        self.done: list[torch.Tensor] = []
+        self._next: dict[int, Plan | None] = {}
+
+    def extent(self, p: Plan, start: int) -> tuple[int, int]:
+        if p.path == "host":
+            return self.n, 0
+        return start + 1, (self.n - start - 1) * PASS_UNITS
+
+    def one_pass(self, p: Plan, start: int, stop: int, cb: ProgressFn) -> None:
+        job, env = self.job, self.env
+        hook = env.fault_hook
+        self.driver.check_stop()
+        if p.path == "host":  # VAEEncode's own call (0.3.75's node keeps RGB itself; 0.33's crop does)
+            cb(0, self.n * PASS_UNITS)
+            self.done[:] = [job.vae.encode(job.pixels[..., : getattr(job.vae, "output_channels", 3)])]
+            cb(self.n * PASS_UNITS, self.n * PASS_UNITS)
+            return
+        model = job.vae.first_stage_model
+        x = job.x[start:stop]
+        with env.attention(model, int(p.stats.get("attention", 0)) or (1 << 62)):
+            if p.path == "untiled":
+                if hook is not None:
+                    hook("pass", start)
+                self.done.append(model.encode(x.to(job.device)).to(job.out_device))
+                cb(PASS_UNITS, PASS_UNITS)
+                return
+            store = job.device if p.config.store == "device" else torch.device("cpu")
+            self.done.append(job.run_tiles(
+                x, p.config.tile, compute_device=job.device, store_device=store, out_device=job.out_device,
+                progress=lambda d, t: cb(PASS_UNITS * d // max(1, t), PASS_UNITS), should_stop=self.driver.check_stop,
+                fault_hook=(lambda k: hook("tile", k)) if hook is not None else None,
+                oom_exceptions=self.driver.oom_exceptions, on_oom=self.tile_oom, norm_params=env.norm_params,
+            ))
+
+    def tile_oom(self) -> None:  # an OOM inside a tile: the walker halves its tile and resumes; the report says so
+        self.events.append("out of memory inside a tile: tile halved, encode resumed")
+        if self.env.on_oom is not None:
+            self.env.on_oom()
+
+    def final(self, p: Plan, e: BaseException) -> BaseException | None:
+        """``e`` itself when no smaller plan follows ``p``: an OOM after the tiles (no tile helps), the host's encode,
+        the smallest tile."""
+        if getattr(e, "_vramfit_tail", False) or p.path == "host":
+            return e
+        if id(p) not in self._next:
+            model = self.job.vae.first_stage_model
+            self._next[id(p)] = smaller(self.job, p, self.env.peaks, lambda b: self.env.attention(model, b))
+        return e if self._next[id(p)] is None else None
+
+    def smaller(self, p: Plan) -> Plan:
+        nxt = self._next.pop(id(p))
+        assert nxt is not None
+        self.job, nxt = self.verify(self.job, nxt)
+        return nxt
 
 
 def _verified(job: EncodeJob, p: Plan, env: DecodeEnv, first: FirstUse, replan: Callable[[EncodeJob], Plan]
@@ -226,52 +257,6 @@ def _verified(job: EncodeJob, p: Plan, env: DecodeEnv, first: FirstUse, replan: 
             p = replan(job)
     env.at(stage)
     return job, p
-
-
-def _items(
-    job: EncodeJob, p: Plan, env: DecodeEnv, bar: Any, done: list[torch.Tensor], tile_oom: Any
-) -> torch.Tensor:
-    """The images not in ``done`` yet, one after another, on plan ``p`` (untiled or exact); each finished
-    latent is appended to ``done`` (kept across re-plans)."""
-    model = job.vae.first_stage_model
-    hook = env.fault_hook
-    n = int(job.x.shape[0])
-    if p.path == "untiled":
-        while len(done) < n:
-            b = len(done)
-            if env.should_stop is not None:
-                env.should_stop()
-            if hook is not None:
-                hook("pass", b)
-            done.append(model.encode(job.x[b : b + 1].to(job.device)).to(job.out_device))
-            if bar is not None:
-                bar(b + 1, n)
-        return torch.cat(done)
-    cfg = p.config
-    store = job.device if cfg.store == "device" else torch.device("cpu")
-    while len(done) < n:  # one image after another (the plan sized one); finished ones are kept
-        b = len(done)
-
-        def item_bar(d: int, t: int, b: int = b) -> None:
-            if bar is not None:
-                bar(b * t + d, n * t)
-
-        done.append(
-            job.run_tiles(
-                job.x[b : b + 1],
-                cfg.tile,
-                compute_device=job.device,
-                store_device=store,
-                out_device=job.out_device,
-                progress=item_bar,
-                should_stop=env.should_stop,
-                fault_hook=(lambda k: hook("tile", k)) if hook is not None else None,
-                oom_exceptions=env.oom_exceptions,
-                on_oom=tile_oom,
-                norm_params=env.norm_params,
-            )
-        )
-    return torch.cat(done)
 
 
 def encode_image(
@@ -319,21 +304,21 @@ def encode_image(
     env.at("weights")
     load_weights(job.vae, env, p.planned)
     plan_seconds = time.perf_counter() - t0
-    bar = env.progress_bar(1) if env.progress_bar is not None else None
+    n = int(job.x.shape[0])
+    bar = env.progress_bar(n * PASS_UNITS) if env.progress_bar is not None else None
     oom_events: list[str] = []
+    driver = OomResume(oom_types(env.oom_exceptions), should_stop=env.should_stop, on_oom=env.on_oom,
+                       max_retries=MAX_REPLANS)
+    run = _Passes(job, env, driver, oom_events, verify)
     t1 = time.perf_counter()
     env.at("run")
-    with measured(env, job.device) as m:
-        out, p, job = _run(job, p, env, bar, oom_events, verify)
+    p, m = run_passes(env, job.device, n, p, driver, Progress(bar, n * PASS_UNITS), run.extent, run.one_pass,
+                      run.smaller, run.final, oom_events, _report_node(job))
+    out, job = torch.cat(run.done), run.job
     seconds = time.perf_counter() - t1
     env.at("report")
-    if not oom_events and p.path != "host":
-        env.observed.note(
-            observed_key("encode-" + p.path, job.family, job.dtype, job.device),
-            m.peak,
-            int(p.planned / p.ratio),
-            m.kind,
-        )
+    if p.path != "host":
+        note_observed(env, observed_key("encode-" + p.path, job.family, job.dtype, job.device), m, p, oom_events)
     report = _report(job, p, budget, prep.offload, seconds, plan_seconds, m, first, oom_events)
     return EncodeResult(out, report, p, budget, seconds, m.peak, m.method, oom_events)
 

@@ -66,7 +66,8 @@ def run_passes(
     ``extent(p, start)`` gives a pass's ``(stop, units planned after it)``, ``one_pass(p, start, stop, progress)``
     runs it. Out of memory outside a tile: ``smaller(p)`` (the next smaller plan, as it may run) and the unfinished
     items again, outside the ``except`` block (the failed pass's frames and tensors are released first; finished
-    items are kept); none after a plan ``p`` for which ``final(p, oom)`` is an error, raised instead. Each re-plan is one of
+    items are kept); none after a plan ``p`` for which ``final(p, oom)`` is an error, raised instead (``oom`` itself:
+re-raised as it came). Each re-plan is one of
     ``events``, logged under ``node``. Returns the plan that finished and the measure."""
     state = {"plan": plan, "start": 0, "stop": 0}
 
@@ -89,7 +90,7 @@ def run_passes(
                 driver.run(attempt, recover=recover, can_recover=lambda e: final(state["plan"], e) is None)
             except driver.oom_exceptions as e:
                 error = final(state["plan"], e)
-                if error is not None:
+                if error is not None and error is not e:
                     raise error from e
                 raise
             state["start"] = state["stop"]

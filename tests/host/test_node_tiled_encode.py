@@ -183,3 +183,25 @@ def test_inpaint_companion_equals_vae_encode_for_inpaint(comfy, kl_vae, case):
 def _inference(fn):
     with torch.inference_mode():
         return fn()
+
+
+def test_progress_is_one_bar_that_reaches_its_total(mod, kl_vae, case):
+    """One bar over the batch (two images, each in tiles), rising to its total: the run step's progress, as the
+    decodes' (``memory.decode.execute.Progress``)."""
+    import comfy.utils
+
+    pixels, _ = case
+    events: list[tuple[int, int | None]] = []
+    orig = comfy.utils.ProgressBar.update_absolute
+
+    def spy(self, value, total=None, preview=None):
+        events.append((value, total))
+        return orig(self, value, total, preview)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(comfy.utils.ProgressBar, "update_absolute", spy)
+        r = _encode(mod, kl_vae, pixels, tile_size=64)
+    values = [v for v, _ in events]
+    assert r.plan.path == "exact" and len(events) > 4, r.report.text()
+    assert values == sorted(values) and events[-1][0] == events[-1][1], events
+    assert len({t for _, t in events}) == 1, events  # one total, known from the start
