@@ -220,6 +220,26 @@ def _blend_or_host(job: VideoJob, p: Plan, env: DecodeEnv, available: int, allow
     return host, refused
 
 
+def _verified(job: VideoJob, p: Plan, per_item: bool, env: DecodeEnv, first: FirstUse,
+              replan: Callable[[VideoJob], tuple[Plan, bool]]) -> tuple[VideoJob, Plan, bool]:
+    """The verify step: Wan's chunks and the carried chunks run only once their executor's self-check
+    (:func:`check_chunked`, :func:`check_carried`) passed on this host; a failed check re-plans without them
+    (``replan``: the host's own decode when it fits, else approximate chunks said so). The host's own decode relies
+    on nothing: no check runs for it. The overlap-blend's fidelity floor follows (:func:`_blend_or_host`)."""
+    if p.path not in ("wan", "carry") or job.verdict is not None:
+        return job, p, per_item
+    check = check_chunked if p.path == "wan" else check_carried
+    verdict = check(job, env.checks, lambda: load_weights(job.vae, env, 0), first)
+    job = dataclasses.replace(job, verdict=verdict)
+    if not verdict.ok:
+        env.at("plan")
+        p, per_item = replan(job)
+        env.at("check")
+    elif p.path == "wan":  # as :func:`..plan.video.plan` says a checked plan's exactness
+        p = dataclasses.replace(p, exact=True, reason=verdict.describe())
+    return job, p, per_item
+
+
 def _plan_batch(job: VideoJob, available: int, env: DecodeEnv, ratio: Any, out_bytes: int) -> tuple[Plan, bool]:
     """``(plan, per_item)``: the plan of the whole batch at once; when none fits a batch of several Wan clips (none
     at all, or only the user's ``frames_per_chunk`` / ``tile_size`` over the budget), the plan of one clip within what
@@ -311,21 +331,16 @@ def decode_chunked(
                    unload_others, (job.device, job.out_device, out_bytes))
     budget = prep.budget
     job = dataclasses.replace(job, host_room=prep.host_room)
-    env.at("check")
-    if job.wan:
-        verdict = check_chunked(job, env.checks, lambda: load_weights(vae, env, 0), first)
-        job = dataclasses.replace(job, verdict=verdict)
-    else:
-        if job.carry is not None:
-            verdict = check_carried(job, env.checks, lambda: load_weights(vae, env, 0), first)
-            job = dataclasses.replace(job, verdict=verdict)
-        frames_of, index_formula, _ = blend_ratios(vae)
     env.at("plan")
     p, per_item = first.sized(lambda: _plan_batch(job, int(budget.available), env, ratio, out_bytes), *CLIP_SIZING)
+    env.at("check")
+    job, p, per_item = _verified(job, p, per_item, env, first,
+                                 lambda j: _plan_batch(j, int(budget.available), env, ratio, out_bytes))
     refused = ""
     if p.path == "blend":  # approximate: measured first, never taken under the floor unless the user asked
-        env.at("check")
         p, refused = _blend_or_host(job, p, env, int(budget.available), allow_approximate, first)
+    if not job.wan:
+        frames_of, index_formula, _ = blend_ratios(vae)
     c = p.config
     plan_seconds = time.perf_counter() - t0
     env.at("weights")

@@ -35,10 +35,10 @@ NODES = {
     "video_encode": "VRAMFit_TemporalChunkVideoEncode",
     "inpaint": "VRAMFit_VAEEncodeForInpaint",
 }
-STEPS = {  # the steps each node's flow enters on these fixtures, in order of first entry (images and encodes verify
-    # what their plan relies on after planning it)
+STEPS = {  # the steps each node's flow enters on these fixtures, in order of first entry (each verifies what its
+    # plan relies on after planning it)
     "tiled": ["identify", "cost", "prepare", "plan", "check", "weights", "run", "report"],
-    "video": ["identify", "prepare", "check", "plan", "weights", "run", "report"],
+    "video": ["identify", "prepare", "plan", "check", "weights", "run", "report"],
     "encode": ["identify", "cost", "prepare", "plan", "check", "weights", "run", "report"],
     "video_encode": ["identify", "cost", "prepare", "plan", "check", "weights", "run", "report"],
     "inpaint": ["identify", "cost", "prepare", "plan", "check", "weights", "run", "report"],

@@ -119,6 +119,26 @@ class TestMochi:
         assert r.images.shape == ref.shape, (tuple(r.images.shape), tuple(ref.shape))
         assert (r.images - ref).abs().max().item() <= 1e-4, text
 
+    def test_the_hosts_own_decode_runs_no_carried_check(self, mochi, video, monkeypatch):
+        """The verify step: at free memory the host's own decode fits and relies on no chunk executor, so the
+        carried chunks' self-check does not run (before: every decode of a carried family ran it first); the chunks
+        the user asks for run only after it."""
+        vae, z, ref = mochi
+        engine = sys.modules[video.__name__.rsplit(".nodes.", 1)[0] + ".memory.decode.video"]
+        real, calls = engine.check_carried, []
+
+        def counted(*a, **k):
+            calls.append(1)
+            return real(*a, **k)
+
+        monkeypatch.setattr(engine, "check_carried", counted)
+        r = video.decode(vae, {"samples": z})
+        assert r.plan.path == "host" and not calls and "carried chunks" not in r.report.text(), r.report.text()
+        assert (r.images - ref).abs().max().item() <= 1e-4
+        r = video.decode(vae, {"samples": z}, frames_per_chunk=1)
+        assert r.plan.path == "carry" and calls == [1], r.report.text()
+        assert "carried chunks: self-check passed" in r.report.text()
+
     @pytest.mark.slow
     def test_mochi_sizing_run_equals_the_whole_run(self, mochi):
         vae, z, ref = mochi
