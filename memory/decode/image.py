@@ -14,6 +14,10 @@ Paths (chosen per run, reported in the plan report):
   :func:`..executors.generic.decode_generic`: latent tiles with a halo derived from the decoder's
   convolutional reach, cropped (feathered inside the halo for decoders with global ops).
 
+Every plan, the first and each re-plan after an out-of-memory error, is verified before it runs (:class:`_Verify`):
+exact or split tiles only after their structure's self-check passed on this host, a batch in separate passes only
+after its items proved independent, approximate tiles only above the fidelity floor; a failed verdict re-plans.
+
 Batch items are decoded within the budget and written into one output buffer on the output device
 (ComfyUI's intermediate device) as they finish. Cancel is checked between units; an out-of-memory
 error inside a tile shrinks the tile and resumes (executors); one outside a tile (mid block, store
