@@ -1,8 +1,8 @@
 """An encode from job to report (Tiled VAE Encode, Temporal-Chunk Video Encode): offload and budget, plan, the
-self-check of the tiles a plan takes, the passes with out-of-memory re-plans (:func:`.execute.run_passes`), report. The twin of :mod:`.image` for the other direction;
-the planning is :mod:`..plan.encode`, the executors :func:`..executors.kl_exact.encode_exact` (images) and
-:func:`..executors.split_encode.encode_split_tiled` (videos: Wan, LTX-Video, HunyuanVideo 1.5). Design:
-docs/ENCODE.md."""
+self-check of the tiles a plan takes, the passes with out-of-memory re-plans (:func:`.execute.run_passes`), report.
+The twin of :mod:`.image` for the other direction; the planning is :mod:`..plan.encode`, the executors
+:func:`..executors.kl_exact.encode_exact` (images) and :func:`..executors.split_encode.encode_split_tiled` (videos:
+Wan, LTX-Video, HunyuanVideo 1.5). Design: docs/ENCODE.md."""
 
 from __future__ import annotations
 
