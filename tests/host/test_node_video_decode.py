@@ -170,7 +170,9 @@ def test_auto_plan_report_rows(auto_run, wan21):
     assert r.plan.config.tile is None  # free memory: whole frames
     s = r.report.summary  # the verdict: exact, chunks, measured peak vs budget, time
     assert s.startswith(f"exact · {r.stats['chunks']} chunks · ") and " tensor budget" in s, s
-    assert s.endswith(rows["time"].split(" (")[0]) and r.report.text().splitlines()[1] == s, s
+    verdict, _, first_use = s.partition(" · first use +")  # a new clip shape's sizing is first-use work
+    assert verdict.endswith(rows["time"].split(" (")[0]) and r.report.text().splitlines()[1] == s, s
+    assert bool(first_use) == ("first use" in rows), s
     assert _diff(r.images, ref) <= TOL
 
 
