@@ -351,6 +351,7 @@ def test_hunyuan_is_approximate_with_core_shape(comfy, fixture_vaes, mod, node):
     assert err.mean().item() <= 0.15
 
 
+@pytest.mark.slow  # ~10 s on CPU; the slow tier runs in CI (.ci/run), keeping the user's default run in 15 min
 def test_a_new_clip_shapes_sizing_is_tagged_first_use(mod, wan21, monkeypatch, tmp_path):
     """A clip shape's plans are meta-sized once (issue 43 item 4: every report tags first-use work): the first
     decode with fresh stores says so in its ``first use`` row and verdict line; the second, on the same shape, sizes

@@ -318,6 +318,7 @@ def test_a_video_decoders_batch_is_one_exact_pass_under_a_budget():
     assert (r.images - ref).abs().max().item() <= 1e-4
 
 
+@pytest.mark.slow  # ~10 s on CPU; the slow tier runs in CI (.ci/run), keeping the user's default run in 15 min
 def test_a_replan_that_splits_the_batch_after_an_oom_checks_the_batch_first():
     """The whole batch in one untiled pass relies on nothing; an out-of-memory error there re-plans to the walker's
     tiles, one item per pass, which split the batch: the verify step runs the batch check on that re-plan too, so a
