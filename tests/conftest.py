@@ -124,6 +124,19 @@ def one_thread():
         yield
 
 
+@pytest.fixture()
+def fresh_stores(comfy, monkeypatch, tmp_path):
+    """The nodes' stores new, backed by an empty user folder (a fresh install): self-check verdicts, sized peaks,
+    cost models and observed ratios are found or made again. Returns the folder."""
+    import importlib
+
+    base = comfy.NODE_CLASS_MAPPINGS["VRAMFit_TiledVAEDecode"].__module__.rsplit(".nodes.", 1)[0]
+    monkeypatch.setattr(importlib.import_module(f"{base}.nodes._decode_node"), "_STORES", {})
+    monkeypatch.setattr(importlib.import_module(f"{base}.nodes._comfy"), "user_cache_file",
+                        lambda name, what: tmp_path / name)
+    return tmp_path
+
+
 @pytest.fixture(scope="session")
 def kl_vae(comfy, fixture_vaes):
     """The random-weight fixture SD KL VAE loaded by ComfyUI's own ``VAELoader`` (one per session)."""

@@ -67,8 +67,8 @@ def run_passes(
     runs it. Out of memory outside a tile: ``smaller(p)`` (the next smaller plan, as it may run) and the unfinished
     items again, outside the ``except`` block (the failed pass's frames and tensors are released first; finished
     items are kept); none after a plan ``p`` for which ``final(p, oom)`` is an error, raised instead (``oom`` itself:
-re-raised as it came). Each re-plan is one of
-    ``events``, logged under ``node``. Returns the plan that finished and the measure."""
+    re-raised as it came). Each re-plan is one of ``events``, logged under ``node``. Returns the plan that finished
+    and the measure."""
     state = {"plan": plan, "start": 0, "stop": 0}
 
     def attempt() -> None:

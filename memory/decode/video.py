@@ -332,10 +332,13 @@ def decode_chunked(
     budget = prep.budget
     job = dataclasses.replace(job, host_room=prep.host_room)
     env.at("plan")
-    p, per_item = first.sized(lambda: _plan_batch(job, int(budget.available), env, ratio, out_bytes), *CLIP_SIZING)
+
+    def plan_batch(j: VideoJob) -> tuple[Plan, bool]:  # a new clip shape's sizing is first-use work
+        return first.sized(lambda: _plan_batch(j, int(budget.available), env, ratio, out_bytes), *CLIP_SIZING)
+
+    p, per_item = plan_batch(job)
     env.at("check")
-    job, p, per_item = _verified(job, p, per_item, env, first,
-                                 lambda j: _plan_batch(j, int(budget.available), env, ratio, out_bytes))
+    job, p, per_item = _verified(job, p, per_item, env, first, plan_batch)
     refused = ""
     if p.path == "blend":  # approximate: measured first, never taken under the floor unless the user asked
         p, refused = _blend_or_host(job, p, env, int(budget.available), allow_approximate, first)

@@ -37,14 +37,6 @@ def pack(mod):
     return lambda name: importlib.import_module(f"{base}.{name}")
 
 
-@pytest.fixture
-def fresh_stores(pack, monkeypatch, tmp_path):
-    """The node's stores new, backed by an empty user folder (a fresh install)."""
-    monkeypatch.setattr(pack("nodes._decode_node"), "_STORES", {})
-    monkeypatch.setattr(pack("nodes._comfy"), "user_cache_file", lambda name, what: tmp_path / name)
-    return tmp_path
-
-
 def _job(mod, vae):
     with torch.inference_mode():
         return mod._validate(vae, _pixels(1, *HW, seed=3), 0)

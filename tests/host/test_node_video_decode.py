@@ -352,13 +352,10 @@ def test_hunyuan_is_approximate_with_core_shape(comfy, fixture_vaes, mod, node):
 
 
 @pytest.mark.slow  # ~10 s on CPU; the slow tier runs in CI (.ci/run), keeping the user's default run in 15 min
-def test_a_new_clip_shapes_sizing_is_tagged_first_use(mod, wan21, monkeypatch, tmp_path):
+def test_a_new_clip_shapes_sizing_is_tagged_first_use(mod, wan21, fresh_stores):
     """A clip shape's plans are meta-sized once (issue 43 item 4: every report tags first-use work): the first
     decode with fresh stores says so in its ``first use`` row and verdict line; the second, on the same shape, sizes
     nothing and says nothing (before: the sizing was untagged planning time)."""
-    pack = mod.__name__.rsplit(".nodes.", 1)[0]
-    monkeypatch.setattr(sys.modules[pack + ".nodes._decode_node"], "_STORES", {})
-    monkeypatch.setattr(sys.modules[pack + ".nodes._comfy"], "user_cache_file", lambda name, what: tmp_path / name)
     vae, z, ref = wan21
     with torch.inference_mode():
         first = mod.decode(vae, {"samples": z})
