@@ -30,12 +30,13 @@ from ..report import (
     predicted_text,
     summary_line,
 )
+from ..run_context import ProgressFn
 from ..tiles import spans
 from ..vae.encode_split import encode_split, prefix_ratio
 from ..vae.families import identify, model_name
 from ..vae.kl_layout import kl_layout
 from .env import DecodeEnv, load_weights, prepare
-from .execute import Progress, ProgressFn, note_observed, run_passes
+from .execute import Progress, note_observed, run_passes
 from .first_use import FirstUse, first_use_tag
 from .self_check import ENCODE_METHODS, CheckStore, Verdict, checked, code_fingerprint
 

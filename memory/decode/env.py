@@ -18,12 +18,11 @@ from ..cost.phases import CostModelStore
 from ..measure.tracker import decode_tracker
 from ..oom import default_oom_exceptions
 from ..plan.video import PeakStore
+from ..run_context import ProgressFn, RunContext
 from .self_check import CheckStore, memory_store
 
 __all__ = ["DecodeEnv", "Measured", "Prepared", "default_budget", "host_room_for", "load_weights", "measured",
            "prepare", "unaliased"]
-
-ProgressFn = Callable[[int, int], None]
 
 
 def default_budget(vae: Any, budget_mb: float) -> Budget:
@@ -87,6 +86,12 @@ class DecodeEnv:
         self.stage = stage
         if self.stage_hook is not None:
             self.stage_hook(stage)
+
+    def run_context(self, progress: ProgressFn | None, stats: dict) -> RunContext:
+        """What an executor's run takes from this environment (the fault hook called as ``("step", s)``)."""
+        hook = self.fault_hook
+        return RunContext(progress, self.should_stop, (lambda s: hook("step", s)) if hook is not None else None,
+                          self.oom_exceptions, self.on_oom, stats)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,13 +15,12 @@ import torch
 
 from ..oom import OomEvent, OomResume
 from ..plan.types import Plan
+from ..run_context import ProgressFn
 from .env import DecodeEnv, Measured, measured
 
 log = logging.getLogger("vramfit.memory.decode.execute")
 
-__all__ = ["Progress", "ProgressFn", "note_observed", "run_passes"]
-
-ProgressFn = Callable[[int, int], None]
+__all__ = ["Progress", "note_observed", "run_passes"]
 
 
 class Progress:

@@ -18,10 +18,12 @@ from ..plan.host_grid import plan_host_grid
 from ..plan.types import Plan
 from ..plan.video import VideoJob, model_key
 from ..report import fmt_bytes
+from ..run_context import RunContext
 from .env import DecodeEnv
 from .first_use import FirstUse
-from .own_executor import OwnExecutor, decode_own
+from .own_executor import OwnExecutor, own_path
 from .self_check import CheckStore, Verdict, checked
+from .video_flow import run_flow
 
 log = logging.getLogger("vramfit.memory.decode.host_grid")
 
@@ -74,12 +76,9 @@ def check_host_grid(job: VideoJob, store: CheckStore, prepare: Callable[[], None
     return checked(_grid_key(job), store, model, host, configs, job.dtype, prepare, first_use)
 
 
-def _run(job: VideoJob, p: Plan, view: torch.Tensor, bar: Any, env: DecodeEnv, stats: dict) -> None:
-    hook = env.fault_hook
+def _run(job: VideoJob, p: Plan, view: torch.Tensor, env: DecodeEnv, ctx: RunContext) -> None:
     decode_host_grid(job.vae.first_stage_model, job.z, out=view, compute_device=job.device, dtype=job.dtype,
-                     store_device=job.out_device, row_batch=p.config.batch, progress=bar, should_stop=env.should_stop,
-                     fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
-                     oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
+                     store_device=job.out_device, row_batch=p.config.batch, **ctx.kwargs())
 
 
 def _geometry(job: VideoJob) -> tuple[int, int, int]:
@@ -122,7 +121,8 @@ HOST_GRID = OwnExecutor(
 
 def decode_host_grid_video(job: VideoJob, env: DecodeEnv, *, budget_mb: float = 0, unload_others: bool = True,
                            t_start: float | None = None, allow_approximate: bool = False) -> Any:
-    """``decode_video`` for a model with its own grid (:func:`.own_executor.decode_own` with :data:`HOST_GRID`).
+    """``decode_video`` for a model with its own grid (:func:`.video_flow.run_flow` with
+    :func:`.own_executor.own_path` of :data:`HOST_GRID`).
     Returns a :class:`.video_out.VideoDecodeResult`; ``allow_approximate`` unused (the executor is exact, else the
     host's decode)."""
-    return decode_own(job, env, HOST_GRID, budget_mb=budget_mb, unload_others=unload_others, t_start=t_start)
+    return run_flow(job, env, own_path(HOST_GRID), budget_mb=budget_mb, unload_others=unload_others, t_start=t_start)

@@ -71,10 +71,11 @@ from ..report import (
     predicted_text,
     summary_line,
 )
+from ..run_context import ProgressFn
 from ..vae.families import batch_coupling_hint
 from ..vae.split_layout import split_layout
 from .env import DecodeEnv, load_weights, prepare, unaliased
-from .execute import Progress, ProgressFn, note_observed, run_passes
+from .execute import Progress, note_observed, run_passes
 from .first_use import FirstUse, first_use_tag
 from .floor import (
     approximate_text,

@@ -1,15 +1,15 @@
-"""The decode of a video VAE served by an executor of its own with the host's decode as the fallback (MiniMax H3's
-grid, SeedVR2's walk): offload and budget (:func:`.env.prepare`), the executor's first-use self-check, its plan
-(scaled by the path's observed ratio), the executor into the output buffer (or the host's own decode when the check
-failed), the observed ratio learned, the report. Each family gives an :class:`OwnExecutor`: its check, planner,
-geometry, run and report wording. Nothing here imports ComfyUI."""
+"""A video VAE served by an executor of its own, with the host's decode as the fallback (MiniMax H3's grid, SeedVR2's
+walk), as a path of the video flow (:func:`own_path` for :func:`.video_flow.run_flow`): its plan (scaled by the
+path's observed ratio), its executor's first-use self-check after the plan (failed: the host's own decode, exact by
+construction), its executor into the output buffer, its report. Each family gives an :class:`OwnExecutor`: its
+check, planner, geometry, run and report wording. Nothing here imports ComfyUI."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,14 +27,15 @@ from ..report import (
     peak_verdict,
     summary_line,
 )
-from .env import DecodeEnv, load_weights, measured, prepare
-from .first_use import CLIP_SIZING, FirstUse, first_use_tag
+from ..run_context import RunContext
+from .env import DecodeEnv, load_weights
+from .first_use import FirstUse, first_use_tag
 from .self_check import Verdict
-from .video_out import VideoDecodeResult, buffer_bytes, host_decode, output_buffer, post_process
+from .video_flow import Checking, VideoPath
 
 log = logging.getLogger("vramfit.memory.decode.own_executor")
 
-__all__ = ["OwnExecutor", "decode_own"]
+__all__ = ["OwnExecutor", "own_path"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +50,8 @@ class OwnExecutor:
     plan: Callable[[VideoJob, int, PeakStore, str, bool], Plan]
     geometry: Callable[[VideoJob], tuple[int, int, int]]
     """``(frames, height, width)`` of one batch item's output."""
-    run: Callable[[VideoJob, Plan, torch.Tensor, Any, DecodeEnv, dict], None]
-    """The executor into the output view ``(B, C, frames, H, W)`` (``bar``: the progress bar, ``stats`` filled)."""
+    run: Callable[[VideoJob, Plan, torch.Tensor, DecodeEnv, RunContext], None]
+    """The executor into the output view ``(B, C, frames, H, W)``."""
     over_text: str
     """Why a plan is over the budget (the predicted row)."""
     time_text: Callable[[dict], str]
@@ -60,63 +61,40 @@ class OwnExecutor:
     notes: Callable[[VideoJob], list[tuple[str, str]]] = lambda job: []
 
 
-def decode_own(job: VideoJob, env: DecodeEnv, ex: OwnExecutor, *, budget_mb: float = 0, unload_others: bool = True,
-               t_start: float | None = None) -> Any:
-    """``decode_video`` for a VAE with its own executor ``ex``. Returns a :class:`.video_out.VideoDecodeResult`."""
-    vae, z = job.vae, job.z
-    b, _, t, _, _ = (int(v) for v in z.shape)
-    t0 = time.perf_counter() if t_start is None else t_start
-    first = FirstUse(env.phase)
-    key = observed_key(ex.path, job.family, job.dtype, job.device)
-    env.at("prepare")
-    frames, oh, ow = ex.geometry(job)
-    prep = prepare(vae, env, lambda: first.sized(lambda: ex.plan(job, 1 << 62, env.peaks, "", True), *CLIP_SIZING)
-                   .planned or None, budget_mb,
-                   unload_others, (job.device, job.out_device, buffer_bytes(job, frames, oh, ow)))
-    budget = prep.budget
-    env.at("check")
-    verdict = ex.check(job, env, lambda: load_weights(vae, env, 0), first)
-    job = dataclasses.replace(job, verdict=verdict, host_room=prep.host_room)
-    env.at("plan")
-    r = max(1.0, env.observed.ratio(key))
-    p = first.sized(lambda: ex.plan(job, int(budget.available / r), env.peaks, verdict.describe(), verdict.ok),
-                    *CLIP_SIZING)
-    p.ratio = r
-    p.planned = int(p.planned * r)
-    if not verdict.ok:  # not proven on this host: the host's own decode (exact by construction)
-        p = host_plan(t, 0, f"the {ex.name}'s {verdict.describe()}")
-    plan_seconds = time.perf_counter() - t0
-    env.at("weights")
-    load_weights(vae, env, p.planned)
+def own_path(ex: OwnExecutor) -> VideoPath:
+    """``ex`` as a path of the video flow."""
 
-    buf, view = output_buffer(job, frames, oh, ow)
-    bar = env.progress_bar(max(1, p.units * b)) if env.progress_bar is not None else None
-    stats: dict = {}
-    t1 = time.perf_counter()
-    env.at("run")
-    with measured(env, job.device) as m:
+    def plan(job: VideoJob, available: int, env: DecodeEnv, out_bytes: int) -> tuple[Plan, bool]:
+        r = max(1.0, env.observed.ratio(observed_key(ex.path, job.family, job.dtype, job.device)))
+        p = ex.plan(job, int(available / r), env.peaks, "", False)  # exact once its check passed (verify)
+        p.ratio, p.planned = r, int(p.planned * r)
+        return p, False
+
+    def verify(job: VideoJob, p: Plan, per_item: bool, ck: Checking) -> tuple[VideoJob, Plan, bool, str]:
+        """The executor's self-check where the plan takes it (the host's own decode relies on nothing); failed:
+        the host's own decode (exact by construction), the reason said."""
         if p.path == "host":
-            host_decode(job, view, bar, env, stats)
-        else:
-            ex.run(job, p, view, bar, env, stats)
-        post_process(vae, view)
-    seconds = time.perf_counter() - t1
-    env.at("report")
-    if p.planned and not stats.get("restarts"):
-        env.observed.note(key, m.peak, int(p.planned / p.ratio), m.kind)
-    report = _report(job, ex, p, budget, prep.offload, stats, seconds, plan_seconds, m.peak, m.method, first)
-    return VideoDecodeResult(buf, report, p, budget, seconds, m.peak, m.method, stats, plan_seconds)
+            return job, p, per_item, ""
+        verdict = ex.check(job, ck.env, lambda: load_weights(job.vae, ck.env, 0), ck.first)
+        job = dataclasses.replace(job, verdict=verdict)
+        if verdict.ok:
+            return job, dataclasses.replace(p, exact=True, reason=verdict.describe()), per_item, ""
+        return job, host_plan(int(job.z.shape[2]), 0, f"the {ex.name}'s {verdict.describe()}"), per_item, ""
+
+    return VideoPath(geometry=ex.geometry, plan=plan, verify=verify,
+                     run=lambda job, p, per_item, view, env, ctx: ex.run(job, p, view, env, ctx),
+                     report=functools.partial(_report, ex=ex), bar_total=lambda p, b: p.units * b)
 
 
-def _report(job: VideoJob, ex: OwnExecutor, plan: Plan, budget: Any, offload_text: str, stats: dict,
-            seconds: float, plan_seconds: float, peak: int | None, method: str, first: FirstUse) -> Report:
+def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: dict, seconds: float,
+            plan_seconds: float, peak: int | None, method: str, first: FirstUse, *, ex: OwnExecutor) -> Report:
     r = Report(REPORT_NODE, str(job.device))
     r.add("vae", f"{job.family} ({str(job.dtype).removeprefix('torch.')}); latent {tuple(job.z.shape)}")
     if plan.path == "host":
         r.add("path", f"exact: the host's own decode, as VAE Decode ({plan.reason})")
     else:
         r.add("path", ex.exact_text)
-    r.add("check", f"{ex.name}: {job.verdict.describe()}")
+    r.add("check", f"{ex.name}: {job.verdict.describe()}" if job.verdict is not None else f"{ex.name} not used")
     r.add("budget", budget.describe())
     r.add("offload", offload_text)
     r.add("plan", plan.description)

@@ -18,11 +18,13 @@ from ..executors.seedvr2 import EXECUTOR_VERSION, decode_seedvr2
 from ..plan.seedvr2 import plan_seedvr2
 from ..plan.types import Plan
 from ..plan.video import VideoJob, model_key
+from ..run_context import RunContext
 from ..vae.seedvr2_layout import seedvr2_layout
 from .env import DecodeEnv
 from .first_use import FirstUse
-from .own_executor import OwnExecutor, decode_own
+from .own_executor import OwnExecutor, own_path
 from .self_check import CheckStore, Verdict, checked
+from .video_flow import run_flow
 
 log = logging.getLogger("vramfit.memory.decode.seedvr2")
 
@@ -68,12 +70,10 @@ def check_seedvr2(job: VideoJob, store: CheckStore, prepare: Callable[[], None] 
                    first_use)
 
 
-def _run(job: VideoJob, p: Plan, view: torch.Tensor, bar: Any, env: DecodeEnv, stats: dict) -> None:
-    hook, cfg = env.fault_hook, p.config
+def _run(job: VideoJob, p: Plan, view: torch.Tensor, env: DecodeEnv, ctx: RunContext) -> None:
+    cfg = p.config
     decode_seedvr2(job.vae.first_stage_model, job.z, cfg.tile, out=view, compute_device=job.device, dtype=job.dtype,
-                   store_device="cpu" if cfg.store == "host" else None, progress=bar, should_stop=env.should_stop,
-                   fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
-                   oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, norm_params=env.norm_params, stats=stats)
+                   store_device="cpu" if cfg.store == "host" else None, norm_params=env.norm_params, **ctx.kwargs())
 
 
 def _geometry(job: VideoJob) -> tuple[int, int, int]:
@@ -117,7 +117,7 @@ SEEDVR2 = OwnExecutor(
 
 def decode_seedvr2_video(job: VideoJob, env: DecodeEnv, *, budget_mb: float = 0, unload_others: bool = True,
                          t_start: float | None = None, allow_approximate: bool = False) -> Any:
-    """``decode_video`` for SeedVR2 (:func:`.own_executor.decode_own` with :data:`SEEDVR2`). Returns a
-    :class:`.video_out.VideoDecodeResult`; ``allow_approximate`` unused (the executor is exact, else the host's
-    decode)."""
-    return decode_own(job, env, SEEDVR2, budget_mb=budget_mb, unload_others=unload_others, t_start=t_start)
+    """``decode_video`` for SeedVR2 (:func:`.video_flow.run_flow` with :func:`.own_executor.own_path` of
+    :data:`SEEDVR2`). Returns a :class:`.video_out.VideoDecodeResult`; ``allow_approximate`` unused (the executor is
+    exact, else the host's decode)."""
+    return run_flow(job, env, own_path(SEEDVR2), budget_mb=budget_mb, unload_others=unload_others, t_start=t_start)

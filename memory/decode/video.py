@@ -8,17 +8,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..cost.observed import observed_key, ratio_text
+from ..cost.observed import ratio_text
 from ..executors.blend import decode_overlap_blend
 from ..executors.carry import decode_carried
 from ..executors.wan import decode_wan_chunked
-from ..oom import oom_types
 from ..plan import plan
 from ..plan.grid import ImpossibleBudgetError
 from ..plan.host_grid import host_grid_of
@@ -44,25 +42,24 @@ from ..report import (
     peak_verdict,
     summary_line,
 )
+from ..run_context import RunContext
 from ..vae.carry_layout import blend_refusal, carry_layout
 from ..vae.families import identify, model_name
 from ..vae.seedvr2_layout import seedvr2_of
 from ..vae.wan_layout import cache_protocol, is_wan_vae, wan_layout
-from .env import DecodeEnv, load_weights, measured, prepare
-from .first_use import CLIP_SIZING, FirstUse, first_use_tag
-from .floor import floor_choice, host_oom_error, seeded
+from .env import DecodeEnv, load_weights
+from .first_use import FirstUse, first_use_tag
+from .floor import floor_choice, seeded
 from .host_grid import decode_host_grid_video
 from .seedvr2 import decode_seedvr2_video
 from .self_check import FIDELITY_FLOOR_DB, CheckStore, Verdict, checked, code_fingerprint
-from .video_out import VideoDecodeResult, buffer_bytes, host_decode, output_buffer, post_process
+from .video_flow import Checking, VideoPath, run_flow
+from .video_out import VideoDecodeResult
 
 log = logging.getLogger("vramfit.memory.decode.video")
 
 __all__ = ["REPORT_NODE", "VideoDecodeResult", "VideoJob", "check_blend", "check_chunked", "decode_chunked",
            "decode_video", "make_job", "video_engine"]
-
-ProgressFn = Callable[[int, int], None]
-
 
 def make_job(vae: Any, z: torch.Tensor, out_device: torch.device | str, *, frames_per_chunk: int = 0,
              tile_size: int = 0, one_frame: bool = False) -> VideoJob:
@@ -220,24 +217,26 @@ def _blend_or_host(job: VideoJob, p: Plan, env: DecodeEnv, available: int, allow
     return host, refused
 
 
-def _verified(job: VideoJob, p: Plan, per_item: bool, env: DecodeEnv, first: FirstUse,
-              replan: Callable[[VideoJob], tuple[Plan, bool]]) -> tuple[VideoJob, Plan, bool]:
-    """The verify step: Wan's chunks and the carried chunks run only once their executor's self-check
-    (:func:`check_chunked`, :func:`check_carried`) passed on this host; a failed check re-plans without them
-    (``replan``: the host's own decode when it fits, else approximate chunks said so). The host's own decode relies
-    on nothing: no check runs for it. The overlap-blend's fidelity floor follows (:func:`_blend_or_host`)."""
-    if p.path not in ("wan", "carry") or job.verdict is not None:
-        return job, p, per_item
-    check = check_chunked if p.path == "wan" else check_carried
-    verdict = check(job, env.checks, lambda: load_weights(job.vae, env, 0), first)
-    job = dataclasses.replace(job, verdict=verdict)
-    if not verdict.ok:
-        env.at("plan")
-        p, per_item = replan(job)
-        env.at("check")
-    elif p.path == "wan":  # as :func:`..plan.video.plan` says a checked plan's exactness
-        p = dataclasses.replace(p, exact=True, reason=verdict.describe())
-    return job, p, per_item
+def _verify(job: VideoJob, p: Plan, per_item: bool, ck: Checking) -> tuple[VideoJob, Plan, bool, str]:
+    """The check step of the chunked paths: Wan's chunks and the carried chunks run only once their executor's
+    self-check (:func:`check_chunked`, :func:`check_carried`) passed on this host; a failed check re-plans without
+    them (``ck.replan``: the host's own decode when it fits, else approximate chunks said so). The host's own decode
+    relies on nothing: no check runs for it. The overlap-blend's fidelity floor follows (:func:`_blend_or_host`)."""
+    env = ck.env
+    if p.path in ("wan", "carry") and job.verdict is None:
+        check = check_chunked if p.path == "wan" else check_carried
+        verdict = check(job, env.checks, lambda: load_weights(job.vae, env, 0), ck.first)
+        job = dataclasses.replace(job, verdict=verdict)
+        if not verdict.ok:
+            env.at("plan")
+            p, per_item = ck.replan(job)
+            env.at("check")
+        elif p.path == "wan":  # as :func:`..plan.video.plan` says a checked plan's exactness
+            p = dataclasses.replace(p, exact=True, reason=verdict.describe())
+    refused = ""
+    if p.path == "blend":  # approximate: measured first, never taken under the floor unless the user asked
+        p, refused = _blend_or_host(job, p, env, ck.available, ck.allow_approximate, ck.first)
+    return job, p, per_item, refused
 
 
 def _plan_batch(job: VideoJob, available: int, env: DecodeEnv, ratio: Any, out_bytes: int) -> tuple[Plan, bool]:
@@ -297,99 +296,45 @@ def decode_video(job: VideoJob, env: DecodeEnv, *, budget_mb: float = 0, unload_
                              allow_approximate=allow_approximate)
 
 
-def decode_chunked(
-    job: VideoJob,
-    env: DecodeEnv,
-    *,
-    budget_mb: float = 0,
-    unload_others: bool = True,
-    t_start: float | None = None,
-    allow_approximate: bool = False,
-) -> VideoDecodeResult:
-    """Decode ``job`` within the budget in chunks (Wan's, carried or overlap-blended) or by the host's own decode;
-    returns frames ``(B*T, H, W, C)`` on [0, 1] (as VAEDecode) and the report. ``budget_mb``: 0 = free memory
-    (``env.budget``); ``unload_others``: offload upstream models first (``env.offload``, VAEs with a
-    patcher). ``t_start``: ``time.perf_counter()`` when planning started. ``allow_approximate``: an overlap-blend
-    that measures under :data:`.self_check.FIDELITY_FLOOR_DB` on its first-use check may run (else the host's own
-    decode runs, flagged when over budget). Raises :class:`.grid.ImpossibleBudgetError` when no plan fits."""
-    vae, z = job.vae, job.z
-    b, _, t, h, w = (int(v) for v in z.shape)
-    model = vae.first_stage_model
+def decode_chunked(job: VideoJob, env: DecodeEnv, *, budget_mb: float = 0, unload_others: bool = True,
+                   t_start: float | None = None, allow_approximate: bool = False) -> VideoDecodeResult:
+    """Decode ``job`` within the budget in chunks (Wan's, carried or overlap-blended) or by the host's own decode
+    (:func:`.video_flow.run_flow` with :data:`CHUNKED`); returns frames ``(B*T, H, W, C)`` on [0, 1] (as VAEDecode)
+    and the report. ``budget_mb``: 0 = free memory (``env.budget``); ``unload_others``: offload upstream models
+    first (``env.offload``, VAEs with a patcher). ``t_start``: ``time.perf_counter()`` when planning started.
+    ``allow_approximate``: an overlap-blend that measures under :data:`.self_check.FIDELITY_FLOOR_DB` on its first-use
+    check may run (else the host's own decode runs, flagged when over budget). Raises
+    :class:`.grid.ImpossibleBudgetError` when no plan fits."""
+    return run_flow(job, env, CHUNKED, budget_mb=budget_mb, unload_others=unload_others, t_start=t_start,
+                    allow_approximate=allow_approximate)
 
-    t0 = time.perf_counter() if t_start is None else t_start  # planning time, offload included
-    first = FirstUse(env.phase)
-    ratio = env.observed.ratios(job.family, job.dtype, job.device)
 
-    # Offload for the fastest plan's peak (sized once, kept for the plan below); 0: not predicted.
-    env.at("prepare")
-    stats: dict = {}
+def _geometry(job: VideoJob) -> tuple[int, int, int]:
     frames, r = output_geometry(job)
-    oh, ow = h * r, w * r
-    out_bytes = buffer_bytes(job, frames, oh, ow)
-    prep = prepare(vae, env, lambda: first.sized(lambda: plan(job, 1 << 62, env.peaks, ratio), *CLIP_SIZING).planned
-                   or None, budget_mb,
-                   unload_others, (job.device, job.out_device, out_bytes))
-    budget = prep.budget
-    job = dataclasses.replace(job, host_room=prep.host_room)
-    env.at("plan")
+    return frames, int(job.z.shape[3]) * r, int(job.z.shape[4]) * r
 
-    def plan_batch(j: VideoJob) -> tuple[Plan, bool]:  # a new clip shape's sizing is first-use work
-        return first.sized(lambda: _plan_batch(j, int(budget.available), env, ratio, out_bytes), *CLIP_SIZING)
 
-    p, per_item = plan_batch(job)
-    env.at("check")
-    job, p, per_item = _verified(job, p, per_item, env, first, plan_batch)
-    refused = ""
-    if p.path == "blend":  # approximate: measured first, never taken under the floor unless the user asked
-        p, refused = _blend_or_host(job, p, env, int(budget.available), allow_approximate, first)
-    if not job.wan:
-        frames_of, index_formula, _ = blend_ratios(vae)
-    c = p.config
-    plan_seconds = time.perf_counter() - t0
-    env.at("weights")
-    load_weights(vae, env, p.planned)
+def _plan(job: VideoJob, available: int, env: DecodeEnv, out_bytes: int) -> tuple[Plan, bool]:
+    return _plan_batch(job, available, env, env.observed.ratios(job.family, job.dtype, job.device), out_bytes)
 
-    buf, view = output_buffer(job, frames, oh, ow)  # (B * T, H, W, C) and its (B, C, T, H, W) view
-    bar = env.progress_bar(1) if env.progress_bar is not None else None
-    hook = env.fault_hook
-    t1 = time.perf_counter()
-    env.at("run")
-    with measured(env, job.device) as m:
-        if p.path == "host":
-            try:
-                host_decode(job, view, bar, env, stats)
-            except oom_types(env.oom_exceptions) as e:
-                if refused and p.over_budget:  # taken instead of the approximate plan: say how to allow that
-                    raise host_oom_error(REPORT_NODE, e, refused) from e
-                raise
-        elif p.path == "wan":
-            for i in _items(b, per_item):
-                decode_wan_chunked(
-                    model, z[i], c.k, c.tile, halo=p.halo, split=c.split, out=view[i],
-                    compute_device=job.device, dtype=job.dtype, store_device="cpu" if c.store == "host" else None,
-                    rollback=c.rollback, progress=bar, should_stop=env.should_stop,
-                    fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
-                    oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
-        elif p.path == "carry":
-            decode_carried(
-                model, job.carry, z, c.k, out=view, dtype=job.dtype, compute_device=job.device, tile=c.tile,
-                halo=p.halo, rollback=c.rollback, progress=bar,
-                should_stop=env.should_stop,
-                fault_hook=(lambda s: hook("step", s)) if hook is not None else None,
-                oom_exceptions=env.oom_exceptions, on_oom=env.on_oom, stats=stats)
-        else:  # accumulated in the output buffer itself (the plan counts one output)
-            decode_overlap_blend(
-                blend_fn(job), z, c.k, 1, upscale_ratio=frames_of, index_formula=index_formula, out=view,
-                progress=bar, should_stop=env.should_stop, oom_exceptions=env.oom_exceptions, on_oom=env.on_oom,
-                stats=stats)
-        post_process(vae, view)
-    seconds = time.perf_counter() - t1
-    env.at("report")
-    if not (stats.get("shrinks") or stats.get("restarts")):  # a finished plan, not re-planned smaller
-        env.observed.note(observed_key(p.path, job.family, job.dtype, job.device), m.peak,
-                          int(p.planned / p.ratio), m.kind)
-    report = _report(job, p, budget, prep.offload, stats, seconds, plan_seconds, m.peak, m.method, first)
-    return VideoDecodeResult(buf, report, p, budget, seconds, m.peak, m.method, stats, plan_seconds)
+
+def _run(job: VideoJob, p: Plan, per_item: bool, view: torch.Tensor, env: DecodeEnv, ctx: RunContext) -> None:
+    """The chunked executors into the output view: Wan's (per batch item when the plan says so), the carried
+    chunks', the overlap-blend's (accumulated in the output buffer itself: the plan counts one output)."""
+    model, z, c = job.vae.first_stage_model, job.z, p.config
+    if p.path == "wan":
+        for i in _items(int(z.shape[0]), per_item):
+            decode_wan_chunked(
+                model, z[i], c.k, c.tile, halo=p.halo, split=c.split, out=view[i], compute_device=job.device,
+                dtype=job.dtype, store_device="cpu" if c.store == "host" else None, rollback=c.rollback,
+                **ctx.kwargs())
+    elif p.path == "carry":
+        decode_carried(model, job.carry, z, c.k, out=view, dtype=job.dtype, compute_device=job.device, tile=c.tile,
+                       halo=p.halo, rollback=c.rollback, **ctx.kwargs())
+    else:
+        frames_of, index_formula, _ = blend_ratios(job.vae)
+        decode_overlap_blend(blend_fn(job), z, c.k, 1, upscale_ratio=frames_of, index_formula=index_formula,
+                             out=view, **ctx.kwargs(fault=False))
 
 
 def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: dict, seconds: float,
@@ -481,3 +426,7 @@ def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: di
         first_use_tag(first),
     )
     return r
+
+
+CHUNKED = VideoPath(geometry=_geometry, plan=_plan, verify=_verify, run=_run, report=_report)
+"""The chunked paths (Wan's, carried, overlap-blended) as :func:`.video_flow.run_flow` takes them."""

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,11 +11,10 @@ import torch
 from ..plan.types import Plan
 from ..plan.video_job import VideoJob, host_fn
 from ..report import Report
+from ..run_context import ProgressFn
 from .env import DecodeEnv
 
 __all__ = ["VideoDecodeResult", "buffer_bytes", "host_decode", "output_buffer", "post_process"]
-
-ProgressFn = Callable[[int, int], None]
 
 
 @dataclasses.dataclass

@@ -12,13 +12,12 @@ from typing import Any
 import torch
 
 from ..oom import OomEvent, OomResume, oom_types
+from ..run_context import ProgressFn
 from ..tiles import overlap_chunks
 
 log = logging.getLogger("vramfit.memory.executors.blend")
 
 __all__ = ["decode_overlap_blend", "frame_fn", "stop_driver"]
-
-ProgressFn = Callable[[int, int], None]
 
 
 def stop_driver(

@@ -36,13 +36,12 @@ from typing import Any
 import torch
 
 from ..oom import OomEvent, OomResume, oom_types
+from ..run_context import ProgressFn
 from ..tiles import Rect, grid, pair, split_even
 
 log = logging.getLogger("vramfit.memory.executors.generic")
 
 __all__ = ["decode_generic", "decode_generic_into"]
-
-ProgressFn = Callable[[int, int], None]
 
 
 def _ramp(n: int, start_pad: int, end_pad: int, band: int, device: torch.device) -> torch.Tensor:

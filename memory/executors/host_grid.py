@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ..oom import OomEvent, oom_types
+from ..run_context import ProgressFn
 from .blend import stop_driver
 
 log = logging.getLogger("vramfit.memory.executors.host_grid")
@@ -61,7 +62,6 @@ ROW_METHOD = "_decode_tile_row"
 ROW_ARGS = ("z_row", "x_idx", "x_len")
 """What the newer ``tiled_decode`` passes its ``_decode_tile_row``."""
 
-ProgressFn = Callable[[int, int], None]
 Span = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 Region = tuple[slice, slice, torch.Tensor]
 

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ..oom import OomEvent, oom_types
+from ..run_context import ProgressFn
 from ..tiles import Rect, grid, tile_count
 from ..vae.seedvr2_layout import SeedVR2Layout, Segment, seedvr2_layout
 from .blend import stop_driver
@@ -51,7 +52,6 @@ EXECUTOR_VERSION = "2"
 MIN_TILE = 8
 """Smallest tile side (px) an out-of-memory error shrinks to."""
 
-ProgressFn = Callable[[int, int], None]
 NormParamsFn = Callable[[Any, torch.Tensor], "tuple[torch.Tensor | None, torch.Tensor | None]"]
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..oom import oom_types
+from ..run_context import ProgressFn
 from ..tiles import spans
 from ..vae.encode_split import EncodeSplit, split_reach
 from .blend import stop_driver
@@ -29,8 +30,6 @@ then re-checked)."""
 MIN_TILE = 4
 """Smallest tile core (prefix px) the OOM fallback splits to and the planner tries: with a reach of 10 latent
 px, smaller cores hardly shrink a tile's extended area."""
-
-ProgressFn = Callable[[int, int], None]
 
 
 def split_halo(model: Any, split: EncodeSplit, ratio: int, channels: int, dtype: torch.dtype,

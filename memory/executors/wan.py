@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..oom import OomEvent, oom_types
+from ..run_context import ProgressFn
 from ..tiles import chunk_ranges, spans
 from ..vae.wan_layout import (
     CACHE_T,
@@ -42,8 +43,6 @@ __all__ = ["EXECUTOR_VERSION", "decode_wan_chunked", "output_pieces"]
 
 MIN_TILE = 2
 """Smallest tile core (latent px) the OOM fallback shrinks to."""
-
-ProgressFn = Callable[[int, int], None]
 
 
 def _unpatchify(x: torch.Tensor, p: int) -> torch.Tensor:

@@ -327,3 +327,21 @@ def test_a_failed_self_check_takes_the_hosts_own_decode(monkeypatch, seedvr2, ca
     assert r.plan.path == "host" and "self-check FAILED" in text, text
     assert "equal to VAE Decode" not in text, text
     assert (r.images - ref).abs().max().item() <= 1e-4, text
+
+
+def test_its_decode_takes_the_steps_of_every_video_decode(seedvr2, case):
+    """The same flow as every video decode (``decode/video_flow.run_flow``): the executor's self-check runs after the
+    plan that takes it, before the weights and the run (``test_never_worse.py`` STEPS, the video node)."""
+    from vramfit.memory.decode.env import DecodeEnv
+    from vramfit.memory.decode.self_check import CheckStore
+    from vramfit.memory.decode.video import decode_video, make_job
+
+    seen: list[str] = []
+    env = DecodeEnv(checks=CheckStore(), stage_hook=lambda s: seen.append(s) if s not in seen else None)
+    z, ref = case
+    with torch.inference_mode():
+        r = decode_video(make_job(seedvr2, z, "cpu"), env, budget_mb=64)
+    text = r.report.text()
+    assert r.plan.path == "seedvr2" and "self-check passed" in dict(r.report.rows)["check"], text
+    assert seen == ["identify", "prepare", "plan", "check", "weights", "run", "report"], seen
+    assert (r.images - ref).abs().max().item() <= 1e-4, text

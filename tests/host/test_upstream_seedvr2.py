@@ -143,7 +143,7 @@ def test_video_node_exact_in_tiles_below_the_hosts_peak(pack, upstream, case):
 
 def test_a_budget_the_models_own_estimate_fits_takes_its_own_decode(pack, upstream, case):
     """The model's estimate is marked reliable: where it fits the budget, its own decode runs (VAE Decode's result by
-    construction) and the plan row says why; a tile size asked for keeps the walk."""
+    construction, no self-check of the walk) and the plan row says why; a tile size asked for keeps the walk."""
     video = pack("nodes.video_decode")
     z, ref = case
     est = upstream.first_stage_model.comfy_memory_used_decode(tuple(z.shape), torch.float32)
@@ -152,6 +152,7 @@ def test_a_budget_the_models_own_estimate_fits_takes_its_own_decode(pack, upstre
         asked = video.decode(upstream, {"samples": z}, budget_mb=2 * est / 2**20, tile_size=16)
     text = r.report.text()
     assert r.plan.path == "host" and "comfy_decode_estimate_is_reliable), fits the budget" in text, text
+    assert dict(r.report.rows)["check"] == "exact tiled executor not used", text  # relied on: nothing to check
     assert torch.equal(r.images, ref), text
     text = asked.report.text()
     assert asked.plan.path == "seedvr2" and "a tile size was asked for" in text, text
