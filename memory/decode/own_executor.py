@@ -1,6 +1,6 @@
 """A video VAE served by an executor of its own, with the host's decode as the fallback (MiniMax H3's grid, SeedVR2's
 walk), as a path of the video flow (:func:`own_path` for :func:`.video_flow.run_flow`): its plan (scaled by the
-path's observed ratio), its executor's first-use self-check after the plan (failed: the host's own decode, exact by
+path's observed ratio, :func:`..plan.grid.scaled`), its executor's first-use self-check after the plan (failed: the host's own decode, exact by
 construction), its executor into the output buffer, its report. Each family gives an :class:`OwnExecutor`: its
 check, planner, geometry, run and report wording. Nothing here imports ComfyUI."""
 
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..cost.observed import observed_key
+from ..plan.grid import scaled
 from ..plan.types import Plan
 from ..plan.video import REPORT_NODE, PeakStore, VideoJob, host_plan
 from ..report import (
@@ -65,10 +66,9 @@ def own_path(ex: OwnExecutor) -> VideoPath:
     """``ex`` as a path of the video flow."""
 
     def plan(job: VideoJob, available: int, env: DecodeEnv, out_bytes: int) -> tuple[Plan, bool]:
-        r = max(1.0, env.observed.ratio(observed_key(ex.path, job.family, job.dtype, job.device)))
-        p = ex.plan(job, int(available / r), env.peaks, "", False)  # exact once its check passed (verify)
-        p.ratio, p.planned = r, int(p.planned * r)
-        return p, False
+        r = env.observed.ratio(observed_key(ex.path, job.family, job.dtype, job.device))
+        # exact once its check passed (verify); its peak scaled by the path's observed ratio as every planner's
+        return scaled(lambda budget: ex.plan(job, budget, env.peaks, "", False), available, r), False
 
     def verify(job: VideoJob, p: Plan, per_item: bool, ck: Checking) -> tuple[VideoJob, Plan, bool, str]:
         """The executor's self-check where the plan takes it (the host's own decode relies on nothing); failed:

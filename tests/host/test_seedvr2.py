@@ -345,3 +345,24 @@ def test_its_decode_takes_the_steps_of_every_video_decode(seedvr2, case):
     assert r.plan.path == "seedvr2" and "self-check passed" in dict(r.report.rows)["check"], text
     assert seen == ["identify", "prepare", "plan", "check", "weights", "run", "report"], seen
     assert (r.images - ref).abs().max().item() <= 1e-4, text
+
+
+def test_its_plan_takes_the_paths_observed_ratio(seedvr2, case):
+    """A measured over predicted peak learned for the path (``cost/observed``) plans as every planner does
+    (``plan/grid.scaled``): for the budget divided by it, the predicted peak scaled back by it."""
+    from vramfit.memory.cost.observed import observed_key
+    from vramfit.memory.decode.env import DecodeEnv
+    from vramfit.memory.decode.own_executor import own_path
+    from vramfit.memory.decode.seedvr2 import SEEDVR2
+    from vramfit.memory.decode.self_check import CheckStore
+    from vramfit.memory.decode.video import make_job
+
+    z, _ = case
+    job = make_job(seedvr2, z, "cpu")
+    env = DecodeEnv(checks=CheckStore())
+    env.observed.put(observed_key("seedvr2", job.family, job.dtype, job.device), 2.0)
+    with torch.inference_mode():
+        p, per_item = own_path(SEEDVR2).plan(job, 64 << 20, env, 0)
+        q = SEEDVR2.plan(job, 32 << 20, env.peaks, "", False)
+    assert not per_item and p.path == q.path == "seedvr2" and p.config == q.config, (p.description, q.description)
+    assert p.ratio == 2.0 and p.planned == 2 * q.planned > 0, (p.planned, q.planned)
