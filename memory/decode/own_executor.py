@@ -83,7 +83,8 @@ def own_path(ex: OwnExecutor) -> VideoPath:
 
     return VideoPath(geometry=ex.geometry, plan=plan, verify=verify,
                      run=lambda job, p, per_item, view, env, ctx: ex.run(job, p, view, env, ctx),
-                     report=functools.partial(_report, ex=ex), bar_total=lambda p, b: p.units * b)
+                     report=functools.partial(_report, ex=ex), bar_total=lambda p, b: p.units * b,
+                     ratio_path=lambda p: ex.path)  # its own host plans too: planned with this path's ratio
 
 
 def _report(job: VideoJob, plan: Plan, budget: Any, offload_text: str, stats: dict, seconds: float,

@@ -1,6 +1,7 @@
 """Video decode within a memory budget: the job, the engine that decodes it (identified once: :func:`video_engine`),
-the self-checks of the chunked executors on this host, the chunked decode (offload, plan, execute into one output
-buffer) and the plan report. The engine of the Temporal-Chunk Video Decode node (``nodes/video_decode.py``
+the self-checks of the chunked executors on this host, the chunked paths (Wan's, carried, overlap-blended) as a path
+of the video flow (:data:`CHUNKED` for :func:`.video_flow.run_flow`: their plan, check, executors) and their
+report. The engine of the Temporal-Chunk Video Decode node (``nodes/video_decode.py``
 validates the inputs and passes ComfyUI's callables in a :class:`.env.DecodeEnv`). Design and measurements: docs/VIDEO_DECODE.md. Nothing here imports ComfyUI."""
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ log = logging.getLogger("vramfit.memory.decode.video")
 
 __all__ = ["REPORT_NODE", "VideoDecodeResult", "VideoJob", "check_blend", "check_chunked", "decode_chunked",
            "decode_video", "make_job", "video_engine"]
+
 
 def make_job(vae: Any, z: torch.Tensor, out_device: torch.device | str, *, frames_per_chunk: int = 0,
              tile_size: int = 0, one_frame: bool = False) -> VideoJob:

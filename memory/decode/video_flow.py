@@ -63,6 +63,8 @@ class VideoPath:
     """``(job, plan, budget, offload text, stats, seconds, plan seconds, measured peak, method, first) -> Report``."""
     bar_total: Callable[[Plan, int], int] = lambda p, b: 1
     """The progress bar's total at the start (an executor may set its own once it knows)."""
+    ratio_path: Callable[[Plan], str] = lambda p: p.path
+    """The path whose observed ratio planned ``p`` and learns from its run (:mod:`..cost.observed`)."""
 
 
 def run_flow(job: VideoJob, env: DecodeEnv, path: VideoPath, *, budget_mb: float = 0, unload_others: bool = True,
@@ -116,7 +118,7 @@ def run_flow(job: VideoJob, env: DecodeEnv, path: VideoPath, *, budget_mb: float
     seconds = time.perf_counter() - t1
     env.at("report")
     if not (stats.get("shrinks") or stats.get("restarts")):  # a finished plan, not re-planned smaller
-        env.observed.note(observed_key(p.path, job.family, job.dtype, job.device), m.peak,
+        env.observed.note(observed_key(path.ratio_path(p), job.family, job.dtype, job.device), m.peak,
                           int(p.planned / p.ratio), m.kind)
     report = path.report(job, p, budget, prep.offload, stats, seconds, plan_seconds, m.peak, m.method, first)
     return VideoDecodeResult(buf, report, p, budget, seconds, m.peak, m.method, stats, plan_seconds)

@@ -136,7 +136,8 @@ def plan_host_grid(job: VideoJob, budget: int, peaks: PeakStore, reason: str, ex
     """The plan of a model with its own grid: the executor with the most tiles per decoder call
     (:func:`row_batches`) whose meta-sized peak plus the node's output buffer (when it lives on the compute device's
     type) fits ``budget``. With none fitting it runs one tile per call anyway, flagged: another grid would not give
-    the host's result. ``reason``/``exact``: the self-check's verdict."""
+    the host's result. ``reason``/``exact``: the plan's (the video flow's check step sets them once the executor's
+    self-check passed: ``decode/own_executor.own_path``)."""
     model = job.vae.first_stage_model
     b, _, _, h, w = (int(v) for v in job.z.shape)
     frames = int(model.decode_output_shape((1, *job.z.shape[1:]))[2])

@@ -193,7 +193,8 @@ def _host(job: VideoJob, planned: int, budget: int, description: str, reason: st
 def plan_seedvr2(job: VideoJob, budget: int, peaks: PeakStore, reason: str, exact: bool) -> Plan:
     """The host's own decode where the model's reliable estimate fits ``budget`` (or where the walk cannot reproduce
     it, :func:`packed_tails`); else the first candidate (:func:`candidates`) whose peak plus the node's output buffer
-    fits ``budget``, else the last one sized, over budget. ``reason``/``exact``: the self-check's verdict."""
+    fits ``budget``, else the last one sized, over budget. ``reason``/``exact``: the walk's plan's (the video flow's
+    check step sets them once the walk's self-check passed: ``decode/own_executor.own_path``)."""
     model = job.vae.first_stage_model
     lay = seedvr2_layout(model)
     b, _, t, h, w = (int(v) for v in job.z.shape)
