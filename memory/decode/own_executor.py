@@ -48,7 +48,8 @@ class OwnExecutor:
     exact_text: str
     """The report's ``path`` row when the executor runs."""
     check: Callable[[VideoJob, DecodeEnv, Callable[[], None], FirstUse], Verdict]
-    plan: Callable[[VideoJob, int, PeakStore, str, bool], Plan]
+    plan: Callable[[VideoJob, int, PeakStore], Plan]
+    """``(job, budget, peaks)``: the executor's plan, not exact until its check passed (or the host's own decode)."""
     geometry: Callable[[VideoJob], tuple[int, int, int]]
     """``(frames, height, width)`` of one batch item's output."""
     run: Callable[[VideoJob, Plan, torch.Tensor, DecodeEnv, RunContext], None]
@@ -67,8 +68,8 @@ def own_path(ex: OwnExecutor) -> VideoPath:
 
     def plan(job: VideoJob, available: int, env: DecodeEnv, out_bytes: int) -> tuple[Plan, bool]:
         r = env.observed.ratio(observed_key(ex.path, job.family, job.dtype, job.device))
-        # exact once its check passed (verify); its peak scaled by the path's observed ratio as every planner's
-        return scaled(lambda budget: ex.plan(job, budget, env.peaks, "", False), available, r), False
+        # its peak scaled by the path's observed ratio as every planner's
+        return scaled(lambda budget: ex.plan(job, budget, env.peaks), available, r), False
 
     def verify(job: VideoJob, p: Plan, per_item: bool, ck: Checking) -> tuple[VideoJob, Plan, bool, str]:
         """The executor's self-check where the plan takes it (the host's own decode relies on nothing); failed:

@@ -132,12 +132,12 @@ def grid_peak(job: VideoJob, peaks: PeakStore, batch: int = 1) -> int:
     return tile_decode_peak(job, tokens, peaks, batch) + extra + z_bytes + store
 
 
-def plan_host_grid(job: VideoJob, budget: int, peaks: PeakStore, reason: str, exact: bool) -> Plan:
+def plan_host_grid(job: VideoJob, budget: int, peaks: PeakStore) -> Plan:
     """The plan of a model with its own grid: the executor with the most tiles per decoder call
     (:func:`row_batches`) whose meta-sized peak plus the node's output buffer (when it lives on the compute device's
     type) fits ``budget``. With none fitting it runs one tile per call anyway, flagged: another grid would not give
-    the host's result. ``reason``/``exact``: the plan's (the video flow's check step sets them once the executor's
-    self-check passed: ``decode/own_executor.own_path``)."""
+    the host's result. Not ``exact`` until the executor's self-check passed (the video flow's check step sets it:
+    ``decode/own_executor.own_path``)."""
     model = job.vae.first_stage_model
     b, _, _, h, w = (int(v) for v in job.z.shape)
     frames = int(model.decode_output_shape((1, *job.z.shape[1:]))[2])
@@ -155,5 +155,5 @@ def plan_host_grid(job: VideoJob, budget: int, peaks: PeakStore, reason: str, ex
         if planned <= budget:
             break
     cfg = grid_config(model, tuple(job.z.shape), batch)
-    return Plan("host_grid", cfg, cfg.describe(), planned, exact=exact, reason=reason,
+    return Plan("host_grid", cfg, cfg.describe(), planned, exact=False,
                 over_budget=bool(planned) and planned > budget, units=cfg.tiles * len(cfg.clips))

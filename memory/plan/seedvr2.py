@@ -190,11 +190,11 @@ def _host(job: VideoJob, planned: int, budget: int, description: str, reason: st
                 stats={"sized": "the model's own estimate, comfy_memory_used_decode, + the output"})
 
 
-def plan_seedvr2(job: VideoJob, budget: int, peaks: PeakStore, reason: str, exact: bool) -> Plan:
+def plan_seedvr2(job: VideoJob, budget: int, peaks: PeakStore) -> Plan:
     """The host's own decode where the model's reliable estimate fits ``budget`` (or where the walk cannot reproduce
     it, :func:`packed_tails`); else the first candidate (:func:`candidates`) whose peak plus the node's output buffer
-    fits ``budget``, else the last one sized, over budget. ``reason``/``exact``: the walk's plan's (the video flow's
-    check step sets them once the walk's self-check passed: ``decode/own_executor.own_path``)."""
+    fits ``budget``, else the last one sized, over budget. The walk's plan is not ``exact`` until its self-check
+    passed (the video flow's check step sets it: ``decode/own_executor.own_path``)."""
     model = job.vae.first_stage_model
     lay = seedvr2_layout(model)
     b, _, t, h, w = (int(v) for v in job.z.shape)
@@ -232,7 +232,7 @@ def plan_seedvr2(job: VideoJob, budget: int, peaks: PeakStore, reason: str, exac
     units = sx.units(lay, t, h, w, chosen.tile)
     note = host_refused_text(refused, job.host_room) if refused and chosen.store != "host" else ""
     hints = _hint_text(lay, est, budget, pref, chosen, max(h, w) * 8, job.tile_size)
-    return Plan("seedvr2", chosen, chosen.describe() + note + hints, planned, exact=exact, reason=reason,
+    return Plan("seedvr2", chosen, chosen.describe() + note + hints, planned, exact=False,
                 over_budget=bool(planned) and planned > budget, units=units)
 
 

@@ -262,13 +262,13 @@ def test_a_store_in_host_memory_only_where_the_hosts_ram_holds_it(seedvr2, monke
     z = torch.zeros(1, 16, 3, 12, 10)
     job = dataclasses.replace(make_job(seedvr2, z, "cpu"), device=torch.device("cuda"))  # planning only
     assert ps.seedvr2_host_bytes(job, ps.candidates(job)[-1], PeakStore()) == 50 << 20
-    free = ps.plan_seedvr2(job, 100, PeakStore(), "", True)  # nothing fits: the last candidate, in host memory
+    free = ps.plan_seedvr2(job, 100, PeakStore())  # nothing fits: the last candidate, in host memory
     assert free.config.store == "host" and free.over_budget and "not used" not in free.description
-    roomy = ps.plan_seedvr2(dataclasses.replace(job, host_room=50 << 20), 100, PeakStore(), "", True)
+    roomy = ps.plan_seedvr2(dataclasses.replace(job, host_room=50 << 20), 100, PeakStore())
     assert roomy.config == free.config
-    fits = ps.plan_seedvr2(dataclasses.replace(job, host_room=50 << 20), 600, PeakStore(), "", True)
+    fits = ps.plan_seedvr2(dataclasses.replace(job, host_room=50 << 20), 600, PeakStore())
     assert fits.config.store == "host" and fits.config.tile is None and not fits.over_budget
-    tight = ps.plan_seedvr2(dataclasses.replace(job, host_room=(50 << 20) - 1), 600, PeakStore(), "", True)
+    tight = ps.plan_seedvr2(dataclasses.replace(job, host_room=(50 << 20) - 1), 600, PeakStore())
     assert tight.config.store == "device" and tight.config.tile == (32, 32) and tight.over_budget
     assert "store in host memory not used: it needs 50.0 MiB, the host's RAM has room for 50.0 MiB" in \
         tight.description
@@ -363,6 +363,6 @@ def test_its_plan_takes_the_paths_observed_ratio(seedvr2, case):
     env.observed.put(observed_key("seedvr2", job.family, job.dtype, job.device), 2.0)
     with torch.inference_mode():
         p, per_item = own_path(SEEDVR2).plan(job, 64 << 20, env, 0)
-        q = SEEDVR2.plan(job, 32 << 20, env.peaks, "", False)
+        q = SEEDVR2.plan(job, 32 << 20, env.peaks)
     assert not per_item and p.path == q.path == "seedvr2" and p.config == q.config, (p.description, q.description)
     assert p.ratio == 2.0 and p.planned == 2 * q.planned > 0, (p.planned, q.planned)

@@ -195,7 +195,7 @@ def test_packed_carried_frames_take_the_hosts_decode(pack, upstream, case, monke
     job = pack("memory.decode.video").make_job(upstream, z, "cpu")
     assert ps.packed_tails(job, ps.seedvr2_layout(upstream.first_stage_model)) is None  # nothing packed on a CPU
     monkeypatch.setattr(ps, "packed_tails", lambda job, lay: "the host int8-packs carried frames of this size")
-    p = ps.plan_seedvr2(dataclasses.replace(job, device=torch.device("cuda")), 1 << 20, pv.PeakStore(), "", True)
+    p = ps.plan_seedvr2(dataclasses.replace(job, device=torch.device("cuda")), 1 << 20, pv.PeakStore())
     assert p.path == "host" and p.reason.startswith("the host int8-packs"), p
 
 
