@@ -8,7 +8,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["FaultHook", "ProgressFn", "RunContext", "StopFn"]
+import torch
+
+__all__ = ["FaultHook", "NormParamsFn", "ProgressFn", "RunContext", "StopFn"]
 
 ProgressFn = Callable[[int, int], None]
 """``progress(done, total)``: the node's progress bar."""
@@ -16,6 +18,9 @@ StopFn = Callable[[], Any]
 """Raises when the user pressed Cancel (ComfyUI's ``throw_exception_if_processing_interrupted``)."""
 FaultHook = Callable[[int], None]
 """Tests: called at every step of an executor (raise an out-of-memory error there to exercise the recovery)."""
+NormParamsFn = Callable[[Any, torch.Tensor], "tuple[torch.Tensor | None, torch.Tensor | None]"]
+"""``norm_params(norm, x)``: a GroupNorm's affine weight and bias cast as the host casts them (ComfyUI's weight
+casting), for the executors that run GroupNorm themselves (``decode/env.DecodeEnv.norm_params``)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from ..cost.observed import observed_key, ratio_text
-from ..executors import kl_exact as te
 from ..executors import split_encode as se
 from ..oom import OomResume, oom_types
 from ..plan.encode import EncodeJob, encode_ratio, latent_frames, plan, smaller, temporal_ratio
@@ -30,7 +29,7 @@ from ..report import (
     predicted_text,
     summary_line,
 )
-from ..run_context import ProgressFn
+from ..run_context import NormParamsFn, ProgressFn
 from ..tiles import spans
 from ..vae.encode_split import encode_split, prefix_ratio
 from ..vae.families import identify, model_name
@@ -125,7 +124,7 @@ def make_job(
 def check_encode(
     job: EncodeJob,
     store: CheckStore,
-    norm_params: te.NormParamsFn | None = None,
+    norm_params: NormParamsFn | None = None,
     prepare_fn: Any = None,
     first_use: FirstUse | None = None,
 ) -> Verdict:

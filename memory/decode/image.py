@@ -71,7 +71,7 @@ from ..report import (
     predicted_text,
     summary_line,
 )
-from ..run_context import ProgressFn
+from ..run_context import NormParamsFn, ProgressFn
 from ..vae.families import batch_coupling_hint
 from ..vae.split_layout import split_layout
 from .env import DecodeEnv, load_weights, prepare, unaliased
@@ -104,7 +104,7 @@ CHECK_TILE = 16
 """Several tiles at the two finest levels (2x3 at full resolution), so merged statistics and halos are used."""
 
 
-def check_exact(job: ImageJob, store: CheckStore, norm_params: te.NormParamsFn | None = None,
+def check_exact(job: ImageJob, store: CheckStore, norm_params: NormParamsFn | None = None,
                 prepare: Callable[[], None] | None = None, first_use: FirstUse | None = None) -> Verdict:
     """Self-check of the exact tiled walker for this decoder on this host (:func:`.self_check.verify`): a
     tiny random latent (:data:`CHECK_LATENT_HW`) decoded by ``first_stage_model.decode`` and by

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..oom import OomEvent, OomResume, oom_types
-from ..run_context import ProgressFn
+from ..run_context import NormParamsFn, ProgressFn
 from ..tiles import Rect, grid, pair, tile_count
 from ..vae.kl_layout import (
     BoundLayout,
@@ -48,10 +48,9 @@ EXECUTOR_VERSION = "v1"
 Bump it when a change alters what the executor holds at its peak, then re-ship ``memory/cost/data/exact``
 (``bench/tiled_decode.py --write-defaults``); edits that do not (comments, error handling) keep the key."""
 
-__all__ = ["EXECUTOR_VERSION", "MIN_TILE", "NormParamsFn", "decode_exact", "decode_exact_into",
+__all__ = ["EXECUTOR_VERSION", "MIN_TILE", "decode_exact", "decode_exact_into",
            "encode_exact", "run_exact"]
 
-NormParamsFn = Callable[[Any, torch.Tensor], "tuple[torch.Tensor | None, torch.Tensor | None]"]
 
 MIN_TILE = 8
 """Smallest tile side (px) the OOM fallback shrinks to."""

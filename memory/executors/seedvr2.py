@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..oom import OomEvent, oom_types
-from ..run_context import ProgressFn
+from ..run_context import NormParamsFn, ProgressFn
 from ..tiles import Rect, grid, tile_count
 from ..vae.seedvr2_layout import SeedVR2Layout, Segment, seedvr2_layout
 from .blend import stop_driver
@@ -52,7 +52,6 @@ EXECUTOR_VERSION = "2"
 MIN_TILE = 8
 """Smallest tile side (px) an out-of-memory error shrinks to."""
 
-NormParamsFn = Callable[[Any, torch.Tensor], "tuple[torch.Tensor | None, torch.Tensor | None]"]
 
 
 def seg_sizes(lay: SeedVR2Layout, h: int, w: int) -> list[tuple[int, int]]:
