@@ -35,10 +35,16 @@ class RunContext:
     stats: dict = dataclasses.field(default_factory=dict)
     """Filled by the executor (chunks, tiles, restarts, shrinks): the report reads it."""
 
-    def kwargs(self, fault: bool = True) -> dict[str, Any]:
-        """The executor's keyword arguments (``fault``: it takes a ``fault_hook``)."""
-        kw = dict(progress=self.progress, should_stop=self.should_stop, oom_exceptions=self.oom_exceptions,
-                  on_oom=self.on_oom, stats=self.stats)
+    def kwargs(self, fault: bool = True, stats: bool = True) -> dict[str, Any]:
+        """The executor's keyword arguments (``fault``: it takes a ``fault_hook``; ``stats``: a ``stats`` dict)."""
+        kw: dict[str, Any] = dict(progress=self.progress, should_stop=self.should_stop,
+                                  oom_exceptions=self.oom_exceptions, on_oom=self.on_oom)
         if fault:
             kw["fault_hook"] = self.fault_hook
+        if stats:
+            kw["stats"] = self.stats
         return kw
+
+    def with_progress(self, progress: ProgressFn | None) -> RunContext:
+        """The same context reporting to ``progress`` (a pass's share of one bar)."""
+        return dataclasses.replace(self, progress=progress)

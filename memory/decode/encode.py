@@ -1,6 +1,7 @@
-"""An encode from job to report (Tiled VAE Encode, Temporal-Chunk Video Encode): offload and budget, plan, the
-self-check of the tiles a plan takes, the passes with out-of-memory re-plans (:func:`.execute.run_passes`), report.
-The twin of :mod:`.image` for the other direction; the planning is :mod:`..plan.encode`, the executors
+"""An encode from job to report (Tiled VAE Encode, Temporal-Chunk Video Encode) through the flow of every decode
+(:func:`.flow.run`): its plan, the self-check of the tiles a plan takes, the passes with out-of-memory re-plans
+(:func:`.execute.run_passes`), its report. The image decode's twin for the other direction; the planning is
+:mod:`..plan.encode`, the executors
 :func:`..executors.kl_exact.encode_exact` (images) and :func:`..executors.split_encode.encode_split_tiled` (videos:
 Wan, LTX-Video, HunyuanVideo 1.5). Design: docs/ENCODE.md."""
 
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +18,6 @@ from ..cost.observed import observed_key, ratio_text
 from ..executors import split_encode as se
 from ..oom import OomResume, oom_types
 from ..plan.encode import EncodeJob, encode_ratio, latent_frames, plan, smaller, temporal_ratio
-from ..plan.grid import ImpossibleBudgetError
 from ..plan.types import Plan
 from ..report import (
     Report,
@@ -34,10 +33,12 @@ from ..tiles import spans
 from ..vae.encode_split import encode_split, prefix_ratio
 from ..vae.families import identify, model_name
 from ..vae.kl_layout import kl_layout
-from .env import DecodeEnv, load_weights, prepare
-from .execute import Progress, note_observed, run_passes
+from . import flow
+from .env import DecodeEnv, Measured, load_weights
+from .execute import Progress, pass_context, run_passes
 from .first_use import FirstUse, first_use_tag
-from .self_check import ENCODE_METHODS, CheckStore, Verdict, checked, code_fingerprint
+from .flow import Flow, Ran, Work
+from .self_check import ENCODE_METHODS, CheckStore, Verdict, check_key, checked, code_fingerprint
 
 log = logging.getLogger("vramfit.memory.decode.encode")
 
@@ -134,13 +135,9 @@ def check_encode(
     a video's frames, an image's one latent row) through :func:`..executors.split_encode.encode_split_tiled` in
     tiles of :data:`CHECK_VIDEO_TILE` prefix px (:func:`_check_geometry`)."""
     model = job.vae.first_stage_model
-    cls = type(model)
-    key = (
-        f"{f'{job.split.name}-encode' if job.split else 'kl-exact-encode'}/{cls.__module__}."
-        f"{cls.__qualname__}/"
-        f"{job.fingerprint}/exact-{job.executor_version}/{str(job.dtype).removeprefix('torch.')}/"
-        f"{job.device.type}"
-    )
+    kind = f"{job.split.name}-encode" if job.split else "kl-exact-encode"
+    key = check_key(kind, model, f"exact-{job.executor_version}", dtype=job.dtype, device=job.device,
+                    fingerprint=job.fingerprint)
     g = torch.Generator().manual_seed(0)
     if job.split is not None:
         r, fine = job.prefix_ratio, job.finer  # image px per prefix px, prefix px per latent px
@@ -187,6 +184,7 @@ class _Passes:
         self.n = int(job.x.shape[0])
         self.done: list[torch.Tensor] = []
         self._next: dict[int, Plan | None] = {}
+        self.ctx = pass_context(env, driver, events, "encode")
 
     def extent(self, p: Plan, start: int) -> tuple[int, int]:
         if p.path == "host":
@@ -212,17 +210,10 @@ class _Passes:
                 cb(PASS_UNITS, PASS_UNITS)
                 return
             store = job.device if p.config.store == "device" else torch.device("cpu")
-            self.done.append(job.run_tiles(
-                x, p.config.tile, compute_device=job.device, store_device=store, out_device=job.out_device,
-                progress=lambda d, t: cb(PASS_UNITS * d // max(1, t), PASS_UNITS), should_stop=self.driver.check_stop,
-                fault_hook=(lambda k: hook("tile", k)) if hook is not None else None,
-                oom_exceptions=self.driver.oom_exceptions, on_oom=self.tile_oom, norm_params=env.norm_params,
-            ))
-
-    def tile_oom(self) -> None:  # an OOM inside a tile: the walker halves its tile and resumes; the report says so
-        self.events.append("out of memory inside a tile: tile halved, encode resumed")
-        if self.env.on_oom is not None:
-            self.env.on_oom()
+            ctx = self.ctx.with_progress(lambda d, t: cb(PASS_UNITS * d // max(1, t), PASS_UNITS))
+            self.done.append(job.run_tiles(x, p.config.tile, compute_device=job.device, store_device=store,
+                                           out_device=job.out_device, norm_params=env.norm_params,
+                                           **ctx.kwargs(stats=False)))
 
     def final(self, p: Plan, e: BaseException) -> BaseException | None:
         """``e`` itself when no smaller plan follows ``p``: an OOM after the tiles (no tile helps), the host's encode,
@@ -259,6 +250,62 @@ def _verified(job: EncodeJob, p: Plan, env: DecodeEnv, first: FirstUse, replan: 
     return job, p
 
 
+class _Encode(Work):
+    """The encode as :func:`.flow.run` takes it: its observed ratios (the cost step), its plan (the offload's need: the
+    fastest), the exact tiles' self-check, the passes (:class:`_Passes`)."""
+
+    words, budget_words, has_cost = "encode", "encoding", True
+
+    def __init__(self, job: EncodeJob) -> None:
+        self.job = job
+        self.done: list[torch.Tensor] = []
+        """The latents of the finished passes."""
+        self.events: list[str] = []
+
+    def cost(self, f: Flow) -> None:
+        job = self.job
+        self.ratio = f.env.observed.ratios(job.family, job.dtype, job.device)
+
+    def _plan(self, j: EncodeJob, budget: int, f: Flow) -> Plan:
+        model, env = j.vae.first_stage_model, f.env
+        return plan(j, budget, env.peaks, self.ratio, lambda b: env.attention(model, b), f.first)
+
+    def need(self, f: Flow) -> int | None:
+        return self._plan(self.job, 1 << 62, f).planned or None
+
+    def plan(self, f: Flow) -> Plan:
+        return self._plan(self.job, f.available, f)
+
+    def verify(self, p: Plan, f: Flow) -> Plan:
+        self.job, p = self._verify(self.job, p, f)
+        return p
+
+    def _verify(self, j: EncodeJob, p: Plan, f: Flow) -> tuple[EncodeJob, Plan]:
+        return _verified(j, p, f.env, f.first, lambda j: self._plan(j, f.available, f))
+
+    def bar_total(self, p: Plan) -> int:
+        return int(self.job.x.shape[0]) * PASS_UNITS
+
+    def run(self, p: Plan, bar: ProgressFn | None, f: Flow) -> Ran:
+        env, n = f.env, int(self.job.x.shape[0])
+        driver = OomResume(oom_types(env.oom_exceptions), should_stop=env.should_stop, on_oom=env.on_oom,
+                           max_retries=MAX_REPLANS)
+        passes = _Passes(self.job, env, driver, self.events, lambda j, q: self._verify(j, q, f))
+        p = run_passes(n, p, driver, Progress(bar, n * PASS_UNITS), passes.extent, passes.one_pass, passes.smaller,
+                       passes.final, self.events, _report_node(self.job))
+        self.done, self.job = passes.done, passes.job
+        return Ran(p, bool(self.events))
+
+    def observed_key(self, p: Plan) -> str | None:
+        job = self.job
+        return None if p.path == "host" else observed_key("encode-" + p.path, job.family, job.dtype, job.device)
+
+    def finish(self, ran: Ran, f: Flow, seconds: float, plan_seconds: float, m: Measured) -> EncodeResult:
+        out = torch.cat(self.done)  # after the measured window, as the host's encode returns its latent
+        report = _report(self.job, ran.plan, f.budget, f.offload, seconds, plan_seconds, m, f.first, self.events)
+        return EncodeResult(out, report, ran.plan, f.budget, seconds, m.peak, m.method, self.events)
+
+
 def encode_image(
     job: EncodeJob,
     env: DecodeEnv,
@@ -267,60 +314,11 @@ def encode_image(
     unload_others: bool = True,
     t_start: float | None = None,
 ) -> EncodeResult:
-    """Encode ``job`` within the budget; returns the latent (B, C, h, w) as ``first_stage_model.encode``
-    gives it, on ``job.out_device`` (the ``host`` path: as ``VAE.encode`` returns it), and the report. Raises
-    :class:`..plan.grid.ImpossibleBudgetError` when no plan fits."""
-    t0 = time.perf_counter() if t_start is None else t_start
-    first = FirstUse(env.phase, "encode")
-    env.at("cost")
-    ratio = env.observed.ratios(job.family, job.dtype, job.device)
-
-    model = job.vae.first_stage_model
-
-    def attention(max_bytes: int) -> Any:
-        return env.attention(model, max_bytes)
-
-    env.at("prepare")
-    prep = prepare(
-        job.vae, env, lambda: plan(job, 1 << 62, env.peaks, ratio, attention, first).planned or None, budget_mb,
-        unload_others, (job.device, job.out_device, 0),
-    )
-    budget = prep.budget
-    job = dataclasses.replace(job, host_room=prep.host_room)
-
-    def replan(j: EncodeJob) -> Plan:
-        try:
-            return plan(j, int(budget.available), env.peaks, ratio, attention, first)
-        except ImpossibleBudgetError as e:
-            raise ImpossibleBudgetError(
-                f"{e} (budget: {budget.describe('encoding')})", budget=e.budget, minimum=e.minimum
-            ) from e
-
-    def verify(j: EncodeJob, p: Plan) -> tuple[EncodeJob, Plan]:
-        return _verified(j, p, env, first, replan)
-
-    env.at("plan")
-    job, p = verify(job, replan(job))
-    env.at("weights")
-    load_weights(job.vae, env, p.planned)
-    plan_seconds = time.perf_counter() - t0
-    n = int(job.x.shape[0])
-    bar = env.progress_bar(n * PASS_UNITS) if env.progress_bar is not None else None
-    oom_events: list[str] = []
-    driver = OomResume(oom_types(env.oom_exceptions), should_stop=env.should_stop, on_oom=env.on_oom,
-                       max_retries=MAX_REPLANS)
-    run = _Passes(job, env, driver, oom_events, verify)
-    t1 = time.perf_counter()
-    env.at("run")
-    p, m = run_passes(env, job.device, n, p, driver, Progress(bar, n * PASS_UNITS), run.extent, run.one_pass,
-                      run.smaller, run.final, oom_events, _report_node(job))
-    out, job = torch.cat(run.done), run.job
-    seconds = time.perf_counter() - t1
-    env.at("report")
-    if p.path != "host":
-        note_observed(env, observed_key("encode-" + p.path, job.family, job.dtype, job.device), m, p, oom_events)
-    report = _report(job, p, budget, prep.offload, seconds, plan_seconds, m, first, oom_events)
-    return EncodeResult(out, report, p, budget, seconds, m.peak, m.method, oom_events)
+    """Encode ``job`` within the budget through the flow of every decode (:func:`.flow.run`); returns the latent
+    (B, C, h, w) as ``first_stage_model.encode`` gives it, on ``job.out_device`` (the ``host`` path: as
+    ``VAE.encode`` returns it), and the report. Raises :class:`..plan.grid.ImpossibleBudgetError` when no plan
+    fits."""
+    return flow.run(_Encode(job), env, budget_mb=budget_mb, unload_others=unload_others, t_start=t_start)
 
 
 def _report_node(job: EncodeJob) -> str:

@@ -1,6 +1,6 @@
-"""The run step of a decode: one progress bar over all its passes (:class:`Progress`), the passes over the batch
-inside the measured window with the re-plans after an out-of-memory error outside a tile (:func:`run_passes`,
-through :class:`..oom.OomResume`), and the observed peak of a run without any (:func:`note_observed`).
+"""The run step of an image decode or an encode (:mod:`.flow`): one progress bar over all its passes
+(:class:`Progress`), the passes over the batch with the re-plans after an out-of-memory error outside a tile
+(:func:`run_passes`, through :class:`..oom.OomResume`).
 
 What a path plugs in: how far a pass of its plan goes, the pass itself (its executors), its next smaller plan and
 the plan after which there is none. Nothing here imports ComfyUI.
@@ -11,16 +11,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import torch
-
 from ..oom import OomEvent, OomResume
 from ..plan.types import Plan
-from ..run_context import ProgressFn
-from .env import DecodeEnv, Measured, measured
+from ..run_context import ProgressFn, RunContext
+from .env import DecodeEnv
 
 log = logging.getLogger("vramfit.memory.decode.execute")
 
-__all__ = ["Progress", "note_observed", "run_passes"]
+__all__ = ["Progress", "pass_context", "run_passes"]
 
 
 class Progress:
@@ -47,9 +45,24 @@ class Progress:
         return cb
 
 
+def pass_context(env: DecodeEnv, driver: OomResume, events: list[str], work: str) -> RunContext:
+    """What every pass's executor takes (its progress: the pass's, :meth:`..run_context.RunContext.with_progress`):
+    Cancel through the re-plan ``driver`` (a cancel propagates through every level), what it counts as out of
+    memory, the tests' fault hook called as ``("tile", k)``; after an out-of-memory error inside a tile (the
+    executor halves the tile and resumes) the event among ``events`` (``work``: "decode", "encode") and
+    ``env.on_oom``."""
+    hook = env.fault_hook
+
+    def tile_oom() -> None:
+        events.append(f"out of memory inside a tile: tile halved, {work} resumed")
+        if env.on_oom is not None:
+            env.on_oom()
+
+    return RunContext(None, driver.check_stop, None if hook is None else lambda k: hook("tile", k),
+                      driver.oom_exceptions, tile_oom)
+
+
 def run_passes(
-    env: DecodeEnv,
-    device: torch.device,
     items: int,
     plan: Plan,
     driver: OomResume,
@@ -60,14 +73,13 @@ def run_passes(
     final: Callable[[Plan, BaseException], BaseException | None],
     events: list[str],
     node: str,
-) -> tuple[Plan, Measured]:
-    """Items ``0 .. items - 1`` in passes of ``plan``, inside the measured window (:func:`.env.measured`):
+) -> Plan:
+    """Items ``0 .. items - 1`` in passes of ``plan``:
     ``extent(p, start)`` gives a pass's ``(stop, units planned after it)``, ``one_pass(p, start, stop, progress)``
     runs it. Out of memory outside a tile: ``smaller(p)`` (the next smaller plan, as it may run) and the unfinished
     items again, outside the ``except`` block (the failed pass's frames and tensors are released first; finished
     items are kept); none after a plan ``p`` for which ``final(p, oom)`` is an error, raised instead (``oom`` itself:
-    re-raised as it came). Each re-plan is one of ``events``, logged under ``node``. Returns the plan that finished
-    and the measure."""
+    re-raised as it came). Each re-plan is one of ``events``, logged under ``node``. Returns the plan that finished."""
     state = {"plan": plan, "start": 0, "stop": 0}
 
     def attempt() -> None:
@@ -83,21 +95,13 @@ def run_passes(
         events.append(f"{what}: re-planned ({old.description} -> {state['plan'].description}); retrying")
         log.warning("%s: %s", node, events[-1])
 
-    with measured(env, device) as m:
-        while state["start"] < items:
-            try:
-                driver.run(attempt, recover=recover, can_recover=lambda e: final(state["plan"], e) is None)
-            except driver.oom_exceptions as e:
-                error = final(state["plan"], e)
-                if error is not None and error is not e:
-                    raise error from e
-                raise
-            state["start"] = state["stop"]
-    return state["plan"], m
-
-
-def note_observed(env: DecodeEnv, key: str, m: Measured, p: Plan, events: list[str]) -> None:
-    """The measured over predicted peak of the plan ``p`` that ran, for later plans (:mod:`..cost.observed`): only
-    for a run without any out-of-memory event."""
-    if not events:
-        env.observed.note(key, m.peak, int(p.planned / p.ratio), m.kind)
+    while state["start"] < items:
+        try:
+            driver.run(attempt, recover=recover, can_recover=lambda e: final(state["plan"], e) is None)
+        except driver.oom_exceptions as e:
+            error = final(state["plan"], e)
+            if error is not None and error is not e:
+                raise error from e
+            raise
+        state["start"] = state["stop"]
+    return state["plan"]

@@ -28,7 +28,7 @@ from ..plan.image import ImageJob, ImageModels, plan_untiled, splits_batch
 from ..plan.types import Plan
 from .env import unaliased
 from .first_use import FirstUse
-from .self_check import BATCH_CHECK_ITEMS, FIDELITY_FLOOR_DB, CheckStore, Verdict, checked, code_fingerprint
+from .self_check import BATCH_CHECK_ITEMS, FIDELITY_FLOOR_DB, CheckStore, Verdict, check_key, checked
 
 __all__ = ["GENERIC_CHECK_MAX", "GENERIC_CHECK_TILE", "approximate_text", "batch_text", "check_batch_split",
            "check_generic", "describe_host", "floor_choice", "generic_fn", "generic_or_host", "host_oom_error",
@@ -115,10 +115,9 @@ def check_generic(job: ImageJob, store: CheckStore, tile_hw: tuple[int, int], ha
     tile, halo and feather as the exactness verdicts are (a failure per file, an inconclusive check never)."""
     model = job.vae.first_stage_model
     th, tw = (max(1, min(int(t), GENERIC_CHECK_TILE)) for t in tile_hw)
-    cls = type(model)
     contract = "core" if job.core else type(job.vae).__name__
-    key = (f"generic-fidelity/{cls.__module__}.{cls.__qualname__}/{code_fingerprint(model)}/{contract}"
-           f"/t{th}x{tw}/h{halo}/f{feather}/{str(job.dtype).removeprefix('torch.')}/{job.device.type}")
+    key = check_key("generic-fidelity", model, contract, f"t{th}x{tw}", f"h{halo}", f"f{feather}", dtype=job.dtype,
+                    device=job.device)
     h, w = (min(2 * t + 2 * int(halo), max(2 * t, int(side)), GENERIC_CHECK_MAX)
             for t, side in ((th, job.z.shape[2]), (tw, job.z.shape[3])))
     z = torch.randn((1, job.channels, h, w), generator=torch.Generator().manual_seed(0))
@@ -146,10 +145,9 @@ def check_batch_split(job: ImageJob, store: CheckStore, latent_hw: tuple[int, in
     ``latent_hw`` decoded whole by the host and one item per pass, both on ``[0, 1]``, by PSNR (cached as
     :func:`check_generic`'s)."""
     model = job.vae.first_stage_model
-    cls = type(model)
     contract = "core" if job.core else type(job.vae).__name__
-    key = (f"batch-fidelity/{cls.__module__}.{cls.__qualname__}/{code_fingerprint(model)}/{contract}"
-           f"/{latent_hw[0]}x{latent_hw[1]}/{str(job.dtype).removeprefix('torch.')}/{job.device.type}")
+    key = check_key("batch-fidelity", model, contract, f"{latent_hw[0]}x{latent_hw[1]}", dtype=job.dtype,
+                    device=job.device)
     n = BATCH_CHECK_ITEMS
     z = torch.randn((n, job.channels, *latent_hw), generator=torch.Generator().manual_seed(0))
     z = z.to(job.device, job.dtype)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,7 +48,6 @@ from ..executors.split import decode_split, decode_split_into
 from ..measure.reach import default_halo
 from ..oom import OomResume, oom_types
 from ..plan import plan
-from ..plan.grid import ImpossibleBudgetError
 from ..plan.image import (
     ImageJob,
     ImageModels,
@@ -72,10 +70,10 @@ from ..report import (
     summary_line,
 )
 from ..run_context import NormParamsFn, ProgressFn
-from ..vae.families import batch_coupling_hint
 from ..vae.split_layout import split_layout
-from .env import DecodeEnv, load_weights, prepare, unaliased
-from .execute import Progress, note_observed, run_passes
+from . import flow
+from .env import DecodeEnv, Measured, load_weights, unaliased
+from .execute import Progress, pass_context, run_passes
 from .first_use import FirstUse, first_use_tag
 from .floor import (
     approximate_text,
@@ -86,7 +84,8 @@ from .floor import (
     host_oom_error,
     is_floor_host,
 )
-from .self_check import BATCH_CHECK_ITEMS, CheckStore, Verdict, check_batch, checked, code_fingerprint
+from .flow import Flow, Ran, Work
+from .self_check import BATCH_CHECK_ITEMS, CheckStore, Verdict, check_batch, check_key, checked
 
 log = logging.getLogger("vramfit.memory.decode.image")
 
@@ -112,9 +111,7 @@ def check_exact(job: ImageJob, store: CheckStore, norm_params: NormParamsFn | No
     fingerprint, the walker's version, dtype and device type. ``prepare()`` runs first when the check runs
     (the node loads the weights)."""
     model = job.vae.first_stage_model
-    cls = type(model)
-    key = (f"kl-exact/{cls.__module__}.{cls.__qualname__}/{code_fingerprint(model)}/exact-{dp.executor_digest()}"
-           f"/{str(job.dtype).removeprefix('torch.')}/{job.device.type}")
+    key = check_key("kl-exact", model, f"exact-{dp.executor_digest()}", dtype=job.dtype, device=job.device)
     items = BATCH_CHECK_ITEMS if job.whole_batch else 1  # a video decoder's batch: its time mixing checked too
     z = torch.randn((items, job.channels, *CHECK_LATENT_HW), generator=torch.Generator().manual_seed(0))
     z = z.to(job.device, job.dtype)
@@ -150,10 +147,9 @@ def check_split(job: ImageJob, store: CheckStore, prepare: Callable[[], None] | 
     :data:`CHECK_PREFIX_TILE` latent px."""
     model = job.vae.first_stage_model
     layout = split_layout(model)
-    cls = type(model)
     tiled_prefix = bool(layout.prefix_units)
-    key = (f"split/{layout.family}/{cls.__module__}.{cls.__qualname__}/{code_fingerprint(model)}"
-           f"/{str(job.dtype).removeprefix('torch.')}/{job.device.type}" + ("/prefix-tiles" if tiled_prefix else ""))
+    key = check_key(f"split/{layout.family}", model, dtype=job.dtype, device=job.device,
+                    suffix="/prefix-tiles" if tiled_prefix else "")
     z = torch.randn((1, job.channels, *CHECK_LATENT_HW), generator=torch.Generator().manual_seed(0))
     z = z.to(job.device, job.dtype)
     scale, _, reach = suffix_reach(layout, model, job.channels, job.dtype, job.device)
@@ -184,9 +180,7 @@ def check_batch_items(job: ImageJob, store: CheckStore, prepare: Callable[[], No
     untiled one with the whole batch decodes items in separate passes: for a decoder that fails this (SVD's
     temporal decoder mixes its batch as one video's frames), only that one is its result."""
     model = job.vae.first_stage_model
-    cls = type(model)
-    key = (f"batch/{cls.__module__}.{cls.__qualname__}/{code_fingerprint(model)}"
-           f"/{str(job.dtype).removeprefix('torch.')}/{job.device.type}")
+    key = check_key("batch", model, dtype=job.dtype, device=job.device)
     shape = (BATCH_CHECK_ITEMS, job.channels, *CHECK_LATENT_HW)
     z = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(job.device, job.dtype)
 
@@ -200,8 +194,7 @@ def batch_reason(job: ImageJob, verdict: Verdict) -> str:
     """Why a split batch is not exact, from the batch self-check's failed ``verdict`` ("" when it passed)."""
     if verdict.ok:
         return ""
-    hint = batch_coupling_hint(job.vae.first_stage_model)
-    hint = f"; {hint}" if hint else ""
+    hint = f"; {job.batch_hint}" if job.batch_hint else ""
     if not verdict.conclusive or verdict.max_diff == float("inf"):  # no finite comparison: nothing shown
         return (f"whether this decoder treats the items of its batch independently is unverified{hint} (batch "
                 f"{verdict.describe()})")
@@ -236,10 +229,8 @@ class _Run:
                                 max_retries=MAX_RETRIES)
         """Re-plans outside a tile; its ``check_stop`` is the executors' ``should_stop``, so a cancel
         propagates through every level."""
-        hook = env.fault_hook
-        self.tiles = {"should_stop": self.driver.check_stop, "oom_exceptions": self.oom, "on_oom": self._tile_oom,
-                      "fault_hook": None if hook is None else lambda k: hook("tile", k)}
-        """The executors' keywords of every tiled pass (their progress is the pass's)."""
+        self.ctx = pass_context(env, self.driver, self.oom_events, "decode")
+        """What every tiled pass's executor takes (its progress is the pass's)."""
         self.tile_fn = generic_fn(job)
         """The generic tiles' decode of one latent tile."""
 
@@ -262,11 +253,6 @@ class _Run:
             if images.ndim == 5:
                 images = images.reshape(-1, *images.shape[-3:])
         self.out[a : a + images.shape[0]].copy_(images)
-
-    def _tile_oom(self) -> None:
-        self.oom_events.append("out of memory inside a tile: tile halved, decode resumed")
-        if self.env.on_oom is not None:
-            self.env.on_oom()
 
 
 def _extent(job: ImageJob, p: Plan, start: int) -> tuple[int, int]:
@@ -291,23 +277,24 @@ def _one_pass(run: _Run, verify: _Verify, p: Plan, start: int, stop: int, cb: Pr
         return
     run.start_pass()
     out, z = run.out[start:stop], job.z[start:stop]
+    kw = run.ctx.with_progress(cb).kwargs(stats=False)
     if p.path == "exact":
         assert models.exact is not None
         with run.env.attention(job.vae.first_stage_model, models.exact.attention_bytes):
             te.decode_exact_into(out, job.walkers[p.config.recompute], z.to(job.dtype).to(job.device), p.config,
                                  job.vae.process_output, compute_device=job.device, out_device=job.out_device,
-                                 progress=cb, norm_params=run.env.norm_params, **run.tiles)
+                                 norm_params=run.env.norm_params, **kw)
     elif p.path == "split":
         assert models.split is not None
         process = getattr(job.vae, "process_output", None) if job.core else None
         decode_split_into(out, models.split.layout, z.to(job.dtype).to(job.device), tile_px(p, models.split),
-                          models.split.halo, process or _process, out_device=job.out_device, progress=cb,
-                          prefix_tile=prefix_tile(p), **run.tiles)
+                          models.split.halo, process or _process, out_device=job.out_device,
+                          prefix_tile=prefix_tile(p), **kw)
     else:
         g = p.config
         tg.decode_generic_into(out, run.tile_fn, z, (g.tile_h, g.tile_w), p.halo,
                                job.vae.process_output if job.core else None, scale=job.ratio,
-                               out_device=job.out_device, feather=p.feather, progress=cb, **run.tiles)
+                               out_device=job.out_device, feather=p.feather, **kw)
 
 
 def _smaller(verify: _Verify, p: Plan) -> Plan:
@@ -351,7 +338,8 @@ def decode_image(
     t_start: float | None = None,
     allow_approximate: bool = False,
 ) -> DecodeResult:
-    """Decode ``job`` within the budget; returns the images (B, H, W, C) float32 on [0, 1] and the report.
+    """Decode ``job`` within the budget through the flow of every decode (:func:`.flow.run`); returns the images
+    (B, H, W, C) float32 on [0, 1] and the report.
 
     ``budget_mb``: 0 = free memory (``env.budget``); ``unload_others``: offload upstream models first
     (``env.offload``, VAEs with a patcher only); the tile and halo are the job's. ``t_start``:
@@ -360,56 +348,67 @@ def decode_image(
     ``allow_approximate``: generic tiles that measure under :data:`.self_check.FIDELITY_FLOOR_DB` may run (else the
     host's own decode runs, flagged when over the budget: :mod:`.floor`).
     """
-    t_plan = time.perf_counter() if t_start is None else t_start
-    first = FirstUse(env.phase)
-    env.at("cost")
-    full = full_cost_model(job, env, lambda: load_weights(job.vae, env, 0), first)
-    ratio = env.observed.ratios(job.subject.key_name, job.dtype, job.device)
-
-    # Offload upstream models for the fastest plan's need (what ComfyUI's own decode would need).
-    env.at("prepare")
-    out_bytes = int(job.z.shape[0]) * job.out_hw[0] * job.out_hw[1] * job.out_channels * 4
-    prep = prepare(job.vae, env, lambda: int(ideal_bytes(job, full) * ratio("untiled")), budget_mb, unload_others,
-                   (job.device, job.out_device, out_bytes))
-    budget = prep.budget
-    avail = int(budget.available)
-    env.at("cost")
-    verify = _Verify(dataclasses.replace(job, host_room=prep.host_room), env, full, avail, ratio, first,
-                     allow_approximate)
-    env.at("plan")
-    p = verify(lambda j, models: _plan(j, avail, models, ratio, budget))
-    env.at("weights")
-    load_weights(job.vae, env, p.planned)
-    plan_seconds = time.perf_counter() - t_plan
-
-    total = int(job.z.shape[0]) * p.units
-    bar = env.progress_bar(max(1, total)) if env.progress_bar is not None else None
-    run = _Run(verify.job, env)
-    t0 = time.perf_counter()
-    env.at("run")
-    p, m = run_passes(env, job.device, int(job.z.shape[0]), p, run.driver, Progress(bar, total),
-                      functools.partial(_extent, job), functools.partial(_one_pass, run, verify),
-                      functools.partial(_smaller, verify), _floor_oom, run.oom_events, REPORT_NODE)
-    seconds = time.perf_counter() - t0
-    env.at("report")
-    job = verify.job
-    note_observed(env, observed_key(p.path, job.subject.key_name, job.dtype, job.device), m, p, run.oom_events)
-
-    models = verify.models
-    calibrated = models.exact.calibrated if models.exact is not None else []
-    report = _report(job, p, models, budget, prep.offload, seconds, plan_seconds, m, run, first,
-                     verify.checks.get(p.path), verify.batch)
-    return DecodeResult(run.out, report, p, budget, seconds, plan_seconds, m.peak, m.method, run.oom_events,
-                        calibrated)
+    return flow.run(_Image(job), env, budget_mb=budget_mb, unload_others=unload_others, t_start=t_start,
+                    allow_approximate=allow_approximate)
 
 
-def _plan(job: ImageJob, avail: int, models: ImageModels, ratio: Callable[[str], float], budget: Any) -> Plan:
-    """:func:`..plan.plan`; an impossible budget says which budget."""
-    try:
-        return plan(job, avail, models, ratio)
-    except ImpossibleBudgetError as e:
-        raise ImpossibleBudgetError(f"{e} (budget: {budget.describe()})", budget=e.budget, minimum=e.minimum,
-                                    smallest=e.smallest) from e
+class _Image(Work):
+    """The image decode as :func:`.flow.run` takes it: the full cost model and observed ratios (the cost step), the
+    untiled decode's need (the offload's ask), the plan over the plan models, its verdicts (:class:`_Verify`), the
+    passes (:class:`_Run`)."""
+
+    has_cost = True
+
+    def __init__(self, job: ImageJob) -> None:
+        self.job = job
+
+    def cost(self, f: Flow) -> None:
+        job, env = self.job, f.env
+        self.full = full_cost_model(job, env, lambda: load_weights(job.vae, env, 0), f.first)
+        self.ratio = env.observed.ratios(job.subject.key_name, job.dtype, job.device)
+
+    def need(self, f: Flow) -> int | None:  # what ComfyUI's own decode would need
+        return int(ideal_bytes(self.job, self.full) * self.ratio("untiled"))
+
+    def out_bytes(self) -> int:
+        return int(self.job.z.shape[0]) * self.job.out_hw[0] * self.job.out_hw[1] * self.job.out_channels * 4
+
+    def plan(self, f: Flow) -> Plan:
+        f.env.at("cost")  # the plan models at this budget (a first-use calibration among them)
+        self.verdicts = _Verify(self.job, f.env, self.full, f.available, self.ratio, f.first, f.allow_approximate)
+        f.env.at("plan")
+        return plan(self.job, f.available, self.verdicts.models, self.ratio)
+
+    def verify(self, p: Plan, f: Flow) -> Plan:
+        avail, ratio = f.available, self.ratio
+        p = self.verdicts.check(p, lambda j, models: plan(j, avail, models, ratio))
+        self.job = self.verdicts.job
+        return p
+
+    def bar_total(self, p: Plan) -> int:
+        return int(self.job.z.shape[0]) * p.units
+
+    def output(self, p: Plan, f: Flow) -> None:
+        self.passes = _Run(self.job, f.env)
+
+    def run(self, p: Plan, bar: ProgressFn | None, f: Flow) -> Ran:
+        run, job = self.passes, self.job
+        p = run_passes(int(job.z.shape[0]), p, run.driver, Progress(bar, self.bar_total(p)),
+                       functools.partial(_extent, job), functools.partial(_one_pass, run, self.verdicts),
+                       functools.partial(_smaller, self.verdicts), _floor_oom, run.oom_events, REPORT_NODE)
+        self.job = self.verdicts.job  # as a re-plan's verdicts left it (a batch or structure reason)
+        return Ran(p, bool(run.oom_events))
+
+    def observed_key(self, p: Plan) -> str:
+        return observed_key(p.path, self.job.subject.key_name, self.job.dtype, self.job.device)
+
+    def finish(self, ran: Ran, f: Flow, seconds: float, plan_seconds: float, m: Measured) -> DecodeResult:
+        v, run, p = self.verdicts, self.passes, ran.plan
+        calibrated = v.models.exact.calibrated if v.models.exact is not None else []
+        report = _report(self.job, p, v.models, f.budget, f.offload, seconds, plan_seconds, m, run, f.first,
+                         v.checks.get(p.path), v.batch)
+        return DecodeResult(run.out, report, p, f.budget, seconds, plan_seconds, m.peak, m.method, run.oom_events,
+                            calibrated)
 
 
 class _Verify:
@@ -432,8 +431,11 @@ class _Verify:
 
     def __call__(self, make: Callable[[ImageJob, ImageModels], Plan]) -> Plan:
         """``make(job, models)``'s plan as it may run: re-made after each failed verdict."""
+        return self.check(make(self.job, self.models), make)
+
+    def check(self, p: Plan, make: Callable[[ImageJob, ImageModels], Plan]) -> Plan:
+        """``p`` as it may run: ``make(job, models)`` again after each failed verdict."""
         stage, env = self.env.stage, self.env
-        p = make(self.job, self.models)
         env.at("check")
         while True:
             job = self.job

@@ -60,7 +60,7 @@ log = logging.getLogger("vramfit.memory.decode.self_check")
 
 __all__ = [
     "BATCH_CHECK_ITEMS", "ENCODE_METHODS", "FIDELITY_FLOOR_DB", "FILE_NAME", "RECHECK_HINT", "CheckStore", "Verdict",
-    "check_batch", "checked", "code_fingerprint", "fmt_db", "psnr_db",
+    "check_batch", "check_key", "checked", "code_fingerprint", "fmt_db", "psnr_db",
     "memory_store", "store_at", "tolerance", "verify", "weights_digest",
 ]
 
@@ -300,6 +300,18 @@ def code_fingerprint(model: Any, methods: tuple[str, ...] = ("forward", "decode"
 
 ENCODE_METHODS = ("forward", "decode", "encode")
 """The methods an encode's :func:`code_fingerprint` digests (a decode's default stays, so its keys keep)."""
+
+
+def check_key(kind: str, model: Any, *parts: object, dtype: torch.dtype, device: torch.device,
+              fingerprint: str | None = None, suffix: str = "") -> str:
+    """The store key of an image or encode self-check: ``kind/module.Class/fingerprint/parts.../dtype/device
+    type`` + ``suffix``: a verdict holds for this code (``fingerprint``, default :func:`code_fingerprint`) on this
+    dtype and device type, and for what ``parts`` name (the executor's version, a tile...). Keys are kept
+    byte-identical across versions: a stored verdict is found again."""
+    cls = type(model)
+    fp = code_fingerprint(model) if fingerprint is None else fingerprint
+    return "/".join((kind, f"{cls.__module__}.{cls.__qualname__}", fp, *map(str, parts),
+                     str(dtype).removeprefix("torch."), device.type)) + suffix
 
 
 def weights_digest(model: Any) -> str:

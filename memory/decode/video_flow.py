@@ -1,13 +1,13 @@
-"""The video decode flow: the steps every video path takes, written once (prepare, plan, check, weights, run,
-report), with what differs plugged in by a :class:`VideoPath`: the chunked paths' (Wan's, carried, overlap-blended:
+"""The video paths in the flow of every decode (:func:`.flow.run`): what every video path shares (its output
+buffer, a new clip shape's sizing as first use, the host's own decode: every path's exact fallback), with what
+differs plugged in by a :class:`VideoPath`: the chunked paths' (Wan's, carried, overlap-blended:
 ``decode/video.CHUNKED``) and the VAEs with executors of their own (SeedVR2's walk, MiniMax H3's grid:
-:func:`.own_executor.own_path`). The host's own decode, every path's exact fallback, runs here. Nothing here imports
-ComfyUI."""
+:func:`.own_executor.own_path`). Nothing here imports ComfyUI."""
 
 from __future__ import annotations
 
 import dataclasses
-import time
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -18,10 +18,12 @@ from ..oom import oom_types
 from ..plan.types import Plan
 from ..plan.video import REPORT_NODE, VideoJob
 from ..report import Report
-from ..run_context import RunContext
-from .env import DecodeEnv, load_weights, measured, prepare
+from ..run_context import ProgressFn, RunContext
+from . import flow
+from .env import DecodeEnv, Measured
 from .first_use import CLIP_SIZING, FirstUse
 from .floor import host_oom_error
+from .flow import Flow, Ran, Work
 from .video_out import VideoDecodeResult, buffer_bytes, host_decode, output_buffer, post_process
 
 __all__ = ["Checking", "PlanFn", "VideoPath", "run_flow"]
@@ -67,58 +69,77 @@ class VideoPath:
     """The path whose observed ratio planned ``p`` and learns from its run (:mod:`..cost.observed`)."""
 
 
-def run_flow(job: VideoJob, env: DecodeEnv, path: VideoPath, *, budget_mb: float = 0, unload_others: bool = True,
-             t_start: float | None = None, allow_approximate: bool = False) -> VideoDecodeResult:
-    """Decode ``job`` by ``path`` within the budget: offload and budget for the fastest plan's peak (``prepare``),
-    the plan (a new clip shape's sizing tagged first use), the check of what it relies on (a failed one re-plans),
-    the weights, the run into one output buffer (the host's own decode where the plan is the host's), the observed
-    ratio learned from a plan that finished as planned, the report. Returns frames ``(B*T, H, W, C)`` on [0, 1]
-    as VAEDecode, with the report (:class:`.video_out.VideoDecodeResult`)."""
-    vae = job.vae
-    b = int(job.z.shape[0])
-    t0 = time.perf_counter() if t_start is None else t_start  # planning time, offload included
-    first = FirstUse(env.phase)
-    env.at("prepare")
-    frames, oh, ow = path.geometry(job)
-    out_bytes = buffer_bytes(job, frames, oh, ow)
+class _VideoWork(Work):
+    """A video path as :func:`.flow.run` takes it: the output buffer of its geometry, a new clip shape's sizing
+    tagged first use, the host's own decode (every path's exact fallback) written once for all of them."""
 
-    def plan_at(available: int) -> PlanFn:  # a new clip shape's sizing is first-use work
-        return lambda j: first.sized(lambda: path.plan(j, available, env, out_bytes), *CLIP_SIZING)
+    def __init__(self, job: VideoJob, path: VideoPath) -> None:
+        self.job, self.path = job, path
+        self.per_item = False
+        self.refused = ""
+        self.stats: dict = {}
+        self.buf = self.view = None
 
-    prep = prepare(vae, env, lambda: plan_at(1 << 62)(job)[0].planned or None, budget_mb, unload_others,
-                   (job.device, job.out_device, out_bytes))
-    budget = prep.budget
-    job = dataclasses.replace(job, host_room=prep.host_room)
-    env.at("plan")
-    plan_batch = plan_at(int(budget.available))
-    p, per_item = plan_batch(job)
-    env.at("check")
-    check = Checking(env, first, plan_batch, int(budget.available), allow_approximate)
-    job, p, per_item, refused = path.verify(job, p, per_item, check)
-    plan_seconds = time.perf_counter() - t0
-    env.at("weights")
-    load_weights(vae, env, p.planned)
+    @functools.cached_property
+    def geometry(self) -> tuple[int, int, int]:
+        """``(frames, height, width)`` of one batch item's output (first read in the prepare step)."""
+        return self.path.geometry(self.job)
 
-    buf, view = output_buffer(job, frames, oh, ow)  # (B * T, H, W, C) and its (B, C, T, H, W) view
-    bar = env.progress_bar(max(1, path.bar_total(p, b))) if env.progress_bar is not None else None
-    stats: dict = {}
-    t1 = time.perf_counter()
-    env.at("run")
-    with measured(env, job.device) as m:
+    def _plans(self, f: Flow, available: int) -> PlanFn:  # a new clip shape's sizing is first-use work
+        out = self.out_bytes()
+        return lambda j: f.first.sized(lambda: self.path.plan(j, available, f.env, out), *CLIP_SIZING)
+
+    def need(self, f: Flow) -> int | None:
+        return self._plans(f, 1 << 62)(self.job)[0].planned or None
+
+    def out_bytes(self) -> int:
+        return buffer_bytes(self.job, *self.geometry)
+
+    def plan(self, f: Flow) -> Plan:
+        p, self.per_item = self._plans(f, f.available)(self.job)
+        return p
+
+    def verify(self, p: Plan, f: Flow) -> Plan:
+        check = Checking(f.env, f.first, self._plans(f, f.available), f.available, f.allow_approximate)
+        self.job, p, self.per_item, self.refused = self.path.verify(self.job, p, self.per_item, check)
+        return p
+
+    def bar_total(self, p: Plan) -> int:
+        return self.path.bar_total(p, int(self.job.z.shape[0]))
+
+    def output(self, p: Plan, f: Flow) -> None:  # (B * T, H, W, C) and its (B, C, T, H, W) view
+        self.buf, self.view = output_buffer(self.job, *self.geometry)
+
+    def run(self, p: Plan, bar: ProgressFn | None, f: Flow) -> Ran:
+        job, env, stats = self.job, f.env, self.stats
         if p.path == "host":
             try:
-                host_decode(job, view, bar, env, stats)
+                host_decode(job, self.view, bar, env, stats)
             except oom_types(env.oom_exceptions) as e:
-                if refused and p.over_budget:  # taken instead of the approximate plan: say how to allow that
-                    raise host_oom_error(REPORT_NODE, e, refused) from e
+                if self.refused and p.over_budget:  # taken instead of the approximate plan: say how to allow that
+                    raise host_oom_error(REPORT_NODE, e, self.refused) from e
                 raise
         else:
-            path.run(job, p, per_item, view, env, env.run_context(bar, stats))
-        post_process(vae, view)
-    seconds = time.perf_counter() - t1
-    env.at("report")
-    if not (stats.get("shrinks") or stats.get("restarts")):  # a finished plan, not re-planned smaller
-        env.observed.note(observed_key(path.ratio_path(p), job.family, job.dtype, job.device), m.peak,
-                          int(p.planned / p.ratio), m.kind)
-    report = path.report(job, p, budget, prep.offload, stats, seconds, plan_seconds, m.peak, m.method, first)
-    return VideoDecodeResult(buf, report, p, budget, seconds, m.peak, m.method, stats, plan_seconds)
+            self.path.run(job, p, self.per_item, self.view, env, env.run_context(bar, stats))
+        post_process(job.vae, self.view)
+        return Ran(p, bool(stats.get("shrinks") or stats.get("restarts")))
+
+    def observed_key(self, p: Plan) -> str:
+        return observed_key(self.path.ratio_path(p), self.job.family, self.job.dtype, self.job.device)
+
+    def finish(self, ran: Ran, f: Flow, seconds: float, plan_seconds: float, m: Measured) -> VideoDecodeResult:
+        p = ran.plan
+        report = self.path.report(self.job, p, f.budget, f.offload, self.stats, seconds, plan_seconds, m.peak,
+                                  m.method, f.first)
+        return VideoDecodeResult(self.buf, report, p, f.budget, seconds, m.peak, m.method, self.stats, plan_seconds)
+
+
+def run_flow(job: VideoJob, env: DecodeEnv, path: VideoPath, *, budget_mb: float = 0, unload_others: bool = True,
+             t_start: float | None = None, allow_approximate: bool = False) -> VideoDecodeResult:
+    """Decode ``job`` by ``path`` through the flow of every decode (:func:`.flow.run`): offload and budget for the
+    fastest plan's peak, the plan (a new clip shape's sizing tagged first use), the check of what it relies on (a
+    failed one re-plans), the weights, the run into one output buffer (the host's own decode where the plan is the
+    host's), the observed ratio learned from a plan that finished as planned, the report. Returns frames
+    ``(B*T, H, W, C)`` on [0, 1] as VAEDecode, with the report (:class:`.video_out.VideoDecodeResult`)."""
+    return flow.run(_VideoWork(job, path), env, budget_mb=budget_mb, unload_others=unload_others, t_start=t_start,
+                    allow_approximate=allow_approximate)

@@ -68,6 +68,9 @@ class ImageJob:
     whole_batch: bool = False
     """The exact walker decodes the whole batch in one pass (a decoder that mixes its batch as one video's frames:
     SVD's temporal decoder; :attr:`..vae.kl_layout.KlLayout.video`), so its exact path never splits the batch."""
+    batch_hint: str = ""
+    """A structural hint that the decoder mixes the items of its batch (:func:`..vae.families.batch_coupling_hint`,
+    read once in :func:`make_job`; "" when none is seen): only a hint, the batch self-check is the proof."""
     batch_reason: str = ""
     """Not empty: the decoder's output for one item depends on the other items of its batch (SVD's temporal
     decoder), or that could not be ruled out; why (the batch self-check's verdict). Only the whole batch in one
@@ -176,6 +179,7 @@ def make_job(vae: Any, z: torch.Tensor, *, core: bool, out_device: torch.device 
         halo=int(halo),
         split_reason=split_reason,
         whole_batch=whole_batch,
+        batch_hint=batch_coupling_hint(model),
         out_channels=out_channels,
         walkers=walkers,
     )
@@ -221,9 +225,9 @@ def buffer_bytes(job: ImageJob) -> int:
 
 def ideal_bytes(job: ImageJob, full: CostModel) -> int:
     """What the fastest plan needs: the untiled decode of one batch item (+ the output buffer); of the whole batch
-    for a decoder whose structure says it mixes its batch (:func:`..vae.families.batch_coupling_hint`: only that
-    is its result, so the offload before the decode makes room for it)."""
-    b = int(job.z.shape[0]) if batch_coupling_hint(job.vae.first_stage_model) else 1
+    for a decoder whose structure says it mixes its batch (:attr:`ImageJob.batch_hint`: only that is its result, so
+    the offload before the decode makes room for it)."""
+    b = int(job.z.shape[0]) if job.batch_hint else 1
     g = Geometry(int(job.z.shape[2]), int(job.z.shape[3]), batch=b, spatial_ratio=job.ratio)
     return buffer_bytes(job) + full.predict(g)
 

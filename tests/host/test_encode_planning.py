@@ -156,3 +156,24 @@ def test_a_replan_to_tiles_after_an_oom_checks_them_first(comfy, mod, pack, kl_v
     assert order[:2] == ["pass", "check"] and order[2] == "tile", order[:4]
     assert "self-check passed" in dict(r.report.rows)["check"]
     assert (r.latent - ref["samples"]).abs().max().item() <= 1e-4
+
+
+def test_the_encode_check_keeps_its_store_key(mod, pack, kl_vae):
+    """The encode self-check's key, built by ``self_check.check_key``, is byte-identical to the one earlier versions
+    wrote (a stored verdict is found again): captured where it reaches the store."""
+    enc, sc = pack("memory.decode.encode"), pack("memory.decode.self_check")
+    job = _job(mod, kl_vae)
+
+    class Found(Exception):
+        pass
+
+    def capture(key, *a, **k):
+        raise Found(key)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(enc, "checked", capture)
+        with pytest.raises(Found) as e:
+            enc.check_encode(job, sc.memory_store())
+    cls = type(job.vae.first_stage_model)
+    assert str(e.value) == (f"kl-exact-encode/{cls.__module__}.{cls.__qualname__}/{job.fingerprint}/exact-"
+                            f"{job.executor_version}/{str(job.dtype).removeprefix('torch.')}/{job.device.type}")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from vramfit.memory.cost import observed
 from vramfit.memory.cost.observed import MAX_RATIO, ObservedStore, observed_key
-from vramfit.memory.decode import execute
+from vramfit.memory.decode import flow
 from vramfit.memory.decode import image as idm
 from vramfit.memory.decode.env import Measured
 from vramfit.memory.plan.grid import ImpossibleBudgetError
@@ -103,7 +103,7 @@ def test_a_decode_over_its_prediction_teaches_the_next_plan(vae, monkeypatch):
         yield m
         m.peak = 1 << 30
 
-    monkeypatch.setattr(execute, "measured", over)
+    monkeypatch.setattr(flow, "measured", over)
     monkeypatch.setattr(observed, "MIN_PREDICTED", 0)  # the tiny decode's prediction is a few MiB
     s = ObservedStore(None)
     r = decode(vae, z, _stores(), budget_mb=1024, env_kw={"observed": s})
