@@ -16,7 +16,7 @@ import torch
 
 from ..cost.observed import observed_key, ratio_text
 from ..executors import split_encode as se
-from ..oom import OomResume, oom_types
+from ..oom import OomResume
 from ..plan.encode import EncodeJob, encode_ratio, latent_frames, plan, smaller, temporal_ratio
 from ..plan.types import Plan
 from ..report import (
@@ -35,7 +35,7 @@ from ..vae.families import identify, model_name
 from ..vae.kl_layout import kl_layout
 from . import flow
 from .env import DecodeEnv, Measured, load_weights
-from .execute import Progress, pass_context, run_passes
+from .execute import Progress, pass_context, pass_driver, run_passes
 from .first_use import FirstUse, first_use_tag
 from .flow import Flow, Ran, Work
 from .self_check import ENCODE_METHODS, CheckStore, Verdict, check_key, checked, code_fingerprint
@@ -232,24 +232,6 @@ class _Passes:
         return nxt
 
 
-def _verified(job: EncodeJob, p: Plan, env: DecodeEnv, first: FirstUse, replan: Callable[[EncodeJob], Plan]
-              ) -> tuple[EncodeJob, Plan]:
-    """The verify step: exact tiles run only once their self-check (:func:`check_encode`) passed on this host, for the
-    first plan and each re-plan after an out-of-memory error; a failed check gives ``replan(job)`` without them (the
-    host's own encode). The encoder's own forward and the host's encode rely on nothing: no check runs for them."""
-    stage = env.stage
-    env.at("check")
-    if p.path == "exact" and job.verdict is None:
-        verdict = check_encode(job, env.checks, env.norm_params, lambda: load_weights(job.vae, env, 0), first)
-        job = dataclasses.replace(job, verdict=verdict)
-        if not verdict.ok:
-            job = dataclasses.replace(job, exact_reason=f"the exact tiled walker's {verdict.describe()}")
-            env.at("plan")
-            p = replan(job)
-    env.at(stage)
-    return job, p
-
-
 class _Encode(Work):
     """The encode as :func:`.flow.run` takes it: its observed ratios (the cost step), its plan (the offload's need: the
     fastest), the exact tiles' self-check, the passes (:class:`_Passes`)."""
@@ -281,15 +263,28 @@ class _Encode(Work):
         return p
 
     def _verify(self, j: EncodeJob, p: Plan, f: Flow) -> tuple[EncodeJob, Plan]:
-        return _verified(j, p, f.env, f.first, lambda j: self._plan(j, f.available, f))
+        """Exact tiles run only once their self-check (:func:`check_encode`) passed on this host, for the first plan
+        and each re-plan after an out-of-memory error; a failed check re-plans without them (the host's own encode).
+        The encoder's own forward and the host's encode rely on nothing: no check runs for them."""
+        env = f.env
+        stage = env.stage
+        env.at("check")
+        if p.path == "exact" and j.verdict is None:
+            verdict = check_encode(j, env.checks, env.norm_params, lambda: load_weights(j.vae, env, 0), f.first)
+            j = dataclasses.replace(j, verdict=verdict)
+            if not verdict.ok:
+                j = dataclasses.replace(j, exact_reason=f"the exact tiled walker's {verdict.describe()}")
+                env.at("plan")
+                p = self._plan(j, f.available, f)
+        env.at(stage)
+        return j, p
 
     def bar_total(self, p: Plan) -> int:
         return int(self.job.x.shape[0]) * PASS_UNITS
 
     def run(self, p: Plan, bar: ProgressFn | None, f: Flow) -> Ran:
         env, n = f.env, int(self.job.x.shape[0])
-        driver = OomResume(oom_types(env.oom_exceptions), should_stop=env.should_stop, on_oom=env.on_oom,
-                           max_retries=MAX_REPLANS)
+        driver = pass_driver(env, MAX_REPLANS)
         passes = _Passes(self.job, env, driver, self.events, lambda j, q: self._verify(j, q, f))
         p = run_passes(n, p, driver, Progress(bar, n * PASS_UNITS), passes.extent, passes.one_pass, passes.smaller,
                        passes.final, self.events, _report_node(self.job))

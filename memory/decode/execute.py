@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ..oom import OomEvent, OomResume
+from ..oom import OomEvent, OomResume, oom_types
 from ..plan.types import Plan
 from ..run_context import ProgressFn, RunContext
 from .env import DecodeEnv
 
 log = logging.getLogger("vramfit.memory.decode.execute")
 
-__all__ = ["Progress", "pass_context", "run_passes"]
+__all__ = ["Progress", "pass_context", "pass_driver", "run_passes"]
 
 
 class Progress:
@@ -43,6 +43,14 @@ class Progress:
                 self.bar(self.done, self.total)
 
         return cb
+
+
+def pass_driver(env: DecodeEnv, max_retries: int) -> OomResume:
+    """The passes' re-plan driver: what counts as out of memory on every level (a bare ``Exception``, ComfyUI's
+    ``OOM_EXCEPTION`` without CUDA, is dropped: a bug propagates at once), Cancel, at most ``max_retries``
+    re-plans; its ``check_stop`` is the executors' ``should_stop`` (:func:`pass_context`)."""
+    return OomResume(oom_types(env.oom_exceptions), should_stop=env.should_stop, on_oom=env.on_oom,
+                     max_retries=max_retries)
 
 
 def pass_context(env: DecodeEnv, driver: OomResume, events: list[str], work: str) -> RunContext:

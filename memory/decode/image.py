@@ -46,7 +46,6 @@ from ..executors import generic as tg
 from ..executors import kl_exact as te
 from ..executors.split import decode_split, decode_split_into
 from ..measure.reach import default_halo
-from ..oom import OomResume, oom_types
 from ..plan import plan
 from ..plan.image import (
     ImageJob,
@@ -73,7 +72,7 @@ from ..run_context import NormParamsFn, ProgressFn
 from ..vae.split_layout import split_layout
 from . import flow
 from .env import DecodeEnv, Measured, load_weights, unaliased
-from .execute import Progress, pass_context, run_passes
+from .execute import Progress, pass_context, pass_driver, run_passes
 from .first_use import FirstUse, first_use_tag
 from .floor import (
     approximate_text,
@@ -222,11 +221,7 @@ class _Run:
         """The images (B, H, W, C) on [0, 1]; each pass writes its items' rows."""
         self.oom_events: list[str] = []
         self.passes = 0
-        self.oom = oom_types(env.oom_exceptions)
-        """What counts as out of memory on every level (a bare ``Exception``, ComfyUI's ``OOM_EXCEPTION``
-        without CUDA, is dropped: a bug propagates at once)."""
-        self.driver = OomResume(self.oom, should_stop=env.should_stop, on_oom=env.on_oom,
-                                max_retries=MAX_RETRIES)
+        self.driver = pass_driver(env, MAX_RETRIES)
         """Re-plans outside a tile; its ``check_stop`` is the executors' ``should_stop``, so a cancel
         propagates through every level."""
         self.ctx = pass_context(env, self.driver, self.oom_events, "decode")
