@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["Rect", "chunk_ranges", "grid", "overlap_chunks", "pair", "spans", "split_even", "tile_count"]
+__all__ = ["Rect", "chunk_ranges", "grid", "largest_span", "overlap_chunks", "pair", "spans", "split_even",
+           "tile_count"]
 
 WHOLE = 1 << 30
 """A tile side larger than any activation: ``pair(None)``."""
@@ -67,6 +68,11 @@ def spans(n: int, tile: int, halo: int) -> list[tuple[int, int, int, int]]:
     """Tiles of one axis of ``n`` px: ``(core0, core1, ext0, ext1)``, balanced cores of at most ``tile``
     partitioning ``[0, n)``, extended by ``halo`` on each side and clipped to ``[0, n)``."""
     return [(a, b, max(0, a - halo), min(n, b + halo)) for a, b in split_even(n, tile)]
+
+
+def largest_span(n: int, tile: int, halo: int = 0) -> int:
+    """The longest tile of :func:`spans` (its halo included)."""
+    return max(e1 - e0 for _, _, e0, e1 in spans(n, tile, halo))
 
 
 def chunk_ranges(latent_frames: int, frames_per_chunk: int) -> list[tuple[int, int]]:

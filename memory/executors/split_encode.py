@@ -58,13 +58,17 @@ def encode_split_tiled(
     oom_exceptions: Any = None,
     on_oom: Callable[[], None] | None = None,
     halo: int | None = None,
+    size_only: bool | Callable[[], None] = False,
 ) -> torch.Tensor:
     """Encode processed pixels ``x`` (1, C, T, H, W, or an image's 1, C, H, W; sides multiples of ``ratio``, the
     image px per px of the prefix's output) exactly: ``split``'s prefix in tiles of ``tile`` prefix px (cores)
     extended by ``halo`` (default :func:`split_halo`), its suffix on the prefix's whole output; returns what
     ``model.encode(x)`` returns. An out-of-memory error inside a tile splits that tile into quarters and goes on
     (finished tiles are kept); ``on_oom`` runs after each. ``fault_hook(k)``: called inside the k-th tile attempt
-    (tests)."""
+    (tests). ``size_only``: the run is a :class:`..measure.sizing.MetaSizer`'s, to be sized, nothing else: a tile
+    whose extended area and core are the shape of one run after the store was made is skipped (on fake tensors a
+    run's allocations depend on its shapes alone: the same peak, a fraction of the ops); a callable is called after
+    every tile (it may raise to end the sizing: a planner's peak over its budget)."""
     dev = torch.device(compute_device) if compute_device is not None else x.device
     store_dev = torch.device(store_device) if store_device is not None else dev
     out_dev = torch.device(out_device) if out_device is not None else dev
@@ -75,6 +79,7 @@ def encode_split_tiled(
     total, done_area, attempts = h * w, 0, 0
     driver = stop_driver(oom_types(oom_exceptions), should_stop, on_oom)
     store: torch.Tensor | None = None
+    sized: set[tuple[int, int, int, int]] = set()  # size_only: the shapes (extended area, core) run with the store
 
     def attempt(rect: tuple[int, int, int, int]) -> torch.Tensor:
         nonlocal attempts
@@ -91,6 +96,13 @@ def encode_split_tiled(
         driver.check_stop()
         rect = queue.pop(0)
         a, b, c, d = rect
+        if size_only:
+            shape = (min(h, b + halo) - max(0, a - halo), min(w, d + halo) - max(0, c - halo), b - a, d - c)
+            if shape in sized:
+                _sized_tile(size_only)
+                continue
+            if store is not None:
+                sized.add(shape)
         big = max(b - a, d - c) > MIN_TILE
         try:  # an OOM in a tile larger than MIN_TILE: on_oom, then _Split (the smallest re-raises as it came)
             core = driver.run(lambda rect=rect: attempt(rect), can_recover=lambda e, big=big: big, recover=_split)
@@ -104,6 +116,8 @@ def encode_split_tiled(
         done_area += (b - a) * (d - c)
         if progress is not None:
             progress(done_area, total)
+        if size_only:
+            _sized_tile(size_only)
     driver.check_stop()
     assert store is not None
     try:
@@ -111,6 +125,11 @@ def encode_split_tiled(
     except oom_types(oom_exceptions) as e:
         e._vramfit_tail = True  # type: ignore[attr-defined]  # after the tiles: a smaller tile would not help
         raise
+
+
+def _sized_tile(size_only: bool | Callable[[], None]) -> None:
+    if callable(size_only):
+        size_only()
 
 
 class _Split(Exception):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,8 @@ from ..executors import kl_exact as te
 from ..executors import split_encode as se
 from ..measure.sizing import MetaSizer
 from ..report import fmt_bytes
-from ..vae.encode_split import EncodeSplit
+from ..tiles import largest_span
+from ..vae.encode_split import EncodeSplit, held_blocks
 from ..vae.kl_layout import BoundLayout, KlLayout, kl_layout
 from .grid import ImpossibleBudgetError, scaled
 from .image import ATTENTION_MIN
@@ -32,11 +34,13 @@ from .video import PeakStore
 
 __all__ = [
     "ENCODE_TILES", "EncodeJob", "ExactEncode", "attention_bytes", "encode_peak", "encode_ratio", "latent_channels",
-    "lower_bound", "plan",
+    "lower_bound", "plan", "tile_extent",
 ]
 
 ENCODE_TILES = (1024, 768, 512, 384, 256, 192, 128, 96, 64, 48, 32)
 """Tile sides (px at each activation's own resolution) the auto plan tries below the whole image."""
+
+log = logging.getLogger("vramfit.memory.plan.encode")
 
 AttentionFn = Callable[[int], contextlib.AbstractContextManager[Any]]
 """``attention(max_bytes)``: within it, the mid block's split attention (ComfyUI's CPU path) slices its scores
@@ -149,7 +153,6 @@ class EncodeJob:
             return te.run_exact(self.walker, x, tile, **kw)
         assert self.split is not None
         kw.pop("norm_params", None)
-        kw.pop("size_only", None)
         r = self.prefix_ratio
         return se.encode_split_tiled(self.vae.first_stage_model, x, tile // r, r, self.split, halo=self.halo, **kw)
 
@@ -224,8 +227,9 @@ def _encode_sizes(job: EncodeJob, cfg: ExactEncode | None, peaks: PeakStore, att
 
 def _size(job: EncodeJob, cfg: ExactEncode | None, peaks: PeakStore, attn: int, attention: AttentionFn | None,
           host: bool, key: str, limit: int | None = None) -> tuple[int, int]:
-    """Meta-size one item's encode (:func:`_encode_sizes`): the exact walker counts its repeated tiles once
-    (``size_only``: :mod:`..executors.kl_memo`) and, with a ``limit``, stops after the tile that passes it."""
+    """Meta-size one item's encode (:func:`_encode_sizes`): the exact walkers count their repeated tiles once
+    (``size_only``: :mod:`..executors.kl_memo`, :func:`..executors.split_encode.encode_split_tiled`) and, with a
+    ``limit``, stop after the tile that passes it."""
     model = job.vae.first_stage_model
     bound = attention(attn) if attention is not None else contextlib.nullcontext()
     shape, extra = _sizing_shape(job, cfg)
@@ -313,6 +317,14 @@ def candidates(job: EncodeJob) -> list[ExactEncode]:
     return [ExactEncode(t, s) for t in tiles for s in stores]
 
 
+def tile_extent(job: EncodeJob, cfg: ExactEncode) -> tuple[int, int]:
+    """The largest tile a candidate runs, each side, what a smaller tile must shrink for a smaller peak: the KL
+    walker's largest balanced tile (px); the split's largest tile with its halo (prefix px: on a frame not much
+    larger than the halo, every tile the prefix runs is about the whole frame, whatever the core)."""
+    r, halo = (job.prefix_ratio, job.halo) if job.split is not None else (1, 0)
+    return largest_span(job.hw[0] // r, cfg.tile // r, halo), largest_span(job.hw[1] // r, cfg.tile // r, halo)
+
+
 def latent_channels(vae: Any) -> int:
     """Latent channels: ComfyUI's ``latent_channels``; a VAE that skips ``VAE.__init__`` (ExtraModels' EXVAE)
     counts them in ``latent_dim``."""
@@ -360,15 +372,24 @@ def lower_bound(job: EncodeJob) -> tuple[int, str]:
     the exact walk, every full-size activation a later segment still reads (each GroupNorm's input is whole
     before any tile reads it: after the first resnet block's ``conv1`` of an SD encoder, its input and ``h``).
     The encoder's own forward holds them too (the block's input stays alive for its residual while ``conv1``
-    makes ``h``), so no plan fits below. On an accelerator (a store in host memory) or for a split job: the output
-    alone (a bound that refuses nothing in practice). Sized peaks are this or more
-    (tests/host/test_encode_planning.py)."""
+    makes ``h``), so no plan fits below. A split job: the pixels and what the prefix's residual blocks hold on the
+    smallest candidate's largest tile (:func:`_split_bound`; the latent alone where its family describes none). On
+    an accelerator (a store in host memory): the output alone (a bound that refuses nothing in practice). Sized
+    peaks are this or more (tests/host/test_encode_planning.py, tests/host/test_split_encode_sizing.py)."""
     extra = _out_bytes(job)
     if job.exact_reason is not None:
         return 0, "nothing: the host's own encode is not budget-planned"
-    if job.split is not None or job.device.type != "cpu":
-        return extra, "the latent"
     pixels = math.prod(int(v) for v in job.x.shape[1:]) * job.dtype.itemsize
+    if job.split is None and job.device.type == "cpu":
+        return _walker_bound(job, extra, pixels)
+    if job.split is None:
+        return extra, "the latent"
+    return _split_bound(job, extra, pixels)
+
+
+def _walker_bound(job: EncodeJob, extra: int, pixels: int) -> tuple[int, str]:
+    """:func:`lower_bound` of the KL walker's job on CPU: the latent ``extra``, the ``pixels`` and the full-size
+    activations held at the end of the segment that holds most."""
     layout = job.layout
     latent = (job.hw[0] // job.ratio, job.hw[1] // job.ratio)
     sizes: dict[str, tuple[int, int]] = {}  # activation -> (elements, segment that makes it)
@@ -383,6 +404,28 @@ def lower_bound(job: EncodeJob) -> tuple[int, str]:
             best, where = held, info.name
     what = f"the pixels and the full-size activations the exact tiles hold after {where}"
     return extra + pixels + best * job.dtype.itemsize, what
+
+
+def _split_bound(job: EncodeJob, extra: int, pixels: int) -> tuple[int, str]:
+    """:func:`lower_bound` of a split job: the latent ``extra``, the ``pixels`` and what the prefix's residual blocks
+    hold at once (traced once per model: :func:`..vae.encode_split.held_blocks`) on the largest tile of the
+    candidate whose largest tile is smallest (the encoder's own forward runs them on the whole frame). The latent
+    alone where the family describes no residual block or the trace fails."""
+    r, tiles = job.prefix_ratio, {c.tile // job.prefix_ratio for c in candidates(job)}
+    try:
+        blocks = held_blocks(job.vae.first_stage_model, job.split, r, int(job.x.shape[1]), job.dtype, job.device,
+                             int(job.x.shape[2]) if job.video else 0)
+    except Exception as e:  # noqa: BLE001 - a trace that fails: no bound before sizing, the sizing decides
+        log.warning("no lower bound before sizing for the %s encoder: %s", job.split.name, e)
+        blocks = ()
+    if not blocks:
+        return extra, "the latent"
+    h, w = min(((largest_span(job.hw[0] // r, t, job.halo) * r, largest_span(job.hw[1] // r, t, job.halo) * r)
+                for t in tiles), key=lambda e: e[0] * e[1])  # the smallest candidate's largest tile (tile_extent)
+    held = max((2 * b.c_in + min(b.c_in, b.c_out)) * b.frames * (h // b.scale) * (w // b.scale) for b in blocks)
+    return extra + pixels + held * job.dtype.itemsize, (
+        f"the pixels and what a residual block of the encoder's local part holds at once on a tile of {h}x{w} px: "
+        "its input, its convolution's input and output")
 
 
 def plan(
@@ -446,12 +489,12 @@ def plan(
         sized = []
         attn = attention_bytes(b)
         try:
-            tried: dict[str, list[int]] = {}  # per store: the tile counts sized so far
+            tried: dict[str, list[tuple[int, int]]] = {}  # per store: the largest tiles of the candidates sized
             for cfg in candidates(job):
                 seen = tried.setdefault(cfg.store, [])
-                n = math.prod(cfg.grid(job.hw))
-                if seen and seen[-1] == n and not job.tile_size:
-                    continue  # the same number of (balanced) tiles as the last one: no smaller peak
+                n = tile_extent(job, cfg)
+                if not job.tile_size and any(all(a >= b for a, b in zip(n, e, strict=True)) for e in seen):
+                    continue  # its largest tile no smaller than a sized candidate's: no smaller peak
                 if job.host_room is not None and cfg.store == "host":
                     ram = encode_host_bytes(job, cfg, peaks, attn, attention, first_use)
                     if ram > job.host_room:  # the host's RAM cannot hold this store

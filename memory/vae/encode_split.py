@@ -42,7 +42,8 @@ from .describe import first_fit
 from .split_layout import is_dcae, is_global
 from .swap import swapped
 
-__all__ = ["DESCRIPTIONS", "EncodeSplit", "SUFFIX_FRAMES", "encode_split", "prefix_ratio", "split_reach"]
+__all__ = ["DESCRIPTIONS", "EncodeSplit", "Held", "SUFFIX_FRAMES", "encode_split", "held_blocks", "prefix_ratio",
+           "split_reach"]
 
 SUFFIX_FRAMES = 2
 """Latent frames per Wan suffix call after frame 0. At least 2: 0.33's per-call caches keep the last two frames
@@ -69,6 +70,24 @@ class EncodeSplit:
     finer: Callable[[Any], int] | None = None
     """``finer(model)``: prefix px per latent px (DC-AE: 4, its prefix ends at 1/8 of a 32x encoder); None: 1,
     the prefix ends at latent resolution."""
+    residual: Callable[[Any], bool] | None = None
+    """``residual(module)``: whether a module of the prefix is a residual block that holds what :class:`Held`
+    counts (the planner's lower bound before any sizing); None: not described (the bound is then the latent)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A residual block of the prefix as traced (:func:`held_blocks`). It keeps its input for the residual while
+    a convolution makes a tensor of its output's width from another of its input's size (its norm's output, or
+    the padded one): every run of it holds at least ``2 * c_in + min(c_in, c_out)`` channels of its input's size
+    at once, whatever the host's code frees around it."""
+
+    c_in: int
+    c_out: int
+    frames: int
+    """The most frames one call of it took (the host's chunk; 1 for an image)."""
+    scale: int
+    """Image px per px of its input."""
 
 
 class _Pass(torch.nn.Module):
@@ -280,19 +299,29 @@ def _dcae_suffix(model: Any, feats: torch.Tensor, device: Any) -> torch.Tensor:
         return model.encode(stand_in)
 
 
+def _named(*names: str, module: str | tuple[str, ...] = "") -> Callable[[Any], bool]:
+    """A ``residual`` predicate: a module whose class is one of ``names``, from a module path starting with
+    ``module`` (or one of them)."""
+    return lambda m: type(m).__name__ in names and type(m).__module__.startswith(module)
+
+
 DESCRIPTIONS: tuple[EncodeSplit, ...] = (
     EncodeSplit("wan", _wan_reason, _wan_prefix, _wan_suffix,
                 "the encoder's local part (conv1, downsamples) in spatial tiles through its own causal chunk loop, "
-                "its middle (per-frame attention) and head on whole latent frames", wan=True),
+                "its middle (per-frame attention) and head on whole latent frames", wan=True,
+                residual=_named("ResidualBlock", module="comfy.ldm.wan.")),
     EncodeSplit("ltx_video", _ltx_reason, _ltx_prefix, _ltx_suffix,
                 "the whole encoder (local: pixel norms, causal convolutions) in spatial tiles through its own "
-                "chunk loop"),
+                "chunk loop", residual=_named("ResnetBlock3D", module="comfy.ldm.lightricks.")),
     EncodeSplit("hunyuan_video15", _hv15_reason, _hv15_prefix, _hv15_suffix,
                 "the encoder's local part (conv_in, down) in spatial tiles through its own causal chunks, its mid "
-                "block (attention over the clip) and output on the whole latent"),
+                "block (attention over the clip) and output on the whole latent",
+                residual=_named("HunyuanRefinerResnetBlock", "ResnetBlock",  # 0.33: the generic block, carried
+                                module=("comfy.ldm.hunyuan_video.", "comfy.ldm.modules.diffusionmodules.model"))),
     EncodeSplit("dc-ae", _dcae_reason, _dcae_prefix, _dcae_suffix,
                 "the encoder's local part (conv_in, the ResBlock stages) in tiles, its EfficientViT stages (global "
-                "linear attention) and output on the whole image", finer=_dcae_finer),
+                "linear attention) and output on the whole image", finer=_dcae_finer,
+                residual=_named("ResBlock", module="diffusers.")),
 )
 
 _FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -329,12 +358,8 @@ def split_reach(model: Any, split: EncodeSplit, ratio: int, channels: int, dtype
     """The prefix's reach (px of its output, ``ratio`` image px each) and the global modules it ran, traced once
     per model object on a fake input of :data:`TRACE_LATENT` prefix px (a video: one frame). Raises ValueError
     when the prefix's output is not ``ratio`` times smaller (the description does not fit the encoder)."""
-    key = (ratio, channels, str(dtype), str(device), video)
-    try:
-        per = _REACH.setdefault(model, {})
-    except TypeError:
-        per = {}
-    if key not in per:
+
+    def trace() -> EncoderReach:
         n = TRACE_LATENT * ratio
         out: list[tuple[int, ...]] = []
         with torch.inference_mode(), MetaSizer([model], dtype, device):
@@ -343,5 +368,60 @@ def split_reach(model: Any, split: EncodeSplit, ratio: int, channels: int, dtype
                 model, lambda: out.append(tuple(split.prefix(model, x).shape[-2:])), TRACE_LATENT, is_global)
         if out and out[0] != (TRACE_LATENT, TRACE_LATENT):
             raise ValueError(f"the {split.name} prefix gives {out[0]} px for {n} px, not 1/{ratio}")
-        per[key] = found
+        return found
+
+    return _once(_REACH, model, (ratio, channels, str(dtype), str(device), video), trace)
+
+
+def _once(store: weakref.WeakKeyDictionary, model: Any, key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()`` once per model object and ``key`` (at every call for a model that cannot be weakly referenced)."""
+    try:
+        per = store.setdefault(model, {})
+    except TypeError:
+        per = {}
+    if key not in per:
+        per[key] = make()
     return per[key]
+
+
+_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+HOLD_FRAMES = 9
+"""Frames (at most) of :func:`held_blocks`' traced run: the hosts' chunk loops reach a whole chunk within them
+(Wan: 1 + 4 or 1 + 2 + 2, HunyuanVideo 1.5: 1 + 8; LTX-Video takes 1 + 8k frames at once)."""
+
+
+def held_blocks(model: Any, split: EncodeSplit, ratio: int, channels: int, dtype: torch.dtype,
+                device: torch.device, frames: int = 0) -> tuple[Held, ...]:
+    """The prefix's residual blocks (``split.residual``) as one run of it met them, traced once per model object on
+    a fake input of :data:`TRACE_LATENT` prefix px (``ratio`` image px each) and ``min(frames, HOLD_FRAMES)``
+    frames (0: an image): what each one holds at once on any tile (:class:`Held`), for the planner's lower bound
+    before any sizing. Empty where the family describes no residual block."""
+    if split.residual is None:
+        return ()
+    f = min(int(frames), HOLD_FRAMES)
+
+    def trace() -> tuple[Held, ...]:
+        n = TRACE_LATENT * ratio
+        seen: dict[int, Held] = {}
+
+        def hook(module: Any, args: Any, out: Any) -> None:
+            x = args[0] if args else None
+            if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or n % int(x.shape[-1]):
+                return
+            t = int(x.shape[2]) if x.ndim == 5 else 1
+            was = seen.get(id(module))
+            seen[id(module)] = Held(int(x.shape[1]), int(out.shape[1]), max(t, was.frames if was else 0),
+                                    n // int(x.shape[-1]))
+
+        blocks = [m for m in model.modules() if split.residual(m)]
+        handles = [m.register_forward_hook(hook) for m in blocks]
+        try:
+            with torch.inference_mode(), MetaSizer([model], dtype, device):
+                x = torch.empty((1, channels, f, n, n) if f else (1, channels, n, n), dtype=dtype, device=device)
+                split.prefix(model, x)
+        finally:
+            for h in handles:
+                h.remove()
+        return tuple(seen.values())
+
+    return _once(_HELD, model, (ratio, channels, str(dtype), str(device), f), trace)

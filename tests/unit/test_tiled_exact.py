@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 from vramfit.memory.cost import exact as dp
 from vramfit.memory.executors import kl_exact as te
-from vramfit.memory.tiles import split_even
+from vramfit.memory.tiles import largest_span, spans, split_even
 from vramfit.memory.vae import kl_layout as kll
 
 # Tiny tensors: one intra-op thread (with 2 on a loaded 2-core machine, OpenMP spinning made this module
@@ -182,6 +182,17 @@ def ref_case(kl):
 
 # --------------------------------------------------------------------------------------------------
 # Geometry
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 300), t=st.integers(1, 300), halo=st.integers(0, 40))
+def test_largest_span_is_the_longest_extended_tile(n, t, halo):
+    """The planner's skip rule reads it: the longest tile with its halo (not monotone in the tile: a smaller tile
+    can make an interior tile with a halo on both sides, 30 px in tiles of 14 and 15 with a halo of 10)."""
+    tiles = spans(n, t, halo)
+    assert largest_span(n, t, halo) == max(e1 - e0 for _, _, e0, e1 in tiles) <= n
+    assert largest_span(n, t, halo) >= min(n, -(-n // len(tiles)) + halo)
+    assert (largest_span(30, 14, 10), largest_span(30, 15, 10)) == (30, 25)
 
 
 @settings(max_examples=200, deadline=None)
