@@ -16,6 +16,8 @@
   entry for it (a cache holding the model would leak it and make ComfyUI collect all garbage on every later load).
 * :func:`require_0_33` / :func:`pack_engine`: the newest-upstream tests' host check and the pack's engine modules
   as ComfyUI loads them (under the pack's folder path).
+* :func:`sized_needs`: every plan's meta-sized need of one encode job (the encoder's own forward, each candidate
+  tile), for the lower-bound tests.
 * :data:`full_size`: the mark of a test on a full-size fixture of a family that the default run covers with its
   narrow twin (``scripts.fixtures.kinds.NARROW_KINDS``); it runs only with ``VRAMFIT_FULL_FIXTURES=1`` (``.ci/run``
   sets it): GBs of memory and minutes on a 2-core CPU.
@@ -133,3 +135,10 @@ def pack_engine(node_module: Any, name: str) -> Any:
     import sys
 
     return sys.modules[f"{node_module.__name__.rsplit('.nodes.', 1)[0]}.memory.{name}"]
+
+
+def sized_needs(pe: Any, job: Any) -> list[int]:
+    """Every plan's sized need of an encode ``job``, its latent included: the encoder's own forward, then each of
+    :func:`memory.plan.encode.candidates` (``pe``: the pack's ``memory.plan.encode`` as the test imports it)."""
+    extra, peaks, attn = pe._out_bytes(job), pe.PeakStore(), pe.attention_bytes(1 << 30)
+    return [extra + pe.encode_peak(job, cfg, peaks, attn) for cfg in (None, *pe.candidates(job))]

@@ -358,8 +358,8 @@ def split_reach(model: Any, split: EncodeSplit, ratio: int, channels: int, dtype
     """The prefix's reach (px of its output, ``ratio`` image px each) and the global modules it ran, traced once
     per model object on a fake input of :data:`TRACE_LATENT` prefix px (a video: one frame). Raises ValueError
     when the prefix's output is not ``ratio`` times smaller (the description does not fit the encoder)."""
-
-    def trace() -> EncoderReach:
+    per, key = _per_model(_REACH, model), (ratio, channels, str(dtype), str(device), video)
+    if key not in per:
         n = TRACE_LATENT * ratio
         out: list[tuple[int, ...]] = []
         with torch.inference_mode(), MetaSizer([model], dtype, device):
@@ -368,20 +368,16 @@ def split_reach(model: Any, split: EncodeSplit, ratio: int, channels: int, dtype
                 model, lambda: out.append(tuple(split.prefix(model, x).shape[-2:])), TRACE_LATENT, is_global)
         if out and out[0] != (TRACE_LATENT, TRACE_LATENT):
             raise ValueError(f"the {split.name} prefix gives {out[0]} px for {n} px, not 1/{ratio}")
-        return found
-
-    return _once(_REACH, model, (ratio, channels, str(dtype), str(device), video), trace)
-
-
-def _once(store: weakref.WeakKeyDictionary, model: Any, key: tuple, make: Callable[[], Any]) -> Any:
-    """``make()`` once per model object and ``key`` (at every call for a model that cannot be weakly referenced)."""
-    try:
-        per = store.setdefault(model, {})
-    except TypeError:
-        per = {}
-    if key not in per:
-        per[key] = make()
+        per[key] = found
     return per[key]
+
+
+def _per_model(store: weakref.WeakKeyDictionary, model: Any) -> dict:
+    """The traces kept for ``model`` (a fresh dict at every call for a model that cannot be weakly referenced)."""
+    try:
+        return store.setdefault(model, {})
+    except TypeError:
+        return {}
 
 
 _HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -399,8 +395,8 @@ def held_blocks(model: Any, split: EncodeSplit, ratio: int, channels: int, dtype
     if split.residual is None:
         return ()
     f = min(int(frames), HOLD_FRAMES)
-
-    def trace() -> tuple[Held, ...]:
+    per, key = _per_model(_HELD, model), (ratio, channels, str(dtype), str(device), f)
+    if key not in per:
         n = TRACE_LATENT * ratio
         seen: dict[int, Held] = {}
 
@@ -413,8 +409,7 @@ def held_blocks(model: Any, split: EncodeSplit, ratio: int, channels: int, dtype
             seen[id(module)] = Held(int(x.shape[1]), int(out.shape[1]), max(t, was.frames if was else 0),
                                     n // int(x.shape[-1]))
 
-        blocks = [m for m in model.modules() if split.residual(m)]
-        handles = [m.register_forward_hook(hook) for m in blocks]
+        handles = [m.register_forward_hook(hook) for m in model.modules() if split.residual(m)]
         try:
             with torch.inference_mode(), MetaSizer([model], dtype, device):
                 x = torch.empty((1, channels, f, n, n) if f else (1, channels, n, n), dtype=dtype, device=device)
@@ -422,6 +417,5 @@ def held_blocks(model: Any, split: EncodeSplit, ratio: int, channels: int, dtype
         finally:
             for h in handles:
                 h.remove()
-        return tuple(seen.values())
-
-    return _once(_HELD, model, (ratio, channels, str(dtype), str(device), f), trace)
+        per[key] = tuple(seen.values())
+    return per[key]

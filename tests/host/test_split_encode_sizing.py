@@ -12,12 +12,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from vramfit.memory.executors import split_encode as se
 from vramfit.memory.measure.sizing import MetaSizer
 from vramfit.memory.vae import encode_split as es
 
+from tests.helpers import sized_needs
 from tests.video_refs import TINY_HV15_RATIO, TINY_LTX_RATIO, tiny_hv15, tiny_ltx, tiny_wan
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("one_thread", "inference_mode")]
@@ -71,7 +74,7 @@ def _sized(m, split, pr, halo, shape, tile, size_only) -> tuple[int, int]:
         runs.append(1)
         return split.prefix(model, x)
 
-    one = es.EncodeSplit(split.name, split.reason, counted, split.suffix, split.how, split.wan, split.finer)
+    one = dataclasses.replace(split, prefix=counted)
     with MetaSizer([m], torch.float32, "cpu") as s:
         x = torch.empty(shape)
         out = se.encode_split_tiled(m, x, tile, pr, one, halo=halo, size_only=size_only)
@@ -156,9 +159,7 @@ def test_the_lower_bound_is_below_every_sized_plan(models, family):
 
     job = _job(models, family)
     least, what = pe.lower_bound(job)
-    extra, peaks, attn = pe._out_bytes(job), pe.PeakStore(), pe.attention_bytes(1 << 30)
-    sized = [extra + pe.encode_peak(job, None, peaks, attn)]
-    sized += [extra + pe.encode_peak(job, cfg, peaks, attn) for cfg in pe.candidates(job)]
+    sized = sized_needs(pe, job)
     assert least <= min(sized), (least, sized)
     assert least >= 0.2 * min(sized), (least, sized)  # it refuses what cannot fit, not a token bound
     assert "residual block" in what, what  # the family describes its residual blocks

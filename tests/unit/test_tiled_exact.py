@@ -187,11 +187,15 @@ def ref_case(kl):
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(1, 300), t=st.integers(1, 300), halo=st.integers(0, 40))
 def test_largest_span_is_the_longest_extended_tile(n, t, halo):
-    """The planner's skip rule reads it: the longest tile with its halo (not monotone in the tile: a smaller tile
-    can make an interior tile with a halo on both sides, 30 px in tiles of 14 and 15 with a halo of 10)."""
+    """The planner's skip rule reads it: the longest tile with its halo."""
     tiles = spans(n, t, halo)
     assert largest_span(n, t, halo) == max(e1 - e0 for _, _, e0, e1 in tiles) <= n
     assert largest_span(n, t, halo) >= min(n, -(-n // len(tiles)) + halo)
+
+
+def test_largest_span_is_not_monotone_in_the_tile():
+    """A smaller tile can make an interior tile with a halo on both sides (30 px in tiles of 14 and 15, a halo of
+    10): the planner compares a candidate with every one sized before it, not only the last."""
     assert (largest_span(30, 14, 10), largest_span(30, 15, 10)) == (30, 25)
 
 
